@@ -1,0 +1,143 @@
+"""Algorithms are recipes composed from parts: a split policy, loss terms, gradient transforms.
+
+No algorithm subclasses a client or a server; each is a small `build` function over the typed
+hyperparameters in the config's `[method]` table. The server optimizer ([server] optimizer) is
+orthogonal to the method: `lora` + fedyogi is FedYogi-LoRA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from fedsplice import split as S
+from fedsplice.errors import ConfigError
+from fedsplice.losses import Orthogonality, Proximal
+
+
+@dataclass
+class NoParams:
+    pass
+
+
+@dataclass
+class PFAdapterParams:
+    global_roles: list[str] = field(default_factory=lambda: ["q", "k"])
+    ortho_lambda: float = 0.1  # λo
+    selective_aggregation: bool = True  # off: every LoRA tensor is GLOBAL (ablation), λo kept
+
+    def check(self) -> None:
+        from fedsplice.config import _roles
+
+        _roles("method.global_roles", self.global_roles)
+        if not self.global_roles:
+            raise ConfigError("method.global_roles is empty; PFAdapter shares at least one role (default q, k)")
+        if self.ortho_lambda < 0:
+            raise ConfigError(f"method.ortho_lambda must be >= 0, got {self.ortho_lambda}")
+
+
+@dataclass
+class FedProxParams:
+    mu: float = 0.01
+
+    def check(self) -> None:
+        if self.mu < 0:
+            raise ConfigError(f"method.mu must be >= 0, got {self.mu}")
+
+
+@dataclass
+class Recipe:
+    split: dict[str, str]
+    loss_terms: list[Callable] = field(default_factory=list)
+    grad_transforms: list[Callable] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    params: type
+    build: Callable  # (params, infos, shapes, scalings) -> Recipe
+    description: str
+    paper: str = ""
+
+
+def _pfadapter(p: PFAdapterParams, infos, shapes, scalings) -> Recipe:
+    split = S.by_roles(infos, p.global_roles) if p.selective_aggregation else S.all_global(infos)
+    terms = []
+    if p.ortho_lambda > 0:
+        terms.append(Orthogonality(infos, shapes, scalings, p.global_roles, p.ortho_lambda))
+    return Recipe(split, terms)
+
+
+def _fedprox(p: FedProxParams, infos, shapes, scalings) -> Recipe:
+    split = S.all_global(infos)
+    return Recipe(split, [Proximal(S.names_in(split, S.GLOBAL), p.mu)] if p.mu > 0 else [])
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "pfadapter": Algorithm(
+        PFAdapterParams, _pfadapter,
+        "LoRA q,k global / v,o private + orthogonality loss (PFAdapter)",
+        "../shared/papers/pfadapter.txt"),
+    "lora": Algorithm(
+        NoParams, lambda p, i, *_: Recipe(S.all_global(i)),
+        "federated LoRA, every adapter tensor shared; the server optimizer names the variant "
+        "(fedavg-lora, fedavgm-lora, fedadam-lora, fedyogi-lora, fedadagrad-lora)",
+        "https://arxiv.org/abs/2003.00295"),
+    "fedsa-lora": Algorithm(
+        NoParams, lambda p, i, *_: Recipe(S.by_lora_factor(i)),
+        "LoRA A global, B private (FedSA-LoRA)", "https://arxiv.org/abs/2410.01463"),
+    "fedper": Algorithm(
+        NoParams, lambda p, i, *_: Recipe(S.head_private(i)),
+        "adapters global, classification head private (FedPer)", "https://arxiv.org/abs/1912.00818"),
+    "fedprox": Algorithm(
+        FedProxParams, _fedprox,
+        "federated LoRA with a proximal term mu/2*||theta_g - theta_g0||^2 (FedProx)",
+        "https://arxiv.org/abs/1812.06127"),
+    "local": Algorithm(
+        NoParams, lambda p, i, *_: Recipe(S.none_global(i)),
+        "local-only training, nothing shared (lower bound on communication)"),
+}
+
+
+def get_algorithm(name: str) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise ConfigError(f"algorithm: unknown {name!r}; choose one of {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def method_params(cfg):
+    """The typed `[method]` table of cfg's algorithm (unknown keys are errors)."""
+    from fedsplice.config import from_dict
+
+    algo = get_algorithm(cfg.algorithm)
+    try:
+        params = from_dict(algo.params, cfg.method, "method")
+    except ConfigError as e:
+        if not dataclasses.fields(algo.params):
+            raise ConfigError(f"{e} (algorithm {cfg.algorithm!r} takes no [method] fields)") from None
+        raise
+    if hasattr(params, "check"):
+        params.check()
+    return params
+
+
+def build_recipe(cfg, infos, shapes, scalings) -> Recipe:
+    algo = get_algorithm(cfg.algorithm)
+    recipe = algo.build(method_params(cfg), infos, shapes, scalings)
+    S.validate(recipe.split, list(infos))
+    return recipe
+
+
+def display_name(cfg) -> str:
+    """The label in results: fedyogi-lora, pfadapter, pfadapter+fedadam, local…"""
+    opt = cfg.server.optimizer
+    if cfg.algorithm == "lora":
+        return f"{opt}-lora"
+    return cfg.algorithm if opt == "fedavg" or cfg.algorithm == "local" else f"{cfg.algorithm}+{opt}"
+
+
+def clone(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in params.items()}

@@ -1,0 +1,177 @@
+"""Backbones: a frozen Hugging Face model, LoRA by role (through HF peft), and a task head.
+
+Roles name attention projections across architectures (q, k, v, o), so a split written in
+roles fits every backbone. Three tasks score a batch of texts into class logits [B, C]:
+  dual_encoder  s·cos(E(x), E(prompt(c)))  — zero-shot before any training (MiniLM, CLIP text)
+  encoder_head  Linear(meanpool(E(x)))      — a trainable head (FedPer keeps it private)
+  causal_lm     Σ log p(answer_c | prompt(x)) — verbalizer scoring (SmolLM2, Llama)
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedsplice.config import ExperimentConfig
+from fedsplice.errors import ConfigError
+from fedsplice.split import ParamInfo
+
+_BERT = {"q": "attention.self.query", "k": "attention.self.key",
+         "v": "attention.self.value", "o": "attention.output.dense"}
+_LLAMA = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
+_CLIP = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.out_proj"}
+ROLE_MAPS = {
+    "bert": _BERT, "roberta": _BERT, "xlm-roberta": _BERT, "electra": _BERT,
+    "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
+    "clip": _CLIP, "clip_text_model": _CLIP, "clip_vision_model": _CLIP, "siglip": _CLIP,
+}
+_LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
+
+
+def role_map(model_type: str) -> dict[str, str]:
+    if model_type not in ROLE_MAPS:
+        raise ConfigError(f"model.name: no q/k/v/o role map for model_type {model_type!r}; "
+                          f"supported: {', '.join(sorted(ROLE_MAPS))}")
+    return ROLE_MAPS[model_type]
+
+
+def target_regex(rmap: dict[str, str], roles, layers, tower: str) -> str:
+    """A peft target_modules regex (full match on module names) for roles × layers × tower."""
+    idx = "|".join(str(i) for i in layers) if layers else r"\d+"
+    suffix = "|".join(re.escape(rmap[r]) for r in roles)
+    prefix = rf"(?:.*\.)?{re.escape(tower)}\..*" if tower else ".*"
+    return rf"{prefix}\.(?:layer|layers|h)\.(?:{idx})\.(?:{suffix})"
+
+
+def _load(cfg: ExperimentConfig):
+    import transformers
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+    from fedsplice.zoo import resolve_model
+
+    path = resolve_model(cfg.model.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        cls = AutoModelForCausalLM if cfg.model.task == "causal_lm" else AutoModel
+        model = cls.from_pretrained(path, dtype=torch.float32)
+    except OSError as e:
+        raise ConfigError(f"model.name: cannot load {cfg.model.name!r} ({str(e).splitlines()[0]}); "
+                          f"use zoo:minilm, zoo:smollm2, a local folder or a hub id") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+class TaskModel(nn.Module):
+    def __init__(self, cfg: ExperimentConfig, class_names: list[str]):
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+
+        self.task = cfg.model.task
+        self.mcfg = cfg.model
+        self.class_names = list(class_names)
+        base, self.tokenizer = _load(cfg)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        mtype = getattr(base.config, "model_type", "?")
+        self.rmap = role_map(mtype)
+        pc = cfg.peft
+        regex = target_regex(self.rmap, pc.roles, pc.layers, pc.tower)
+        lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, target_modules=regex,
+                          use_rslora=pc.use_rslora, bias="none")
+        # LoRA A init draws from torch's RNG: seed it locally so the global stream is untouched.
+        with torch.random.fork_rng(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # peft probing deprecated HF helpers
+            torch.manual_seed(cfg.seed)
+            try:
+                self.backbone = get_peft_model(base, lcfg)
+            except ValueError as e:
+                raise ConfigError(f"peft: no module of this {mtype} backbone matches roles {pc.roles}, "
+                                  f"layers {pc.layers or 'all'}, tower {pc.tower or '(any)'} ({e}); "
+                                  f"check peft.layers / peft.tower") from None
+            hidden = base.config.hidden_size
+            self.head = nn.Linear(hidden, len(class_names)) if self.task == "encoder_head" else None
+        self._check_roles(pc.roles, mtype)
+
+    # ----------------------------------------------------------------- parameters by name
+    def trainable(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.named_parameters() if p.requires_grad}
+
+    def param_infos(self) -> dict[str, ParamInfo]:
+        infos = {}
+        for name in self.trainable():
+            if ".lora_A." in name or ".lora_B." in name:
+                factor = "A" if ".lora_A." in name else "B"
+                module = name.split(f".lora_{factor}.")[0]
+                role = next((r for r, s in self.rmap.items() if module.endswith("." + s)), None)
+                m = _LAYER.match(module)
+                infos[name] = ParamInfo(role, factor, m.group(1) if m else module, "lora")
+            else:
+                infos[name] = ParamInfo(None, None, None, "head")
+        return infos
+
+    def scalings(self) -> dict[str, float]:
+        """LoRA scaling s (alpha/r, or alpha/sqrt(r) with rsLoRA) for each LoRA tensor name."""
+        out = {}
+        for mname, mod in self.named_modules():
+            if hasattr(mod, "scaling") and isinstance(mod.scaling, dict) and "default" in mod.scaling:
+                for f in ("A", "B"):
+                    out[f"{mname}.lora_{f}.default.weight"] = float(mod.scaling["default"])
+        return out
+
+    def _check_roles(self, roles, mtype) -> None:
+        found = {i.role for i in self.param_infos().values() if i.kind == "lora"}
+        missing = [r for r in roles if r not in found]
+        if missing:
+            raise ConfigError(f"peft.roles: role(s) {missing} match no module of this {mtype} backbone "
+                              f"(role map {self.rmap}); choose roles it has or another model")
+
+    @torch.no_grad()
+    def load_params(self, tensors: dict[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters())
+        for n, t in tensors.items():
+            params[n].copy_(t)
+
+    # ----------------------------------------------------------------- scoring
+    def _tokenize(self, texts: list[str]):
+        return self.tokenizer(texts, padding=True, truncation=True, max_length=self.mcfg.max_length,
+                              return_tensors="pt")
+
+    def _embed(self, texts: list[str]) -> torch.Tensor:
+        enc = self._tokenize(texts)
+        out = self.backbone(**enc).last_hidden_state
+        mask = enc["attention_mask"].unsqueeze(-1).to(out.dtype)
+        return (out * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean pooling (sentence-transformers)
+
+    def class_embeddings(self) -> torch.Tensor:
+        prompts = [self.mcfg.class_prompt.format(label=c) for c in self.class_names]
+        return F.normalize(self._embed(prompts), dim=-1)
+
+    def forward(self, texts: list[str], class_emb: torch.Tensor | None = None) -> torch.Tensor:
+        if self.task == "dual_encoder":
+            # Adapters change the class side too, so class embeddings are recomputed while
+            # training; evaluation passes them in once per model.
+            ce = self.class_embeddings() if class_emb is None else class_emb
+            return self.mcfg.logit_scale * F.normalize(self._embed(texts), dim=-1) @ ce.T
+        if self.task == "encoder_head":
+            return self.head(self._embed(texts))
+        from fedsplice.verbalizer import verbalizer_logits
+
+        prompts = [self.mcfg.input_template.format(text=t) for t in texts]
+        return verbalizer_logits(self.backbone, self.tokenizer, prompts, [" " + c for c in self.class_names])
+
+    @torch.no_grad()
+    def predict(self, texts: list[str], batch_size: int) -> torch.Tensor:
+        was = self.training
+        self.eval()
+        ce = self.class_embeddings() if self.task == "dual_encoder" else None
+        out = [self(texts[i:i + batch_size], ce) for i in range(0, len(texts), batch_size)]
+        self.train(was)
+        return torch.cat(out) if out else torch.zeros(0, len(self.class_names))

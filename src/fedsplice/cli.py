@@ -1,0 +1,102 @@
+"""`fedsplice run | validate | list`. User errors print one line and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from fedsplice.errors import FedspliceError
+
+
+def _table(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{results['algorithm']} — {results['dataset']}, {results['rounds']} rounds")
+    for col in ("", "accuracy", "F1 macro", "std", "min"):
+        t.add_column(col)
+    gm, pm = results["gm"], results["pm"]
+    t.add_row("GM (global test)", f"{gm['accuracy']:.4f}", f"{gm['f1_macro']:.4f}", "", "")
+    t.add_row("PM (all clients)", f"{pm['accuracy']:.4f}", f"{pm['f1_macro']:.4f}",
+              f"{pm['accuracy_std']:.4f}", f"{pm['accuracy_min']:.4f}")
+    c = results["communication"]
+    t.caption = (f"upload {c['up_bytes'] / 1e6:.2f} MB total, {c['up_bytes_per_round'] / 1e3:.1f} kB/round; "
+                 f"download {c['down_bytes'] / 1e6:.2f} MB")
+    Console().print(t)
+
+
+def cmd_run(args) -> None:
+    from fedsplice.config import load_config
+    from fedsplice.rundir import default_out
+    from fedsplice.runner import console, run_experiment
+
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out) if args.out else default_out(cfg)
+    results = run_experiment(cfg, out, overwrite=args.overwrite, quiet=args.quiet)
+    if not args.quiet:
+        _table(results)
+        console.print(f"results: {out / 'results.json'}")
+
+
+def cmd_validate(args) -> None:
+    from fedsplice.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    print(f"ok: {args.config or 'embedded default'} ({cfg.algorithm}, {cfg.model.name}, {cfg.data.dataset})")
+
+
+def cmd_list(args) -> None:
+    if args.what == "algorithms":
+        from fedsplice.algorithms import ALGORITHMS
+
+        for name, a in ALGORITHMS.items():
+            print(f"{name:12s} {a.description}")
+        print("server optimizers: fedavg, fedavgm, fedadam, fedyogi, fedadagrad ([server] optimizer)")
+    elif args.what == "datasets":
+        from fedsplice.data import describe_datasets
+
+        for d in describe_datasets():
+            size = f"{d['train']} train / {d['test']} test" if d.get("train") is not None else "size known once fetched"
+            print(f"{d['name']:14s} {d['classes']:>3} classes  {size:28s} "
+                  f"{'fetched' if d['fetched'] else 'not fetched'}  ({d['source']})")
+    else:
+        from fedsplice.zoo import describe_models
+
+        for m in describe_models():
+            print(f"{m['name']:14s} {m['description']}  {'fetched' if m['fetched'] else 'not fetched'}")
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    p = argparse.ArgumentParser(prog="fedsplice", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run an experiment (no CONFIG: the embedded default)")
+    r.add_argument("config", nargs="?", type=Path)
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    r.add_argument("--out", help="run directory (default runs/<algorithm>-<time>)")
+    r.add_argument("--overwrite", action="store_true", help="reuse a non-empty run directory")
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(fn=cmd_run)
+    v = sub.add_parser("validate", help="check a config without running it")
+    v.add_argument("config", nargs="?", type=Path)
+    v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    v.set_defaults(fn=cmd_validate)
+    ls = sub.add_parser("list", help="list algorithms, datasets or models")
+    ls.add_argument("what", choices=["algorithms", "datasets", "models"])
+    ls.set_defaults(fn=cmd_list)
+    args = p.parse_args(argv)
+    try:
+        args.fn(args)
+    except FedspliceError as e:
+        print(f"fedsplice: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fedsplice: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

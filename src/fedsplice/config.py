@@ -1,0 +1,307 @@
+"""Typed experiment configs from one source: nested dataclasses, read from TOML, validated per field.
+
+Every section is a dataclass; `load_config` walks the TOML table against the dataclass fields,
+so an unknown key, a wrong type or an out-of-range value fails with a one-line ConfigError that
+names the dotted field (`server.rounds`) and the fix. `--set a.b=value` overrides are applied to
+the raw table before validation, so they go through exactly the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fedsplice.errors import ConfigError
+
+ROLES = ("q", "k", "v", "o")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "zoo:minilm"  # zoo:minilm, zoo:smollm2, a hub id or a local path
+    task: Literal["dual_encoder", "encoder_head", "causal_lm"] = "dual_encoder"
+    class_prompt: str = "a quote about {label}."  # dual encoder: the text side of each class
+    input_template: str = "{text}"  # causal LM: e.g. "Text: {text}\nTopic:"
+    logit_scale: float = 20.0  # s in s·cos(E(x), T(c)); ~20 fits MiniLM far better than CLIP's 100
+    max_length: int = 128  # tokens per input; batches are padded to their longest member only
+
+    def check(self) -> None:
+        _positive("model.logit_scale", self.logit_scale)
+        _positive("model.max_length", self.max_length)
+        if "{label}" not in self.class_prompt:
+            raise ConfigError("model.class_prompt must contain '{label}', e.g. 'a quote about {label}.'")
+        if "{text}" not in self.input_template:
+            raise ConfigError("model.input_template must contain '{text}', e.g. 'Text: {text}\\nTopic:'")
+
+
+@dataclass
+class PeftConfig:
+    type: Literal["lora"] = "lora"
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    roles: list[str] = field(default_factory=lambda: list(ROLES))
+    layers: list[int] = field(default_factory=list)  # empty: every layer
+    tower: str = ""  # CLIP-style models: "text_model" or "vision_model"; empty: the only tower
+    use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
+
+    def check(self) -> None:
+        _positive("peft.r", self.r)
+        _positive("peft.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"peft.dropout must be in [0, 1), got {self.dropout}")
+        _roles("peft.roles", self.roles)
+        if not self.roles:
+            raise ConfigError("peft.roles is empty; list at least one of q, k, v, o")
+        if any(i < 0 for i in self.layers):
+            raise ConfigError(f"peft.layers must be non-negative layer indices, got {self.layers}")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "fortunes"  # see `fedsplice list datasets`; or csv:PATH / jsonl:PATH
+    num_clients: int = 10
+    partition: Literal["dirichlet", "iid", "shards"] = "dirichlet"
+    alpha: float = 0.5  # Dirichlet concentration (smaller = more label skew)
+    shards_per_client: int = 2
+    test_per_class: int = 20  # balanced global test set
+    max_per_class: int = 0  # cap on training samples per class; 0 = no cap
+    local_test_size: int = 40  # per client, drawn to match its training label distribution
+    holdout_clients: int = 0  # clients kept out of training for cold-start evaluation
+
+    def check(self) -> None:
+        _positive("data.num_clients", self.num_clients)
+        _positive("data.alpha", self.alpha)
+        _positive("data.shards_per_client", self.shards_per_client)
+        _positive("data.test_per_class", self.test_per_class)
+        _positive("data.local_test_size", self.local_test_size)
+        if self.max_per_class < 0:
+            raise ConfigError("data.max_per_class must be >= 0 (0 = no cap)")
+        if not 0 <= self.holdout_clients < self.num_clients:
+            raise ConfigError(f"data.holdout_clients must be in [0, data.num_clients) = "
+                              f"[0, {self.num_clients}), got {self.holdout_clients}")
+
+
+@dataclass
+class ClientConfig:
+    local_epochs: int = 1
+    max_steps: int = 0  # cap on local steps per round; 0 = whole epochs
+    batch_size: int = 16
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+
+    def check(self) -> None:
+        _positive("client.local_epochs", self.local_epochs)
+        _positive("client.batch_size", self.batch_size)
+        _positive("client.lr", self.lr)
+        if self.max_steps < 0:
+            raise ConfigError("client.max_steps must be >= 0 (0 = whole epochs)")
+        if self.weight_decay < 0:
+            raise ConfigError("client.weight_decay must be >= 0")
+
+
+@dataclass
+class ServerConfig:
+    rounds: int = 10
+    clients_per_round: int = 4
+    optimizer: Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "fedavg"
+    lr: float = 0.0  # server learning rate η; 0 = the optimizer's default (1.0 FedAvg/M, 1e-2 adaptive)
+    momentum: float = 0.9  # FedAvgM
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3  # adaptivity ε of FedAdam/FedYogi/FedAdagrad
+    bias_correction: bool = False  # Reddi et al. Alg. 2 has none; Adam-style implementations do
+    initial_accumulator: float = -1.0  # v_{-1}; negative = tau**2 (the paper)
+
+    def check(self) -> None:
+        _positive("server.rounds", self.rounds)
+        _positive("server.clients_per_round", self.clients_per_round)
+        if self.lr < 0:
+            raise ConfigError(f"server.lr must be >= 0 (0 = the optimizer's default), got {self.lr}")
+
+    def optimizer_kwargs(self) -> dict:
+        """Only the hyperparameters the chosen server optimizer takes."""
+        kw: dict = {"lr": self.lr} if self.lr > 0 else {}
+        if self.optimizer == "fedavgm":
+            kw["momentum"] = self.momentum
+        if self.optimizer in ("fedadam", "fedyogi"):
+            kw.update(beta1=self.beta1, beta2=self.beta2, bias_correction=self.bias_correction)
+        if self.optimizer in ("fedadam", "fedyogi", "fedadagrad"):
+            kw["tau"] = self.tau
+            if self.initial_accumulator >= 0:
+                kw["initial_accumulator"] = self.initial_accumulator
+        return kw
+
+
+@dataclass
+class EvalConfig:
+    every: int = 1  # evaluate GM/PM every N rounds (the last round always)
+    batch_size: int = 64
+    cold_start_epochs: int = 5  # held-out clients: step 0, then after 1..N local epochs
+
+    def check(self) -> None:
+        _positive("eval.every", self.every)
+        _positive("eval.batch_size", self.batch_size)
+        if self.cold_start_epochs < 0:
+            raise ConfigError("eval.cold_start_epochs must be >= 0")
+
+
+@dataclass
+class RuntimeConfig:
+    kind: Literal["simulation"] = "simulation"
+    store: Literal["memory", "disk"] = "memory"  # where PRIVATE client state lives between rounds
+    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+
+    def check(self) -> None:
+        if self.threads < 0:
+            raise ConfigError("runtime.threads must be >= 0 (0 = torch default)")
+
+
+@dataclass
+class ExperimentConfig:
+    algorithm: str = "pfadapter"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    method: dict = field(default_factory=dict)  # the algorithm's own hyperparameters, validated by it
+    data: DataConfig = field(default_factory=DataConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def check(self) -> None:
+        for f in dataclasses.fields(self):
+            sub = getattr(self, f.name)
+            if dataclasses.is_dataclass(sub):
+                sub.check()
+        trainable = self.data.num_clients - self.data.holdout_clients
+        if self.server.clients_per_round > trainable:
+            raise ConfigError(
+                f"server.clients_per_round ({self.server.clients_per_round}) exceeds the "
+                f"{trainable} training clients (data.num_clients - data.holdout_clients)")
+        from fedsplice.algorithms import method_params  # validates `method` against the algorithm
+
+        method_params(self)
+
+
+def _positive(name: str, value) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def _roles(name: str, roles) -> None:
+    bad = [r for r in roles if r not in ROLES]
+    if bad:
+        raise ConfigError(f"{name}: unknown role(s) {bad}; roles are q, k, v, o")
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: unknown value {value!r}; choose one of {', '.join(map(str, choices))}")
+        return value
+    if origin in (list, tuple):
+        (inner,) = typing.get_args(tp)[:1]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{where}: union types are not supported in configs")
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def from_dict(cls, table: dict, where: str = ""):
+    """Build dataclass `cls` from a TOML table; unknown keys and wrong types are errors."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where or 'config'}: expected a table, got {table!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - names)
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise ConfigError(f"{key}: unknown config field; known fields here: {', '.join(sorted(names))}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in table.items()}
+    return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value is TOML (numbers, booleans, lists, quoted strings); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(table: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set server.rounds=2")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = table
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {p} is not a table")
+        node[parts[-1]] = _parse_value(text.strip())
+    return table
+
+
+def read_toml(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found; pass a path to a .toml file "
+                          f"(see configs/) or no CONFIG for the embedded default")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+DEFAULT_CONFIG = Path(__file__).parent / "defaults" / "default.toml"
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    table = read_toml(path or DEFAULT_CONFIG)
+    apply_overrides(table, overrides or [])
+    cfg = from_dict(ExperimentConfig, table)
+    cfg.check()
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

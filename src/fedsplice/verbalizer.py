@@ -1,0 +1,183 @@
+"""Closed-set classification with a causal LM: score each answer string by its log-likelihood.
+
+``verbalizer_logits(model, tokenizer, prompts, answers)[b, c]`` is
+
+    sum_t log p(answer_c token t | prompt_b, answer_c tokens < t)
+
+with each answer tokenized with a leading space (" sports") and no special tokens, and each
+prompt tokenized with the tokenizer's normal special tokens. The result is differentiable, so it
+can be fed to a cross-entropy loss when fine-tuning (e.g. with LoRA).
+
+Cost: the B prompts run once (left-padded, explicit ``position_ids`` so padding does not shift
+positions, ``use_cache=True``); the key/value cache is then gathered to one row per (prompt,
+multi-token answer) pair and only the answer continuations run on top of it. The first answer
+token's log-probability comes from the prompt's last position, so one-token answers cost nothing
+beyond the prompt pass.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+_ANSWER_CACHE: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def tokenize_answers(tokenizer, answers: Sequence[str]) -> list[list[int]]:
+    """Token ids of each answer with one leading space and no special tokens (cached per tokenizer)."""
+    key = tuple(answers)
+    try:
+        per_tok = _ANSWER_CACHE.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable
+        per_tok = {}
+    if key in per_tok:
+        return per_tok[key]
+    out: list[list[int]] = []
+    for a in answers:
+        if not isinstance(a, str) or not a.strip():
+            raise ValueError(f"verbalizer: answers must be non-empty strings, got {a!r}")
+        ids = tokenizer(" " + a.strip(), add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"verbalizer: answer {a!r} tokenizes to nothing")
+        out.append(list(ids))
+    per_tok[key] = out
+    return out
+
+
+def _pad_id(tokenizer) -> int:
+    for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
+        v = getattr(tokenizer, name, None)
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def _device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _left_pad(seqs: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, n - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, n - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[..., target] without materializing the full log-softmax twice."""
+    logits = logits.float()
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _forward(model, **kw):
+    try:
+        return model(**kw)
+    except TypeError as e:  # a model without logits_to_keep
+        if "logits_to_keep" in kw and "logits_to_keep" in str(e):
+            kw.pop("logits_to_keep")
+            return model(**kw)
+        raise
+
+
+def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequence[str],
+                      *, method: str = "cache") -> torch.Tensor:
+    """[B, C] summed answer log-likelihoods (differentiable). See the module docstring.
+
+    ``method="cache"`` (default) runs prompts once and continuations on a shared KV cache;
+    ``method="full"`` runs all B·C full sequences in one padded batch (no cache; used
+    automatically when the model returns no cache, e.g. under gradient checkpointing).
+    """
+    if len(prompts) == 0 or len(answers) == 0:
+        raise ValueError("verbalizer: need at least one prompt and one answer")
+    if method not in ("cache", "full"):
+        raise ValueError(f"verbalizer: method must be 'cache' or 'full', got {method!r}")
+    device = _device(model)
+    pad = _pad_id(tokenizer)
+    p_ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    if any(len(s) == 0 for s in p_ids):
+        raise ValueError("verbalizer: a prompt tokenizes to nothing (and the tokenizer adds no BOS)")
+    a_ids = tokenize_answers(tokenizer, answers)
+    if method == "full":
+        return _full(model, p_ids, a_ids, pad, device)
+
+    B, C = len(p_ids), len(a_ids)
+    ids, mask = _left_pad(p_ids, pad, device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = _forward(model, input_ids=ids, attention_mask=mask, position_ids=pos,
+                   use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return _full(model, p_ids, a_ids, pad, device)
+    last = out.logits[:, -1, :].float()                                   # [B, V]
+    last_lp = last - torch.logsumexp(last, dim=-1, keepdim=True)
+    first = torch.tensor([a[0] for a in a_ids], device=device)
+    scores = last_lp[:, first]                                            # [B, C]
+
+    multi = [c for c, a in enumerate(a_ids) if len(a) > 1]
+    if not multi:
+        return scores
+    M = len(multi)
+    L = max(len(a_ids[c]) for c in multi) - 1     # continuation length (tokens 0..len-2 fed)
+    cont = torch.full((M, L), pad, dtype=torch.long)
+    tgt = torch.zeros((M, L), dtype=torch.long)
+    cmask = torch.zeros((M, L), dtype=torch.long)
+    for j, c in enumerate(multi):
+        a = a_ids[c]
+        n = len(a) - 1
+        cont[j, :n] = torch.tensor(a[:-1])
+        tgt[j, :n] = torch.tensor(a[1:])
+        cmask[j, :n] = 1
+    cont, tgt, cmask = cont.to(device), tgt.to(device), cmask.to(device)
+
+    # rows ordered (b, j): row b*M + j continues prompt b with answer multi[j]
+    rows_b = torch.arange(B, device=device).repeat_interleave(M)
+    cache.batch_select_indices(rows_b)
+    full_mask = torch.cat([mask[rows_b], cmask.repeat(B, 1)], dim=1)
+    plen = mask.sum(-1)[rows_b]                                           # [B*M]
+    cpos = plen[:, None] + torch.arange(L, device=device)[None, :]
+    out2 = _forward(model, input_ids=cont.repeat(B, 1), attention_mask=full_mask,
+                    position_ids=cpos, cache=cache, use_cache=True)
+    lp = _token_logprobs(out2.logits, tgt.repeat(B, 1))                   # [B*M, L]
+    rest = (lp * cmask.repeat(B, 1)).sum(-1).view(B, M)
+    add = torch.zeros((B, C), dtype=rest.dtype, device=device)
+    add = add.index_copy(1, torch.tensor(multi, device=device), rest)
+    return scores + add
+
+
+def _full(model, p_ids, a_ids, pad, device) -> torch.Tensor:
+    """All B·C (prompt + answer) sequences in one batch: prompts left-, answers right-padded."""
+    B, C = len(p_ids), len(a_ids)
+    P = max(len(s) for s in p_ids)
+    A = max(len(a) for a in a_ids)
+    n = B * C
+    ids = torch.full((n, P + A), pad, dtype=torch.long)
+    mask = torch.zeros((n, P + A), dtype=torch.long)
+    tgt = torch.zeros((n, A), dtype=torch.long)
+    tmask = torch.zeros((n, A), dtype=torch.long)
+    for b, p in enumerate(p_ids):
+        for c, a in enumerate(a_ids):
+            r = b * C + c
+            ids[r, P - len(p):P] = torch.tensor(p)
+            mask[r, P - len(p):P] = 1
+            ids[r, P:P + len(a)] = torch.tensor(a)
+            mask[r, P:P + len(a)] = 1
+            tgt[r, :len(a)] = torch.tensor(a)
+            tmask[r, :len(a)] = 1
+    ids, mask, tgt, tmask = ids.to(device), mask.to(device), tgt.to(device), tmask.to(device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = _forward(model, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    logits = out.logits[:, P - 1:P - 1 + A, :]   # position t predicts token t+1
+    lp = _token_logprobs(logits, tgt)
+    return (lp * tmask).sum(-1).view(B, C)
