@@ -131,6 +131,7 @@ def test_shard_partition_is_pathological():
         (lambda y, r: long_tail_counts(5, 100, 0.5), "data.imbalance"),
         (lambda y, r: long_tail_subsample(y, 10, 0.9, r), "data.imbalance"),
         (lambda y, r: long_tail_counts(5, 0, 10), "data.n_max"),
+        (lambda y, r: local_test_indices(y, y, 0, 3, r), "data.local_test_size"),
     ],
 )
 def test_errors_name_the_field(call, field):

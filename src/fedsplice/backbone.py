@@ -99,6 +99,7 @@ class TaskModel(nn.Module):
             hidden = base.config.hidden_size
             self.head = nn.Linear(hidden, len(class_names)) if self.task == "encoder_head" else None
         self._check_roles(pc.roles, mtype)
+        self._frozen_class_emb: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- parameters by name
     def trainable(self) -> dict[str, nn.Parameter]:
@@ -151,13 +152,20 @@ class TaskModel(nn.Module):
         return (out * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean pooling (sentence-transformers)
 
     def class_embeddings(self) -> torch.Tensor:
-        prompts = [self.mcfg.class_prompt.format(label=c) for c in self.class_names]
-        return F.normalize(self._embed(prompts), dim=-1)
+        if not self.mcfg.class_side_adapters:
+            if self._frozen_class_emb is None:  # frozen work, computed once
+                with torch.no_grad(), self.backbone.disable_adapter():
+                    self._frozen_class_emb = F.normalize(self._embed(self._prompts()), dim=-1)
+            return self._frozen_class_emb
+        return F.normalize(self._embed(self._prompts()), dim=-1)
+
+    def _prompts(self) -> list[str]:
+        return [self.mcfg.class_prompt.format(label=c) for c in self.class_names]
 
     def forward(self, texts: list[str], class_emb: torch.Tensor | None = None) -> torch.Tensor:
         if self.task == "dual_encoder":
-            # Adapters change the class side too, so class embeddings are recomputed while
-            # training; evaluation passes them in once per model.
+            # With class-side adapters the class embeddings change every step while training;
+            # evaluation passes them in once per model.
             ce = self.class_embeddings() if class_emb is None else class_emb
             return self.mcfg.logit_scale * F.normalize(self._embed(texts), dim=-1) @ ce.T
         if self.task == "encoder_head":

@@ -27,6 +27,10 @@ class ModelConfig:
     task: Literal["dual_encoder", "encoder_head", "causal_lm"] = "dual_encoder"
     class_prompt: str = "a quote about {label}."  # dual encoder: the text side of each class
     input_template: str = "{text}"  # causal LM: e.g. "Text: {text}\nTopic:"
+    # Dual encoder with one shared encoder (MiniLM): do the adapters also encode the class
+    # prompts? False = the class side stays frozen (as CLIP-LoRA on the input tower), so class
+    # embeddings are computed once and cached; True recomputes them every step.
+    class_side_adapters: bool = False
     logit_scale: float = 20.0  # s in s·cos(E(x), T(c)); ~20 fits MiniLM far better than CLIP's 100
     max_length: int = 128  # tokens per input; batches are padded to their longest member only
 

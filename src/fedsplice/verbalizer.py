@@ -79,6 +79,19 @@ def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def _checkpointing(model) -> bool:
+    """Training with activation checkpointing: HF drops the cache, so skip straight to "full"."""
+    if not getattr(model, "training", False):
+        return False
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        try:
+            flag = getattr(model, name)
+        except Exception:
+            continue
+        return bool(flag)
+    return False
+
+
 def _forward(model, **kw):
     try:
         return model(**kw)
@@ -107,7 +120,7 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     if any(len(s) == 0 for s in p_ids):
         raise ValueError("verbalizer: a prompt tokenizes to nothing (and the tokenizer adds no BOS)")
     a_ids = tokenize_answers(tokenizer, answers)
-    if method == "full":
+    if method == "full" or _checkpointing(model):
         return _full(model, p_ids, a_ids, pad, device)
 
     B, C = len(p_ids), len(a_ids)

@@ -1,0 +1,150 @@
+"""Shared fixtures: tiny seeded models and a toy data set, built once per session, offline.
+
+At import (before any test module imports transformers) the hub is switched off and the asset
+cache points at a session temp folder, so fast tests never touch the network or the user cache.
+`slow` tests load the real packaged weights and data, so they get the user's cache back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MPLBACKEND", "Agg")
+_USER_CACHE = os.environ.get("FEDSPLICE_CACHE")  # None: the default ~/.cache/fedsplice
+_SESSION_CACHE = tempfile.mkdtemp(prefix="fedsplice-test-cache-")
+os.environ["FEDSPLICE_CACHE"] = _SESSION_CACHE
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # tiny models on a shared 2-core box: threads only add contention
+
+
+@pytest.fixture(autouse=True)
+def _user_cache_for_slow_tests(request, monkeypatch):
+    """Slow tests use the real (fetched-once) assets in the user's cache."""
+    if request.node.get_closest_marker("slow"):
+        if _USER_CACHE is None:
+            monkeypatch.delenv("FEDSPLICE_CACHE", raising=False)
+        else:
+            monkeypatch.setenv("FEDSPLICE_CACHE", _USER_CACHE)
+    yield
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    from fedsplice import zoo
+
+    return zoo.tiny_bert(tmp_path_factory.mktemp("models") / "tiny-bert")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    from fedsplice import zoo
+
+    return zoo.tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+# ----------------------------------------------------------------------------- data
+
+TOY_CLASSES = {
+    "sports": ["game", "play", "ball", "run", "team", "fast", "win"],
+    "science": ["study", "earth", "plant", "moon", "system", "test", "learn"],
+    "music": ["song", "sing", "listen", "music", "sound", "note", "play"],
+}
+TOY_FILLER = ["the", "a", "of", "and", "to", "is", "it", "with", "on", "at", "good", "day"]
+TOY_PER_CLASS = 60
+
+
+def write_toy_jsonl(path: Path, per_class: int = TOY_PER_CLASS, seed: int = 7) -> Path:
+    """3 classes, `per_class` distinct texts each, built from class words + common filler."""
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    lines = []
+    for label, words in TOY_CLASSES.items():
+        seen: set[str] = set()
+        while len(seen) < per_class:
+            n = int(rng.integers(4, 9))
+            toks = [str(rng.choice(words)) if rng.random() < 0.6 else str(rng.choice(TOY_FILLER))
+                    for _ in range(n)]
+            text = " ".join(toks) + f" {len(seen)}"  # the counter keeps every text distinct
+            seen.add(text)
+            lines.append(json.dumps({"text": text, "label": label}))
+    order = rng.permutation(len(lines))
+    path.write_text("\n".join(lines[i] for i in order) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_jsonl(tmp_path_factory) -> Path:
+    return write_toy_jsonl(tmp_path_factory.mktemp("data") / "toy.jsonl")
+
+
+# ----------------------------------------------------------------------------- configs
+
+TINY_BUDGET = {
+    "seed": "0",
+    "model.task": '"dual_encoder"',
+    "model.max_length": "32",
+    "peft.r": "4",
+    "peft.alpha": "8.0",
+    "data.num_clients": "4",
+    "data.holdout_clients": "1",
+    "data.partition": '"dirichlet"',
+    "data.alpha": "1.0",
+    "data.test_per_class": "6",
+    "data.max_per_class": "0",
+    "data.local_test_size": "6",
+    "client.local_epochs": "1",
+    "client.max_steps": "2",
+    "client.batch_size": "8",
+    "client.lr": "0.01",
+    "server.rounds": "2",
+    "server.clients_per_round": "2",
+    "eval.batch_size": "64",
+    "eval.cold_start_epochs": "1",
+    "runtime.threads": "1",  # tiny models: more threads only add contention (50x slower measured)
+}
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, str):
+        return v  # already TOML (or a bare word, which --set reads as a string)
+    return json.dumps(v)  # bool/int/float/list: JSON spelling is valid TOML here
+
+
+def make_cfg(model_dir, dataset_path, **overrides):
+    """A validated tiny-budget ExperimentConfig.
+
+    Keyword names use `__` for dots (`server__rounds=3`); values are Python values (str values are
+    passed as TOML text, so quote strings: `algorithm='"lora"'`, or use a bare word).
+    `method` overrides replace the embedded default's [method] table when `algorithm` changes.
+    """
+    from fedsplice.config import load_config
+
+    sets = dict(TINY_BUDGET)
+    sets["model.name"] = json.dumps(str(model_dir))
+    sets["data.dataset"] = json.dumps(f"jsonl:{dataset_path}")
+    for k, v in overrides.items():
+        sets[k.replace("__", ".")] = _toml_value(v)
+    items = [f"{k}={v}" for k, v in sets.items()]
+    algo = sets.get("algorithm", '"pfadapter"').strip('"')
+    if algo != "pfadapter" and not any(k.startswith("method.") for k in sets):
+        items.insert(0, "method={}")  # the default's [method] is PFAdapter's
+    return load_config(None, items)
+
+
+@pytest.fixture(scope="session")
+def cfg_factory():
+    return make_cfg
