@@ -7,8 +7,10 @@ cache points at a session temp folder, so fast tests never touch the network or 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,21 +24,26 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 _USER_CACHE = os.environ.get("FEDSPLICE_CACHE")  # None: the default ~/.cache/fedsplice
 _SESSION_CACHE = tempfile.mkdtemp(prefix="fedsplice-test-cache-")
 os.environ["FEDSPLICE_CACHE"] = _SESSION_CACHE
+atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 
 import torch  # noqa: E402
 
+_DEFAULT_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)  # tiny models on a shared 2-core box: threads only add contention
 
 
 @pytest.fixture(autouse=True)
 def _user_cache_for_slow_tests(request, monkeypatch):
-    """Slow tests use the real (fetched-once) assets in the user's cache."""
-    if request.node.get_closest_marker("slow"):
+    """Slow tests use the real (fetched-once) assets in the user's cache, and torch's threads."""
+    slow = request.node.get_closest_marker("slow") is not None
+    if slow:
         if _USER_CACHE is None:
             monkeypatch.delenv("FEDSPLICE_CACHE", raising=False)
         else:
             monkeypatch.setenv("FEDSPLICE_CACHE", _USER_CACHE)
+        torch.set_num_threads(_DEFAULT_THREADS)
     yield
+    torch.set_num_threads(1)
 
 
 # ----------------------------------------------------------------------------- models
@@ -129,7 +136,7 @@ def make_cfg(model_dir, dataset_path, **overrides):
 
     Keyword names use `__` for dots (`server__rounds=3`); values are Python values (str values are
     passed as TOML text, so quote strings: `algorithm='"lora"'`, or use a bare word).
-    `method` overrides replace the embedded default's [method] table when `algorithm` changes.
+    For an algorithm other than pfadapter the default's (PFAdapter) [method] table is emptied first.
     """
     from fedsplice.config import load_config
 
@@ -140,7 +147,7 @@ def make_cfg(model_dir, dataset_path, **overrides):
         sets[k.replace("__", ".")] = _toml_value(v)
     items = [f"{k}={v}" for k, v in sets.items()]
     algo = sets.get("algorithm", '"pfadapter"').strip('"')
-    if algo != "pfadapter" and not any(k.startswith("method.") for k in sets):
+    if algo != "pfadapter" and "method" not in sets:
         items.insert(0, "method={}")  # the default's [method] is PFAdapter's
     return load_config(None, items)
 

@@ -117,7 +117,8 @@ def method_params(cfg):
         params = from_dict(algo.params, cfg.method, "method")
     except ConfigError as e:
         if not dataclasses.fields(algo.params):
-            raise ConfigError(f"{e} (algorithm {cfg.algorithm!r} takes no [method] fields)") from None
+            raise ConfigError(f"{e}: algorithm {cfg.algorithm!r} has no [method] fields "
+                              f"(switching algorithms with --set? add --set method={{}})") from None
         raise
     if hasattr(params, "check"):
         params.check()

@@ -61,7 +61,7 @@ def _load(cfg: ExperimentConfig):
         tok = AutoTokenizer.from_pretrained(path)
         cls = AutoModelForCausalLM if cfg.model.task == "causal_lm" else AutoModel
         model = cls.from_pretrained(path, dtype=torch.float32)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise ConfigError(f"model.name: cannot load {cfg.model.name!r} ({str(e).splitlines()[0]}); "
                           f"use zoo:minilm, zoo:smollm2, a local folder or a hub id") from None
     if tok.pad_token is None:

@@ -37,6 +37,12 @@ class ModelConfig:
     def check(self) -> None:
         _positive("model.logit_scale", self.logit_scale)
         _positive("model.max_length", self.max_length)
+        if self.name.startswith("zoo:"):
+            from fedsplice.zoo import ZOO
+
+            if self.name[4:] not in ZOO:
+                raise ConfigError(f"model.name: unknown zoo model {self.name!r}; choose one of "
+                                  f"{', '.join('zoo:' + k for k in ZOO)}, a local folder or a hub id")
         if "{label}" not in self.class_prompt:
             raise ConfigError("model.class_prompt must contain '{label}', e.g. 'a quote about {label}.'")
         if "{text}" not in self.input_template:
@@ -79,6 +85,15 @@ class DataConfig:
     holdout_clients: int = 0  # clients kept out of training for cold-start evaluation
 
     def check(self) -> None:
+        from fedsplice.data import DATASETS
+
+        kind, _, path = self.dataset.partition(":")
+        if kind in ("csv", "jsonl") and path:
+            if not Path(path).is_file():
+                raise ConfigError(f"data.dataset: file {path!r} not found; give an existing {kind} file")
+        elif self.dataset not in DATASETS:
+            raise ConfigError(f"data.dataset: unknown {self.dataset!r}; choose one of "
+                              f"{', '.join(DATASETS)}, or csv:PATH / jsonl:PATH")
         _positive("data.num_clients", self.num_clients)
         _positive("data.alpha", self.alpha)
         _positive("data.shards_per_client", self.shards_per_client)
@@ -181,6 +196,8 @@ class ExperimentConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def check(self) -> None:
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
@@ -191,8 +208,10 @@ class ExperimentConfig:
                 f"server.clients_per_round ({self.server.clients_per_round}) exceeds the "
                 f"{trainable} training clients (data.num_clients - data.holdout_clients)")
         from fedsplice.algorithms import method_params  # validates `method` against the algorithm
+        from fedsplice.server import make_server_optimizer  # validates the server hyperparameters
 
         method_params(self)
+        make_server_optimizer(self.server.optimizer, **self.server.optimizer_kwargs())
 
 
 def _positive(name: str, value) -> None:
@@ -257,7 +276,8 @@ def from_dict(cls, table: dict, where: str = ""):
     unknown = sorted(set(table) - names)
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
-        raise ConfigError(f"{key}: unknown config field; known fields here: {', '.join(sorted(names))}")
+        known = f"known fields here: {', '.join(sorted(names))}" if names else "this table takes no fields"
+        raise ConfigError(f"{key}: unknown config field; {known}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in table.items()}
     return cls(**kwargs)
 

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -17,12 +18,20 @@ from fedsplice.config import ExperimentConfig, to_dict
 from fedsplice.errors import ConfigError
 
 
-def prepare(out: Path, overwrite: bool) -> Path:
-    """Create the run directory; refuse to reuse one that holds results unless asked to."""
+def check_out(out: Path, overwrite: bool) -> Path:
+    """Refuse a run directory that holds results (unless asked to) or is not a directory."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory; choose another --out")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"--out {out}: the run directory exists and is not empty; "
                           f"pass --overwrite or choose another --out")
+    return out
+
+
+def prepare(out: Path, overwrite: bool) -> Path:
+    """Create the run directory (checked with check_out); a rerun starts from a clean slate."""
+    out = check_out(out, overwrite)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"
@@ -32,6 +41,7 @@ def prepare(out: Path, overwrite: bool) -> Path:
         raise ConfigError(f"--out {out}: cannot write there ({e.strerror}); choose another --out") from None
     for stale in ("metrics.jsonl", "results.json", "results.csv", "accuracy.png"):
         (out / stale).unlink(missing_ok=True)
+    shutil.rmtree(out / "client_state", ignore_errors=True)  # PRIVATE state of the old run
     return out
 
 

@@ -28,13 +28,14 @@ def _round_line(r: dict) -> str:
 
 
 def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, quiet: bool = False) -> dict:
-    out = rundir.prepare(out, overwrite)
-    rundir.write_config(out, cfg)
+    rundir.check_out(out, overwrite)  # fail before the slow build, and write nothing yet
     t0 = time.perf_counter()
     name = display_name(cfg)
     if not quiet:
         console.print(f"[bold]{name}[/] on {cfg.data.dataset} with {cfg.model.name} -> {out}")
     exp = build(cfg)
+    out = rundir.prepare(out, overwrite)
+    rundir.write_config(out, cfg)
     store = make_store(cfg.runtime.store, out / "client_state")
     log = rundir.MetricsLog(out / "metrics.jsonl")
     total = cfg.server.rounds * cfg.server.clients_per_round

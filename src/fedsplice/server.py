@@ -15,9 +15,9 @@ FedAdagrad / FedAdam / FedYogi: Reddi et al., "Adaptive Federated Optimization",
 Algorithm 2 (https://arxiv.org/abs/2003.00295).  The pseudo-gradient Δ is the mean client delta
 (client - global), i.e. it already points downhill, so every optimizer *adds* its step.
 
-Precision: optimizer math runs in float32, or float64 when the parameter is float64, whatever the
-parameter dtype (bf16/fp16 moments would underflow); the state keeps that compute dtype and the new
-parameters are cast back to each parameter's own dtype.
+Precision: deltas, their mean, the optimizer math and its state are float64 whatever the parameter
+dtype (adapter tensors are small; bf16/fp16 moments would underflow); the new parameters are cast
+back to each parameter's own dtype once, so FedAvg with lr = 1 reproduces a lone client exactly.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def weighted_mean(updates: list[Params], weights: list[float]) -> Params:
     """Sample-weighted mean of name-keyed tensor dicts.
 
     ``weights`` are sample counts (any non-negative numbers, normalized here).  Summation runs in
-    float64 so the mean does not depend on client order at float32 precision; each result is cast
-    back to its input dtype.
+    float64 so the mean does not depend on client order at float32 precision, and the result stays
+    float64: the server optimizer casts once, so FedAvg with lr = 1 reproduces a lone client's
+    model bit for bit.
     """
     if not updates:
         raise ValueError("weighted_mean: no updates")
@@ -73,15 +74,15 @@ def weighted_mean(updates: list[Params], weights: list[float]) -> Params:
         acc = torch.zeros(t.shape, dtype=torch.float64, device=t.device)
         for u, wi in zip(updates, w):
             acc = acc + u[name].to(torch.float64) * wi
-        out[name] = (acc / total).to(t.dtype)
+        out[name] = acc / total
     return out
 
 
 def deltas(client_params: Params, global_params: Params) -> Params:
-    """Per-name ``client - global`` (the client's update), in the global tensor's dtype."""
+    """Per-name ``client - global`` (the client's update), in float64 (cast once, by the optimizer)."""
     _check_same_layout(global_params, client_params, "deltas: client vs global")
     return {
-        name: (client_params[name].to(torch.float64) - g.to(torch.float64)).to(g.dtype)
+        name: client_params[name].to(torch.float64) - g.to(torch.float64)
         for name, g in global_params.items()
     }
 
@@ -97,7 +98,8 @@ class ServerOptimizer(NamedTuple):
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+    # Adapter tensors are small: float64 server math costs nothing and rounds only once.
+    return torch.float64
 
 
 def _zeros(params: Params, prefix: str, fill: float = 0.0) -> State:
