@@ -62,8 +62,10 @@ def test_private_tensors_never_travel(cfg, monkeypatch):
     exp, records, final = _run(c)
     private, glob = set(exp.private_names), sorted(exp.global_names)
     assert len(private) == 8 and len(glob) == 8
-    # per round: one broadcast + one upload per sampled client, each exactly the GLOBAL names
-    assert len(payloads) == c.server.rounds * (1 + c.server.clients_per_round)
+    # per round: one broadcast + one upload per sampled client, plus one evaluation broadcast
+    # per evaluated round (0..rounds); each exactly the GLOBAL names
+    evals = c.server.rounds + 1
+    assert len(payloads) == c.server.rounds * (1 + c.server.clients_per_round) + evals
     for names in payloads:
         assert names == glob
         assert not private & set(names)

@@ -10,6 +10,7 @@ derived from (seed, round, client).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -55,23 +56,63 @@ def client_update(exp: Experiment, store, cid: int, rnd: int, down: bytes) -> tu
     return wire.encode({n: params[n] for n in exp.global_names}), stats
 
 
-def evaluate(exp: Experiment, global_params: dict, store) -> dict:
-    """GM: global tensors + fresh PRIVATE ones on the balanced global test set.
-    PM: each training client's own model on its local test set, over ALL training clients."""
-    cfg, d = exp.cfg, exp.data
-    c = len(d.class_names)
+def evaluate_global(exp: Experiment, global_params: dict) -> dict:
+    """GM: GLOBAL tensors + fresh PRIVATE ones on the balanced global test set."""
+    d = exp.data
     fresh = {n: exp.init_params[n] for n in exp.private_names}
     exp.model.load_params({**global_params, **fresh})
-    logits = exp.model.predict(d.test_texts, cfg.eval.batch_size).numpy()
-    gm = classification_metrics(d.test_labels, logits, c)
-    per_client = []
-    for cid in exp.train_ids:
-        priv, _ = private_state(exp, store, cid)
-        exp.model.load_params({**global_params, **priv})
-        idx = exp.clients[cid].test_idx
-        lg = exp.model.predict([d.test_texts[i] for i in idx], cfg.eval.batch_size).numpy()
-        per_client.append(classification_metrics(d.test_labels[idx], lg, c))
-    return {"gm": gm, "pm": summarize_clients(per_client)}
+    logits = exp.model.predict(d.test_texts, exp.cfg.eval.batch_size).numpy()
+    return classification_metrics(d.test_labels, logits, len(d.class_names))
+
+
+def evaluate_client(exp: Experiment, store, cid: int, global_params: dict) -> dict:
+    """One client's personalized model (GLOBAL + its PRIVATE tensors) on its local test set."""
+    d = exp.data
+    priv, _ = private_state(exp, store, cid)
+    exp.model.load_params({**global_params, **priv})
+    idx = exp.clients[cid].test_idx
+    lg = exp.model.predict([d.test_texts[i] for i in idx], exp.cfg.eval.batch_size).numpy()
+    return classification_metrics(d.test_labels[idx], lg, len(d.class_names))
+
+
+def evaluate(exp: Experiment, global_params: dict, store) -> dict:
+    """GM on the global test set; PM over ALL training clients (in-process)."""
+    return {"gm": evaluate_global(exp, global_params),
+            "pm": summarize_clients([evaluate_client(exp, store, c, global_params) for c in exp.train_ids])}
+
+
+@dataclass
+class Reply:
+    cid: int
+    payload: bytes  # the serialized GLOBAL tensors the client uploads
+    num_examples: int
+    stats: dict
+    up_bytes: int  # measured on what crossed the wire (here: the payload itself)
+    down_bytes: int
+
+
+class InProcess:
+    """The simulation transport: clients run one after another in this process, one backbone.
+
+    A runtime is anything with `fit(rnd, cids, down) -> [Reply]` and
+    `evaluate(cids, down) -> [metrics]`; the Flower runtime implements the same two calls.
+    """
+
+    def __init__(self, exp: Experiment, store, progress: Callable[[], None] | None = None):
+        self.exp, self.store, self.progress = exp, store, progress
+
+    def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]:
+        out = []
+        for cid in cids:
+            up, st = client_update(self.exp, self.store, cid, rnd, down)
+            out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
+            if self.progress:
+                self.progress()
+        return out
+
+    def evaluate(self, cids: list[int], down: bytes) -> list[dict]:
+        g = wire.decode(down)
+        return [evaluate_client(self.exp, self.store, c, g) for c in cids]
 
 
 def cold_start(exp: Experiment, global_params: dict) -> dict:
@@ -106,43 +147,45 @@ def cold_start(exp: Experiment, global_params: dict) -> dict:
             "per_client": arr.tolist()}
 
 
-def run_rounds(exp: Experiment, store, on_round: Callable[[dict], None], progress=None) -> dict:
+def run_rounds(exp: Experiment, store, on_round: Callable[[dict], None], progress=None,
+               transport=None) -> dict:
     """The one round loop. Calls on_round(record) after every round; returns the final state."""
     cfg = exp.cfg
+    transport = transport or InProcess(exp, store, progress)
     params = exp.model.trainable()
     global_params = {n: params[n].detach().clone() for n in exp.global_names}
     server_state = exp.server_opt.init(global_params)
     allowed, private = set(exp.global_names), set(exp.private_names)
     up_total = down_total = 0
-    record = {"round": 0, **evaluate(exp, global_params, store)}
-    on_round(record)
+
+    def evaluation(gp: dict) -> dict:
+        per_client = transport.evaluate(exp.train_ids, wire.encode(gp))
+        return {"gm": evaluate_global(exp, gp), "pm": summarize_clients(per_client)}
+
+    on_round({"round": 0, **evaluation(global_params)})
     for rnd in range(1, cfg.server.rounds + 1):
         t0 = time.perf_counter()
-        down = wire.encode(global_params)
-        uploads, weights, stats, up_round = [], [], [], 0
-        for cid in exp.sampling[rnd - 1]:
-            up, st = client_update(exp, store, cid, rnd, down)
-            received = wire.decode(up)
-            wire.audit(received, allowed, private, f"client {cid}")
+        replies = transport.fit(rnd, exp.sampling[rnd - 1], wire.encode(global_params))
+        uploads = []
+        for r in replies:
+            received = wire.decode(r.payload)
+            wire.audit(received, allowed, private, f"client {r.cid}")
             uploads.append(received)
-            weights.append(len(exp.clients[cid].train_idx))
-            stats.append(st)
-            up_round += len(up)
-            if progress:
-                progress()
-        down_round = len(down) * len(uploads)
+        up_round = sum(r.up_bytes for r in replies)
+        down_round = sum(r.down_bytes for r in replies)
         up_total, down_total = up_total + up_round, down_total + down_round
         if exp.global_names:
-            mean = weighted_mean([deltas(u, global_params) for u in uploads], weights)
+            mean = weighted_mean([deltas(u, global_params) for u in uploads], [r.num_examples for r in replies])
             global_params, server_state = exp.server_opt.update(mean, server_state, global_params)
-        record = {"round": rnd, "clients": exp.sampling[rnd - 1],
+        stats = [r.stats for r in replies]
+        record = {"round": rnd, "clients": [r.cid for r in replies],
                   "train_loss": float(np.mean([s["loss"] for s in stats])),
                   "up_bytes": up_round, "down_bytes": down_round, "time_s": time.perf_counter() - t0}
         for k in stats[0]:
             if k not in ("steps", "loss"):
                 record[k] = float(np.mean([s[k] for s in stats]))
         if rnd % cfg.eval.every == 0 or rnd == cfg.server.rounds:
-            record.update(evaluate(exp, global_params, store))
+            record.update(evaluation(global_params))
         on_round(record)
     return {"global_params": global_params, "server_state": server_state,
             "up_bytes": up_total, "down_bytes": down_total}
