@@ -82,8 +82,13 @@ def test_a_leaking_client_is_refused(cfg, monkeypatch):
         return wire.encode(t), st
 
     monkeypatch.setattr(simulation, "client_update", leaky)
-    with pytest.raises(wire.WireViolation, match="PRIVATE"):
-        _run(cfg(server__rounds=1))
+    # refused on the server, logged with the client id, never aggregated (issue 6: no crash)
+    exp, records, final = _run(cfg(server__rounds=1))
+    r = records[1]
+    assert r["rejected"] == len(exp.sampling[0]) and r["skipped"] and r["clients"] == []
+    assert [e["client"] for e in r["events"] if e["event"] == "rejected"] == exp.sampling[0]
+    assert all("PRIVATE" in e["reason"] for e in r["events"])
+    assert all(torch.equal(final["global_params"][n], exp.init_params[n]) for n in exp.global_names)
 
 
 @pytest.mark.parametrize("store_kind", ["memory", "disk"])

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
+from functools import partial
+from typing import Callable, Literal
 
 import torch
 
@@ -49,10 +50,29 @@ class FedProxParams:
 
 
 @dataclass
+class FedPuReLParams:
+    lam: float = 0.9  # λ of phase 2: (1−λ)·CE(l_G + l_P) + λ·CE(l_P)
+    granularity: Literal["tensor", "flat"] = "tensor"  # purify per tensor (official code) or flat (paper)
+    align: Literal["tkl", "kl"] = "tkl"  # temperature-aligned KL, or plain KL (Table 6 ablation)
+    purify: bool = True  # False: phase 1 is plain FedAvg of the same PEFT (ablation)
+    personal_steps: int = 30  # phase-2 local steps per client
+
+    def check(self) -> None:
+        if not 0.0 <= self.lam <= 1.0:
+            raise ConfigError(f"method.lam must be in [0, 1], got {self.lam}")
+        if self.personal_steps < 0:
+            raise ConfigError(f"method.personal_steps must be >= 0, got {self.personal_steps}")
+
+
+@dataclass
 class Recipe:
     split: dict[str, str]
-    loss_terms: list[Callable] = field(default_factory=list)
-    grad_transforms: list[Callable] = field(default_factory=list)
+    loss_terms: list[Callable] = field(default_factory=list)  # (params, ctx) -> scalar, added to the task loss
+    objective: Callable | None = None  # (model, texts, y, ids, ctx) -> {loss name: scalar}; None: cross-entropy
+    grad_transform: Callable | None = None  # combines per-loss gradients (FedPuReL purification)
+    trains: bool = True  # False: evaluation only (zero-shot)
+    personalize: Callable | None = None  # a local stage after the rounds (FedPuReL phase 2)
+    needs_zero_shot: bool = False  # cache zero-shot logits of the training set
 
 
 @dataclass(frozen=True)
@@ -76,7 +96,52 @@ def _fedprox(p: FedProxParams, infos, shapes, scalings) -> Recipe:
     return Recipe(split, [Proximal(S.names_in(split, S.GLOBAL), p.mu)] if p.mu > 0 else [])
 
 
+def _fedpurel(p: FedPuReLParams, infos, shapes, scalings) -> Recipe:
+    from fedsplice import fedpurel as fp
+
+    return Recipe(S.all_global(infos),
+                  objective=fp.align_objective(p.align == "tkl") if p.purify else None,
+                  grad_transform=fp.purification(p.granularity) if p.purify else None,
+                  needs_zero_shot=p.purify,
+                  personalize=partial(fp.personalize, lam=p.lam, steps=p.personal_steps))
+
+
+def _needs(kind: str, algo: str, peft: str):
+    """All-global FedAvg over one PEFT type (PromptFL: prompts; FedCLIP: the adapter)."""
+
+    def build(p, infos, *_):
+        if not any(i.kind == kind for i in infos.values()):
+            raise ConfigError(f"algorithm {algo!r} trains a {kind}: set peft.type = {peft!r}")
+        return Recipe(S.all_global(infos))
+
+    return build
+
+
+def _promptfolio(p, infos, *_) -> Recipe:
+    if not any(i.kind == "prompt_local" for i in infos.values()):
+        raise ConfigError("algorithm 'promptfolio' mixes a global and a local prompt: set "
+                          "peft.type = 'prompt' and peft.portfolio = θ (e.g. 0.2)")
+    return Recipe({n: S.PRIVATE if i.kind == "prompt_local" else S.GLOBAL for n, i in infos.items()})
+
+
 ALGORITHMS: dict[str, Algorithm] = {
+    "fedpurel": Algorithm(
+        FedPuReLParams, _fedpurel,
+        "gradient purification toward zero-shot (TKL) + residual personalization (FedPuReL)",
+        "../shared/papers/fedpurel.md"),
+    "zeroshot": Algorithm(
+        NoParams, lambda p, i, *_: Recipe(S.none_global(i), trains=False),
+        "the frozen model's zero-shot predictions; no training, no traffic"),
+    "promptfl": Algorithm(
+        NoParams, _needs("prompt", "promptfl", "prompt"),
+        "CoOp prompt context shared and averaged (PromptFL)", "https://arxiv.org/abs/2208.11625"),
+    "promptfolio": Algorithm(
+        NoParams, _promptfolio,
+        "global prompt shared, local prompt private, class features mixed by peft.portfolio (PromptFolio)",
+        "https://arxiv.org/abs/2409.19600"),
+    "fedclip": Algorithm(
+        NoParams, _needs("adapter", "fedclip", "adapter"),
+        "attention feature adapter shared and averaged (FedCLIP)", "https://arxiv.org/abs/2302.13485"),
     "pfadapter": Algorithm(
         PFAdapterParams, _pfadapter,
         "LoRA q,k global / v,o private + orthogonality loss (PFAdapter)",
@@ -136,8 +201,14 @@ def display_name(cfg) -> str:
     """The label in results: fedyogi-lora, pfadapter, pfadapter+fedadam, local…"""
     opt = cfg.server.optimizer
     if cfg.algorithm == "lora":
-        return f"{opt}-lora"
-    return cfg.algorithm if opt == "fedavg" or cfg.algorithm == "local" else f"{cfg.algorithm}+{opt}"
+        name = f"{opt}-lora"
+    elif opt == "fedavg" or cfg.algorithm in ("local", "zeroshot"):
+        name = cfg.algorithm
+    else:
+        name = f"{cfg.algorithm}+{opt}"
+    if cfg.algorithm == "fedpurel":
+        name += f"-{cfg.peft.type}"
+    return name + ("+la" if cfg.client.logit_adjustment > 0 else "")
 
 
 def clone(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

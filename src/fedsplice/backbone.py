@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import re
 import warnings
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedsplice.adapters import FeatureAdapter, PromptLearner
 from fedsplice.config import ExperimentConfig
 from fedsplice.errors import ConfigError
 from fedsplice.split import ParamInfo
@@ -72,10 +74,9 @@ def _load(cfg: ExperimentConfig):
 class TaskModel(nn.Module):
     def __init__(self, cfg: ExperimentConfig, class_names: list[str]):
         super().__init__()
-        from peft import LoraConfig, get_peft_model
-
         self.task = cfg.model.task
         self.mcfg = cfg.model
+        self.pcfg = cfg.peft
         self.class_names = list(class_names)
         base, self.tokenizer = _load(cfg)
         for p in base.parameters():
@@ -83,23 +84,66 @@ class TaskModel(nn.Module):
         mtype = getattr(base.config, "model_type", "?")
         self.rmap = role_map(mtype)
         pc = cfg.peft
+        if pc.type in ("prompt", "adapter") and self.task == "causal_lm":
+            raise ConfigError(f"peft.type = {pc.type!r} needs a dual encoder or encoder + head; "
+                              f"use peft.type = 'lora' with model.task = 'causal_lm'")
+        if pc.type == "prompt" and self.task != "dual_encoder":
+            raise ConfigError("peft.type = 'prompt' learns the class prompts of a dual encoder: "
+                              "set model.task = 'dual_encoder'")
+        hidden = base.config.hidden_size
+        # Every random init draws from generators seeded by cfg.seed, never the global stream.
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.prompt = self.prompt_local = self.adapter = None
+        if pc.type == "lora":
+            self.backbone = self._inject_lora(base, pc, cfg.seed, mtype)
+        else:
+            self.backbone = base
+        if pc.type == "prompt":
+            we = base.get_input_embeddings()
+            mk = lambda: PromptLearner(self.tokenizer, we, self.mcfg.class_prompt, self.class_names,  # noqa: E731
+                                       pc.n_ctx, pc.class_specific, gen)
+            self.prompt = mk()
+            self.prompt_local = mk() if pc.portfolio > 0 else None
+        if pc.type == "adapter":
+            self.adapter = FeatureAdapter(hidden, pc.adapter_hidden or hidden, gen)
+        self.head = None
+        if self.task == "encoder_head":
+            self.head = nn.Linear(hidden, len(class_names))
+            with torch.no_grad():
+                bound = 1.0 / hidden**0.5
+                self.head.weight.copy_(torch.empty_like(self.head.weight).uniform_(-bound, bound, generator=gen))
+                self.head.bias.zero_()
+        if pc.type == "lora":
+            self._check_roles(pc.roles, mtype)
+        self._frozen_class_emb: torch.Tensor | None = None
+        self._zero_shot = False
+
+    def _inject_lora(self, base, pc, seed: int, mtype: str):
+        from peft import LoraConfig, get_peft_model
+
         regex = target_regex(self.rmap, pc.roles, pc.layers, pc.tower)
         lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, target_modules=regex,
                           use_rslora=pc.use_rslora, bias="none")
         # LoRA A init draws from torch's RNG: seed it locally so the global stream is untouched.
         with torch.random.fork_rng(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # peft probing deprecated HF helpers
-            torch.manual_seed(cfg.seed)
+            torch.manual_seed(seed)
             try:
-                self.backbone = get_peft_model(base, lcfg)
+                return get_peft_model(base, lcfg)
             except ValueError as e:
                 raise ConfigError(f"peft: no module of this {mtype} backbone matches roles {pc.roles}, "
                                   f"layers {pc.layers or 'all'}, tower {pc.tower or '(any)'} ({e}); "
                                   f"check peft.layers / peft.tower") from None
-            hidden = base.config.hidden_size
-            self.head = nn.Linear(hidden, len(class_names)) if self.task == "encoder_head" else None
-        self._check_roles(pc.roles, mtype)
-        self._frozen_class_emb: torch.Tensor | None = None
+
+    @contextmanager
+    def zero_shot(self):
+        """Score with the frozen model alone: no LoRA, no adapter, the template class prompts."""
+        self._zero_shot = True
+        try:
+            with (self.backbone.disable_adapter() if self.pcfg.type == "lora" else nullcontext()):
+                yield self
+        finally:
+            self._zero_shot = False
 
     # ----------------------------------------------------------------- parameters by name
     def trainable(self) -> dict[str, nn.Parameter]:
@@ -114,8 +158,8 @@ class TaskModel(nn.Module):
                 role = next((r for r, s in self.rmap.items() if module.endswith("." + s)), None)
                 m = _LAYER.match(module)
                 infos[name] = ParamInfo(role, factor, m.group(1) if m else module, "lora")
-            else:
-                infos[name] = ParamInfo(None, None, None, "head")
+            else:  # head, prompt, prompt_local, adapter: named by their module
+                infos[name] = ParamInfo(None, None, None, name.split(".")[0])
         return infos
 
     def scalings(self) -> dict[str, float]:
@@ -151,25 +195,49 @@ class TaskModel(nn.Module):
         mask = enc["attention_mask"].unsqueeze(-1).to(out.dtype)
         return (out * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean pooling (sentence-transformers)
 
+    def _frozen_class_embeddings(self) -> torch.Tensor:
+        if self._frozen_class_emb is None:  # frozen work, computed once
+            with torch.no_grad(), (self.backbone.disable_adapter() if self.pcfg.type == "lora" else nullcontext()):
+                self._frozen_class_emb = F.normalize(self._embed(self._prompts()), dim=-1)
+        return self._frozen_class_emb
+
+    def _prompt_embeddings(self, learner: PromptLearner) -> torch.Tensor:
+        embeds, mask = learner.inputs(self.backbone.get_input_embeddings())
+        out = self.backbone(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(out.dtype)
+        return F.normalize((out * m).sum(1) / m.sum(1), dim=-1)
+
     def class_embeddings(self) -> torch.Tensor:
+        if self._zero_shot or self.pcfg.type == "adapter":
+            return self._frozen_class_embeddings()
+        if self.pcfg.type == "prompt":
+            e = self._prompt_embeddings(self.prompt)
+            if self.prompt_local is not None:  # PromptFolio: a portfolio of global and local features
+                th = self.pcfg.portfolio
+                e = F.normalize((1 - th) * e + th * self._prompt_embeddings(self.prompt_local), dim=-1)
+            return e
         if not self.mcfg.class_side_adapters:
-            if self._frozen_class_emb is None:  # frozen work, computed once
-                with torch.no_grad(), self.backbone.disable_adapter():
-                    self._frozen_class_emb = F.normalize(self._embed(self._prompts()), dim=-1)
-            return self._frozen_class_emb
+            return self._frozen_class_embeddings()
         return F.normalize(self._embed(self._prompts()), dim=-1)
 
     def _prompts(self) -> list[str]:
         return [self.mcfg.class_prompt.format(label=c) for c in self.class_names]
+
+    def _input_features(self, texts: list[str]) -> torch.Tensor:
+        if self.pcfg.type == "lora":
+            return self._embed(texts)
+        with torch.no_grad():  # the encoder is frozen on the input side for prompts and adapters
+            f = self._embed(texts)
+        return f if (self.adapter is None or self._zero_shot) else self.adapter(f)
 
     def forward(self, texts: list[str], class_emb: torch.Tensor | None = None) -> torch.Tensor:
         if self.task == "dual_encoder":
             # With class-side adapters the class embeddings change every step while training;
             # evaluation passes them in once per model.
             ce = self.class_embeddings() if class_emb is None else class_emb
-            return self.mcfg.logit_scale * F.normalize(self._embed(texts), dim=-1) @ ce.T
+            return self.mcfg.logit_scale * F.normalize(self._input_features(texts), dim=-1) @ ce.T
         if self.task == "encoder_head":
-            return self.head(self._embed(texts))
+            return self.head(self._input_features(texts))
         from fedsplice.verbalizer import verbalizer_logits
 
         prompts = [self.mcfg.input_template.format(text=t) for t in texts]

@@ -1,4 +1,4 @@
-"""`fedsplice run | validate | list`. User errors print one line and exit 2, never a traceback."""
+"""`fedsplice run | resume | validate | list`. User errors print one line and exit 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -40,6 +40,15 @@ def cmd_run(args) -> None:
         console.print(f"results: {out / 'results.json'}")
 
 
+def cmd_resume(args) -> None:
+    from fedsplice.runner import console, resume_experiment
+
+    results = resume_experiment(Path(args.run_dir), quiet=args.quiet)
+    if not args.quiet:
+        _table(results)
+        console.print(f"results: {Path(args.run_dir) / 'results.json'}")
+
+
 def cmd_validate(args) -> None:
     from fedsplice.config import load_config
 
@@ -79,6 +88,10 @@ def main(argv=None) -> int:
     r.add_argument("--overwrite", action="store_true", help="reuse a non-empty run directory")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(fn=cmd_run)
+    rs = sub.add_parser("resume", help="continue a killed run from its last complete checkpoint")
+    rs.add_argument("run_dir", metavar="RUN_DIR", help="the --out of the run (its config.toml is used)")
+    rs.add_argument("--quiet", action="store_true")
+    rs.set_defaults(fn=cmd_resume)
     v = sub.add_parser("validate", help="check a config without running it")
     v.add_argument("config", nargs="?", type=Path)
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

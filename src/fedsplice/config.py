@@ -9,6 +9,7 @@ the raw table before validation, so they go through exactly the same checks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -51,7 +52,8 @@ class ModelConfig:
 
 @dataclass
 class PeftConfig:
-    type: Literal["lora"] = "lora"
+    type: Literal["lora", "prompt", "adapter"] = "lora"
+    # LoRA (HF peft) on attention projections by role
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
@@ -59,6 +61,12 @@ class PeftConfig:
     layers: list[int] = field(default_factory=list)  # empty: every layer
     tower: str = ""  # CLIP-style models: "text_model" or "vision_model"; empty: the only tower
     use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
+    # CoOp prompt context on the class side of a dual encoder
+    n_ctx: int = 0  # 0: the words of model.class_prompt before {label}, initialized from them
+    class_specific: bool = False  # one context per class instead of one shared
+    portfolio: float = 0.0  # PromptFolio θ: mix a private local prompt's class features with weight θ
+    # FedCLIP feature adapter on the input embedding
+    adapter_hidden: int = 0  # 0: the embedding width
 
     def check(self) -> None:
         _positive("peft.r", self.r)
@@ -70,6 +78,12 @@ class PeftConfig:
             raise ConfigError("peft.roles is empty; list at least one of q, k, v, o")
         if any(i < 0 for i in self.layers):
             raise ConfigError(f"peft.layers must be non-negative layer indices, got {self.layers}")
+        if self.n_ctx < 0 or self.adapter_hidden < 0:
+            raise ConfigError("peft.n_ctx and peft.adapter_hidden must be >= 0 (0 = automatic)")
+        if not 0.0 <= self.portfolio < 1.0:
+            raise ConfigError(f"peft.portfolio must be in [0, 1), got {self.portfolio}")
+        if self.portfolio > 0 and self.type != "prompt":
+            raise ConfigError("peft.portfolio mixes prompt contexts: set peft.type = 'prompt'")
 
 
 @dataclass
@@ -83,6 +97,10 @@ class DataConfig:
     max_per_class: int = 0  # cap on training samples per class; 0 = no cap
     local_test_size: int = 40  # per client, drawn to match its training label distribution
     holdout_clients: int = 0  # clients kept out of training for cold-start evaluation
+    # Long tail (FedPuReL): n_c = n_max·IF^(−c/(C−1)) training samples for the c-th largest
+    # class before partitioning; imbalance = 1 keeps the data as it is.
+    imbalance: float = 1.0
+    n_max: int = 0  # 0: the largest class's size
 
     def check(self) -> None:
         from fedsplice.data import DATASETS
@@ -101,6 +119,10 @@ class DataConfig:
         _positive("data.local_test_size", self.local_test_size)
         if self.max_per_class < 0:
             raise ConfigError("data.max_per_class must be >= 0 (0 = no cap)")
+        if self.imbalance < 1:
+            raise ConfigError(f"data.imbalance (IF) must be >= 1 (1 = no long-tail cut), got {self.imbalance}")
+        if self.n_max < 0:
+            raise ConfigError("data.n_max must be >= 0 (0 = the largest class's size)")
         if not 0 <= self.holdout_clients < self.num_clients:
             raise ConfigError(f"data.holdout_clients must be in [0, data.num_clients) = "
                               f"[0, {self.num_clients}), got {self.holdout_clients}")
@@ -114,8 +136,11 @@ class ClientConfig:
     lr: float = 5e-4
     weight_decay: float = 0.0
     optimizer: Literal["adamw", "sgd"] = "adamw"
+    logit_adjustment: float = 0.0  # τ of logit-adjusted training (Menon et al. 2021); 0 = off
 
     def check(self) -> None:
+        if self.logit_adjustment < 0:
+            raise ConfigError(f"client.logit_adjustment must be >= 0 (0 = off), got {self.logit_adjustment}")
         _positive("client.local_epochs", self.local_epochs)
         _positive("client.batch_size", self.batch_size)
         _positive("client.lr", self.lr)
@@ -137,12 +162,34 @@ class ServerConfig:
     tau: float = 1e-3  # adaptivity ε of FedAdam/FedYogi/FedAdagrad
     bias_correction: bool = False  # Reddi et al. Alg. 2 has none; Adam-style implementations do
     initial_accumulator: float = -1.0  # v_{-1}; negative = tau**2 (the paper)
+    # Failing clients (any runtime): a round aggregates once it holds `min_replies` valid
+    # replies; with fewer, the clients without one are asked again up to `max_retries` times,
+    # then the round is skipped (global tensors unchanged) and logged.
+    min_replies: int = 1
+    max_retries: int = 1
+    round_deadline_s: float = 0.0  # replies later than this are discarded as late; 0 = no deadline
+    # Untrusted clients: an update whose delta has an L2 norm above the bound is rejected (0 = no
+    # bound); "median" / "trimmed_mean" aggregate coordinate-wise and ignore sample counts.
+    update_norm_bound: float = 0.0
+    aggregation: Literal["mean", "median", "trimmed_mean"] = "mean"
+    trim_fraction: float = 0.1  # trimmed_mean: share cut from each end, per coordinate
 
     def check(self) -> None:
         _positive("server.rounds", self.rounds)
         _positive("server.clients_per_round", self.clients_per_round)
         if self.lr < 0:
             raise ConfigError(f"server.lr must be >= 0 (0 = the optimizer's default), got {self.lr}")
+        if not 1 <= self.min_replies <= self.clients_per_round:
+            raise ConfigError(f"server.min_replies must be in [1, server.clients_per_round] = "
+                              f"[1, {self.clients_per_round}], got {self.min_replies}")
+        if not 0 <= self.max_retries <= 100:
+            raise ConfigError(f"server.max_retries must be in [0, 100], got {self.max_retries}")
+        if self.round_deadline_s < 0:
+            raise ConfigError(f"server.round_deadline_s must be >= 0 (0 = no deadline), got {self.round_deadline_s}")
+        if self.update_norm_bound < 0:
+            raise ConfigError(f"server.update_norm_bound must be >= 0 (0 = no bound), got {self.update_norm_bound}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError(f"server.trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
 
     def optimizer_kwargs(self) -> dict:
         """Only the hyperparameters the chosen server optimizer takes."""
@@ -163,23 +210,58 @@ class EvalConfig:
     every: int = 1  # evaluate GM/PM every N rounds (the last round always)
     batch_size: int = 64
     cold_start_epochs: int = 5  # held-out clients: step 0, then after 1..N local epochs
+    many_threshold: int = 100  # many-shot classes: > this many global training samples
+    few_threshold: int = 20  # few-shot classes: < this many; medium in between
+    balancedness_sigma: float = 0.1  # σ of β(V); 0.1 and 0.01 are always reported too
 
     def check(self) -> None:
         _positive("eval.every", self.every)
         _positive("eval.batch_size", self.batch_size)
         if self.cold_start_epochs < 0:
             raise ConfigError("eval.cold_start_epochs must be >= 0")
+        if not 0 <= self.few_threshold <= self.many_threshold:
+            raise ConfigError(f"eval.few_threshold ({self.few_threshold}) must be in [0, "
+                              f"eval.many_threshold ({self.many_threshold})]")
+        _positive("eval.balancedness_sigma", self.balancedness_sigma)
 
 
 @dataclass
 class RuntimeConfig:
-    kind: Literal["simulation"] = "simulation"
+    kind: Literal["simulation", "flower"] = "simulation"  # flower: Flower deployment engine (docs/flower.md)
+    # flower only: SuperNodes `fedsplice flower up` starts (node p serves clients cid % N == p), and
+    # TLS + SuperNode authentication off (loopback experiments only; warned). Flower uses
+    # server.min_replies / max_retries / round_deadline_s like the simulation does.
+    num_supernodes: int = 2
+    insecure: bool = False
     store: Literal["memory", "disk"] = "memory"  # where PRIVATE client state lives between rounds
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    checkpoint_every: int = 1  # rounds between checkpoints (the last round always); 0 = none
+    keep_checkpoints: int = 2  # the newest k checkpoints are kept
 
     def check(self) -> None:
         if self.threads < 0:
             raise ConfigError("runtime.threads must be >= 0 (0 = torch default)")
+        _positive("runtime.num_supernodes", self.num_supernodes)
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"runtime.checkpoint_every must be >= 0 (0 = no checkpoints), got {self.checkpoint_every}")
+        _positive("runtime.keep_checkpoints", self.keep_checkpoints)
+
+
+@dataclass
+class FaultsConfig:
+    """Injected client failures (simulation runtime), drawn per (seed, round, attempt, client)."""
+
+    dropout: float = 0.0  # probability that a sampled client never replies
+    straggler: float = 0.0  # probability that a sampled client is slow ...
+    straggler_delay_s: float = 60.0  # ... and replies after this long (late if > server.round_deadline_s)
+
+    def check(self) -> None:
+        for name in ("dropout", "straggler"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"faults.{name} must be a probability in [0, 1], got {v}")
+        if self.straggler_delay_s < 0:
+            raise ConfigError(f"faults.straggler_delay_s must be >= 0, got {self.straggler_delay_s}")
 
 
 @dataclass
@@ -194,6 +276,7 @@ class ExperimentConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def check(self) -> None:
         if self.seed < 0:
@@ -207,6 +290,11 @@ class ExperimentConfig:
             raise ConfigError(
                 f"server.clients_per_round ({self.server.clients_per_round}) exceeds the "
                 f"{trainable} training clients (data.num_clients - data.holdout_clients)")
+        if self.faults.straggler > 0 and not 0 < self.server.round_deadline_s < self.faults.straggler_delay_s:
+            raise ConfigError(
+                f"faults.straggler = {self.faults.straggler} needs 0 < server.round_deadline_s < "
+                f"faults.straggler_delay_s ({self.faults.straggler_delay_s}); without a deadline a "
+                f"slow client is simply waited for")
         from fedsplice.algorithms import method_params  # validates `method` against the algorithm
         from fedsplice.server import make_server_optimizer  # validates the server hyperparameters
 
@@ -257,6 +345,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -6,7 +6,7 @@ the same seed see the same partition, the same local test sets and the same samp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from fedsplice.server import ServerOptimizer, make_server_optimizer
 from fedsplice.split import GLOBAL, PRIVATE, names_in
 
 # Streams of the one seed: each use gets its own generator (numpy SeedSequence entropy pairs).
-STREAM_PARTITION, STREAM_SAMPLING, STREAM_CLIENT, STREAM_LOCAL_TEST = 0, 1, 2, 3
+STREAM_PARTITION, STREAM_SAMPLING, STREAM_CLIENT, STREAM_LOCAL_TEST, STREAM_LONG_TAIL = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Experiment:
     init_params: dict[str, torch.Tensor]  # the fresh state of every trainable tensor
     server_opt: ServerOptimizer
     sampling: list[list[int]]  # pre-generated: round r trains clients sampling[r]
+    caches: dict = field(default_factory=dict)  # frozen work: e.g. "zero_shot" train logits
 
 
 def rng(cfg: ExperimentConfig, *stream: int) -> np.random.Generator:
@@ -73,11 +74,26 @@ def sampling_stream(cfg: ExperimentConfig, train_ids: list[int]) -> list[list[in
             for _ in range(cfg.server.rounds)]
 
 
+def apply_long_tail(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
+    """Cut the training set to the exponential profile, largest available class first."""
+    if cfg.data.imbalance <= 1:
+        return data
+    counts = np.bincount(data.train_labels, minlength=len(data.class_names))
+    order = np.argsort(-counts, kind="stable")
+    n_max = cfg.data.n_max or int(counts.max())
+    keep = P.long_tail_subsample(data.train_labels, n_max, cfg.data.imbalance, rng(cfg, STREAM_LONG_TAIL),
+                                 class_order=order)
+    data.train_texts = [data.train_texts[i] for i in keep]
+    data.train_labels = data.train_labels[keep]
+    return data
+
+
 def build(cfg: ExperimentConfig) -> Experiment:
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
                         max_per_class=cfg.data.max_per_class or None)
+    data = apply_long_tail(cfg, data)
     clients = make_clients(cfg, data)
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     train_ids, holdout_ids = list(range(n_train)), list(range(n_train, cfg.data.num_clients))
@@ -86,6 +102,20 @@ def build(cfg: ExperimentConfig) -> Experiment:
     recipe = build_recipe(cfg, model.param_infos(), {n: p.shape for n, p in params.items()},
                           model.scalings())
     server_opt = make_server_optimizer(cfg.server.optimizer, **cfg.server.optimizer_kwargs())
-    return Experiment(cfg, data, clients, train_ids, holdout_ids, model, recipe,
-                      names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE),
-                      clone(params), server_opt, sampling_stream(cfg, train_ids))
+    exp = Experiment(cfg, data, clients, train_ids, holdout_ids, model, recipe,
+                     names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE),
+                     clone(params), server_opt, sampling_stream(cfg, train_ids))
+    exp.caches.update(zero_shot_caches(exp))
+    return exp
+
+
+def zero_shot_caches(exp: Experiment) -> dict:
+    """Frozen work computed once: zero-shot logits of the test set (for TKL and head bias) and,
+    when the recipe aligns to them (FedPuReL), of the training set."""
+    bs = exp.cfg.eval.batch_size
+    with exp.model.zero_shot():
+        out = {"zero_shot_test": exp.model.predict(exp.data.test_texts, bs)}
+        if exp.recipe.needs_zero_shot:
+            out["zero_shot"] = exp.model.predict(exp.data.train_texts, bs)
+    out["train_counts"] = np.bincount(exp.data.train_labels, minlength=len(exp.data.class_names))
+    return out

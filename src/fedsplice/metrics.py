@@ -24,8 +24,65 @@ def classification_metrics(labels: np.ndarray, logits: np.ndarray, num_classes: 
 
 
 def summarize_clients(per_client: list[dict]) -> dict:
-    """Mean over ALL clients, plus std/min/max of accuracy across them."""
+    """Mean over ALL clients of every scalar metric, plus std/min/max of accuracy across them.
+    List-valued entries (per-class counts) are left to the caller to pool."""
     acc = np.array([m["accuracy"] for m in per_client])
-    out = {k: float(np.mean([m[k] for m in per_client])) for k in per_client[0]}
+    out = {k: float(np.mean([m[k] for m in per_client])) for k in per_client[0]
+           if isinstance(per_client[0][k], (int, float))}
     out.update(accuracy_std=float(acc.std()), accuracy_min=float(acc.min()), accuracy_max=float(acc.max()))
+    return out
+
+
+# ------------------------------------------------------------------ long-tailed protocol (§6)
+
+
+def per_class_counts(labels: np.ndarray, pred: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(correct, total) per class; pooled across clients by summing."""
+    total = np.bincount(labels, minlength=num_classes)
+    correct = np.bincount(labels[pred == labels], minlength=num_classes)
+    return correct, total
+
+
+def balancedness(acc: np.ndarray, sigma: float) -> float:
+    """β(V) = (1/C²)·Σ_ij exp(−(a_i − a_j)²/σ), per-class accuracies in [0, 1] (Kang et al.)."""
+    acc = np.asarray(acc, dtype=np.float64)
+    d = acc[:, None] - acc[None, :]
+    return float(np.exp(-(d**2) / sigma).mean())
+
+
+def shot_groups(train_counts: np.ndarray, many: int, few: int) -> dict[str, np.ndarray]:
+    """Classes by global training count: many (> many), medium (few..many), few (< few)."""
+    c = np.asarray(train_counts)
+    return {"many": c > many, "medium": (c >= few) & (c <= many), "few": c < few}
+
+
+def head_bias(train_counts, acc, zs_acc) -> float | None:
+    """Spearman rank correlation between a class's training count and its accuracy change from
+    zero-shot: > 0 means fine-tuning helped frequent classes at the expense of rare ones."""
+    from scipy.stats import spearmanr
+
+    delta = np.asarray(acc) - np.asarray(zs_acc)
+    if np.all(delta == delta[0]) or np.all(np.asarray(train_counts) == train_counts[0]):
+        return None  # undefined for a constant input
+    return float(spearmanr(train_counts, delta).statistic)
+
+
+def longtail_metrics(correct, total, zs_correct, train_counts, *, many: int, few: int,
+                     sigma: float) -> dict:
+    """Group accuracies, balancedness at σ (and at 0.1, 0.01) and head bias, over classes that
+    have test samples. A group with no such class is None."""
+    total = np.asarray(total)
+    has = total > 0
+    acc = np.where(has, np.asarray(correct) / np.maximum(total, 1), 0.0)
+    zs = np.where(has, np.asarray(zs_correct) / np.maximum(total, 1), 0.0)
+    out = {}
+    for name, mask in shot_groups(train_counts, many, few).items():
+        m = mask & has
+        out[name] = float(np.asarray(correct)[m].sum() / total[m].sum()) if m.any() else None
+    a, z, n = acc[has], zs[has], np.asarray(train_counts)[has]
+    out["balancedness"] = balancedness(a, sigma)
+    out["balancedness_sigma"] = sigma
+    out["balancedness_0.1"] = balancedness(a, 0.1)
+    out["balancedness_0.01"] = balancedness(a, 0.01)
+    out["head_bias"] = head_bias(n, a, z)
     return out

@@ -18,8 +18,11 @@ import torch
 
 from fedsplice import wire
 from fedsplice.experiment import STREAM_CLIENT, Experiment, rng
-from fedsplice.metrics import classification_metrics, summarize_clients
-from fedsplice.server import deltas, weighted_mean
+from fedsplice.fedpurel import tkl
+from fedsplice.metrics import classification_metrics, longtail_metrics, per_class_counts, summarize_clients
+from fedsplice.checkpoint import RoundState
+from fedsplice.robust import aggregate, gather
+from fedsplice.server import deltas
 from fedsplice.train import local_train
 
 
@@ -38,6 +41,17 @@ def private_state(exp: Experiment, store, cid: int) -> tuple[dict, dict]:
     return params, opt
 
 
+def train_context(exp: Experiment, cid: int, received: dict, **extra) -> dict:
+    """What the objective and loss terms may read: the weights received this round (FedProx),
+    the client's logit-adjustment offset, and the frozen caches (zero-shot logits)."""
+    ctx = {"global_ref": received, "client": cid, **exp.caches, **extra}
+    tau = exp.cfg.client.logit_adjustment
+    if tau > 0:  # Menon et al.: tau * log(local class prior), from the client's own labels
+        counts = np.bincount(exp.data.train_labels[exp.clients[cid].train_idx], minlength=len(exp.data.class_names))
+        ctx["logit_offset"] = tau * torch.log(torch.as_tensor((counts + 1e-3) / counts.sum(), dtype=torch.float32))
+    return ctx
+
+
 def client_update(exp: Experiment, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     """One client's round: decode the GLOBAL tensors, train, keep PRIVATE state, encode the upload."""
     received = wire.decode(down)
@@ -45,15 +59,45 @@ def client_update(exp: Experiment, store, cid: int, rnd: int, down: bytes) -> tu
     exp.model.load_params({**received, **priv})
     c = exp.clients[cid]
     _client_seed(exp, rnd, cid)
+    r = exp.recipe
     new_opt, stats = local_train(
         exp.model, [exp.data.train_texts[i] for i in c.train_idx], exp.data.train_labels[c.train_idx],
-        cfg=exp.cfg.client, loss_terms=exp.recipe.loss_terms, grad_transforms=exp.recipe.grad_transforms,
-        keep_opt=set(exp.private_names), opt_state=opt_state, rng=rng(exp.cfg, STREAM_CLIENT, rnd, cid),
-        ctx={"global_ref": received, "round": rnd, "client": cid})
+        cfg=exp.cfg.client, loss_terms=r.loss_terms, objective=r.objective, grad_transform=r.grad_transform,
+        ids=c.train_idx, keep_opt=set(exp.private_names), opt_state=opt_state,
+        rng=rng(exp.cfg, STREAM_CLIENT, rnd, cid), ctx=train_context(exp, cid, received, round=rnd))
     params = exp.model.trainable()
     store.put(cid, {**{f"param/{n}": params[n] for n in exp.private_names},
                     **{f"opt/{k}": v for k, v in new_opt.items()}})
     return wire.encode({n: params[n] for n in exp.global_names}), stats
+
+
+def score(exp: Experiment, labels: np.ndarray, logits: np.ndarray, test_idx: np.ndarray) -> dict:
+    """Metrics of logits on test samples `test_idx`, with what pooling needs: per-class counts of
+    the model and of the zero-shot model on the same samples, and TKL to zero-shot."""
+    c = len(exp.data.class_names)
+    m = classification_metrics(labels, logits, c)
+    zs = exp.caches["zero_shot_test"][torch.as_tensor(test_idx)]
+    correct, total = per_class_counts(labels, logits.argmax(1), c)
+    zs_correct, _ = per_class_counts(labels, zs.numpy().argmax(1), c)
+    m["tkl"] = float(tkl(torch.as_tensor(logits), zs).mean())
+    m.update(class_correct=correct.tolist(), class_total=total.tolist(), zs_class_correct=zs_correct.tolist())
+    return m
+
+
+def with_longtail(exp: Experiment, m: dict, correct, total, zs_correct) -> dict:
+    e = exp.cfg.eval
+    out = {k: v for k, v in m.items() if not isinstance(v, list)}
+    out.update(longtail_metrics(correct, total, zs_correct, exp.caches["train_counts"],
+                                many=e.many_threshold, few=e.few_threshold, sigma=e.balancedness_sigma))
+    return out
+
+
+def summarize_pm(exp: Experiment, per_client: list[dict]) -> dict:
+    """PM: scalar metrics averaged over ALL clients (accuracy also std/min/max); the long-tail
+    metrics pool the clients' local test predictions (per-class counts summed)."""
+    pooled = [np.sum([m[k] for m in per_client], axis=0) for k in ("class_correct", "class_total",
+                                                                  "zs_class_correct")]
+    return with_longtail(exp, summarize_clients(per_client), *pooled)
 
 
 def evaluate_global(exp: Experiment, global_params: dict) -> dict:
@@ -62,7 +106,8 @@ def evaluate_global(exp: Experiment, global_params: dict) -> dict:
     fresh = {n: exp.init_params[n] for n in exp.private_names}
     exp.model.load_params({**global_params, **fresh})
     logits = exp.model.predict(d.test_texts, exp.cfg.eval.batch_size).numpy()
-    return classification_metrics(d.test_labels, logits, len(d.class_names))
+    m = score(exp, d.test_labels, logits, np.arange(len(d.test_labels)))
+    return with_longtail(exp, m, m["class_correct"], m["class_total"], m["zs_class_correct"])
 
 
 def evaluate_client(exp: Experiment, store, cid: int, global_params: dict) -> dict:
@@ -72,13 +117,21 @@ def evaluate_client(exp: Experiment, store, cid: int, global_params: dict) -> di
     exp.model.load_params({**global_params, **priv})
     idx = exp.clients[cid].test_idx
     lg = exp.model.predict([d.test_texts[i] for i in idx], exp.cfg.eval.batch_size).numpy()
-    return classification_metrics(d.test_labels[idx], lg, len(d.class_names))
+    return score(exp, d.test_labels[idx], lg, idx)
 
 
 def evaluate(exp: Experiment, global_params: dict, store) -> dict:
     """GM on the global test set; PM over ALL training clients (in-process)."""
     return {"gm": evaluate_global(exp, global_params),
-            "pm": summarize_clients([evaluate_client(exp, store, c, global_params) for c in exp.train_ids])}
+            "pm": summarize_pm(exp, [evaluate_client(exp, store, c, global_params) for c in exp.train_ids])}
+
+
+def evaluate_only(exp: Experiment, store, on_round: Callable[[dict], None]) -> dict:
+    """Runs that train nothing (zero-shot): one evaluation, no traffic."""
+    params = exp.model.trainable()
+    global_params = {n: params[n].detach().clone() for n in exp.global_names}
+    on_round({"round": 0, **evaluate(exp, global_params, store)})
+    return {"global_params": global_params, "server_state": {}, "up_bytes": 0, "down_bytes": 0}
 
 
 @dataclass
@@ -89,21 +142,51 @@ class Reply:
     stats: dict
     up_bytes: int  # measured on what crossed the wire (here: the payload itself)
     down_bytes: int
+    error: str = ""  # the client failed (dropout, crash, lost connection): why; no update
+    late: bool = False  # the reply came after the round deadline; it is not aggregated
 
 
 class InProcess:
     """The simulation transport: clients run one after another in this process, one backbone.
 
     A runtime is anything with `fit(rnd, cids, down) -> [Reply]` and
-    `evaluate(cids, down) -> [metrics]`; the Flower runtime implements the same two calls.
+    `evaluate(cids, down) -> [metrics]`; the Flower runtime implements the same two calls. A
+    runtime may return fewer replies than clients asked, or replies with `error`/`late` set:
+    the round loop (`robust.gather`) treats them the same way whichever runtime sent them.
+
+    Injected failures (`[faults]`) are drawn per (seed, round, attempt, client) from their own
+    stream, so a resumed run fails the same clients. A dropped or late client does not run at
+    all: its PRIVATE state does not advance (the server cancels a late client's task at the
+    deadline, so its work is discarded whole).
     """
+
+    FAULT_STREAM = 4  # after experiment.py's streams 0-3
 
     def __init__(self, exp: Experiment, store, progress: Callable[[], None] | None = None):
         self.exp, self.store, self.progress = exp, store, progress
+        self._attempts: dict[int, int] = {}  # round -> fit calls so far (a retry draws anew)
+
+    def _fault(self, rnd: int, attempt: int, cid: int) -> str:
+        f, deadline = self.exp.cfg.faults, self.exp.cfg.server.round_deadline_s
+        if f.dropout <= 0 and f.straggler <= 0:
+            return ""
+        u_drop, u_slow = rng(self.exp.cfg, self.FAULT_STREAM, rnd, attempt, cid).random(2)
+        if u_drop < f.dropout:
+            return "dropout"
+        if u_slow < f.straggler and 0 < deadline < f.straggler_delay_s:
+            return "late"
+        return ""
 
     def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]:
+        attempt = self._attempts.get(rnd, 0)
+        self._attempts[rnd] = attempt + 1
         out = []
         for cid in cids:
+            fault = self._fault(rnd, attempt, cid)
+            if fault:
+                out.append(Reply(cid, b"", 0, {}, 0, len(down), error="" if fault == "late" else
+                                 "dropout (simulated)", late=fault == "late"))
+                continue
             up, st = client_update(self.exp, self.store, cid, rnd, down)
             out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
             if self.progress:
@@ -132,12 +215,13 @@ def cold_start(exp: Experiment, global_params: dict) -> dict:
         for e in range(epochs + 1):
             if e > 0:
                 _client_seed(exp, -e, cid)
+                r = exp.recipe
                 opt_state, _ = local_train(
                     exp.model, texts, d.train_labels[cl.train_idx], cfg=cfg.client,
-                    loss_terms=exp.recipe.loss_terms, grad_transforms=exp.recipe.grad_transforms,
-                    keep_opt=set(exp.model.trainable()), opt_state=opt_state,
-                    rng=rng(cfg, STREAM_CLIENT, 10**6 + e, cid), ctx={"global_ref": global_params},
-                    epochs=1)
+                    loss_terms=r.loss_terms, objective=r.objective, grad_transform=r.grad_transform,
+                    ids=cl.train_idx, keep_opt=set(exp.model.trainable()), opt_state=opt_state,
+                    rng=rng(cfg, STREAM_CLIENT, 10**6 + e, cid),
+                    ctx=train_context(exp, cid, global_params), epochs=1)
             lg = exp.model.predict(test, cfg.eval.batch_size).numpy()
             accs.append(classification_metrics(d.test_labels[cl.test_idx], lg, c)["accuracy"])
         curves.append(accs)
@@ -148,44 +232,65 @@ def cold_start(exp: Experiment, global_params: dict) -> dict:
 
 
 def run_rounds(exp: Experiment, store, on_round: Callable[[dict], None], progress=None,
-               transport=None) -> dict:
-    """The one round loop. Calls on_round(record) after every round; returns the final state."""
-    cfg = exp.cfg
+               transport=None, start: RoundState | None = None,
+               on_state: Callable[[RoundState], None] | None = None) -> dict:
+    """The one round loop. Calls on_round(record) after every round, then on_state(state) with
+    the server's state at the end of that round (the runner checkpoints it); `start` continues
+    from such a state (resume: round 0 is not evaluated again). Returns the final state.
+
+    A round survives failing clients: replies are validated (`robust.gather`), and a round with
+    fewer than `server.min_replies` valid ones, after `server.max_retries` retries, is skipped
+    (global tensors and server state unchanged) and marked `"skipped": true`.
+    """
+    cfg, sc = exp.cfg, exp.cfg.server
     transport = transport or InProcess(exp, store, progress)
-    params = exp.model.trainable()
-    global_params = {n: params[n].detach().clone() for n in exp.global_names}
-    server_state = exp.server_opt.init(global_params)
-    allowed, private = set(exp.global_names), set(exp.private_names)
-    up_total = down_total = 0
+    if start is None:
+        params = exp.model.trainable()
+        global_params = {n: params[n].detach().clone() for n in exp.global_names}
+        server_state = exp.server_opt.init(global_params)
+        up_total = down_total = 0
+    else:
+        global_params, server_state = dict(start.global_params), dict(start.server_state)
+        up_total, down_total = start.up_bytes, start.down_bytes
+    private = set(exp.private_names)
 
     def evaluation(gp: dict) -> dict:
         per_client = transport.evaluate(exp.train_ids, wire.encode(gp))
-        return {"gm": evaluate_global(exp, gp), "pm": summarize_clients(per_client)}
+        return {"gm": evaluate_global(exp, gp), "pm": summarize_pm(exp, per_client)}
 
-    on_round({"round": 0, **evaluation(global_params)})
-    for rnd in range(1, cfg.server.rounds + 1):
+    if start is None:
+        on_round({"round": 0, **evaluation(global_params)})
+    for rnd in range((start.round if start else 0) + 1, sc.rounds + 1):
         t0 = time.perf_counter()
-        replies = transport.fit(rnd, exp.sampling[rnd - 1], wire.encode(global_params))
-        uploads = []
-        for r in replies:
-            received = wire.decode(r.payload)
-            wire.audit(received, allowed, private, f"client {r.cid}")
-            uploads.append(received)
-        up_round = sum(r.up_bytes for r in replies)
-        down_round = sum(r.down_bytes for r in replies)
-        up_total, down_total = up_total + up_round, down_total + down_round
-        if exp.global_names:
-            mean = weighted_mean([deltas(u, global_params) for u in uploads], [r.num_examples for r in replies])
-            global_params, server_state = exp.server_opt.update(mean, server_state, global_params)
-        stats = [r.stats for r in replies]
-        record = {"round": rnd, "clients": [r.cid for r in replies],
-                  "train_loss": float(np.mean([s["loss"] for s in stats])),
-                  "up_bytes": up_round, "down_bytes": down_round, "time_s": time.perf_counter() - t0}
-        for k in stats[0]:
-            if k not in ("steps", "loss"):
+        got = gather(transport, rnd, exp.sampling[rnd - 1], wire.encode(global_params), global_params,
+                     private, min_replies=sc.min_replies, max_retries=sc.max_retries,
+                     norm_bound=sc.update_norm_bound)
+        up_total, down_total = up_total + got.up_bytes, down_total + got.down_bytes
+        ok = len(got.accepted) >= sc.min_replies
+        if ok and exp.global_names:
+            agg = aggregate([deltas(u, global_params) for _, u in got.accepted],
+                            [r.num_examples for r, _ in got.accepted], sc.aggregation, sc.trim_fraction)
+            global_params, server_state = exp.server_opt.update(agg, server_state, global_params)
+        stats = [r.stats for r, _ in got.accepted] if ok else []
+        record = {"round": rnd, "clients": [r.cid for r, _ in got.accepted]}
+        if stats:
+            record["train_loss"] = float(np.mean([s["loss"] for s in stats]))
+        record.update(up_bytes=got.up_bytes, down_bytes=got.down_bytes, dropped=got.count("dropped"),
+                      late=got.count("late"), rejected=got.count("rejected"),
+                      time_s=time.perf_counter() - t0)
+        if not ok:
+            record["skipped"] = True
+        if got.attempts > 1:
+            record["attempts"] = got.attempts
+        if got.events:
+            record["events"] = got.events
+        for k in (stats[0] if stats else ()):  # in a fixed order: metrics.jsonl is compared bytewise
+            if k not in ("steps", "loss") and all(k in s for s in stats):
                 record[k] = float(np.mean([s[k] for s in stats]))
         if rnd % cfg.eval.every == 0 or rnd == cfg.server.rounds:
             record.update(evaluation(global_params))
         on_round(record)
+        if on_state is not None:
+            on_state(RoundState(rnd, global_params, server_state, up_total, down_total))
     return {"global_params": global_params, "server_state": server_state,
             "up_bytes": up_total, "down_bytes": down_total}

@@ -33,47 +33,71 @@ def import_opt_state(opt, params: dict[str, torch.nn.Parameter], state: dict[str
         opt.state[params[name]][slot] = v.clone()
 
 
+def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.ndarray, ctx: dict) -> dict:
+    """The plain task loss. ctx["logit_offset"] (logit adjustment, Menon et al.) shifts the
+    training logits by τ·log(prior) so rare classes are not crowded out; evaluation is unshifted."""
+    logits = model(texts)
+    return {"task": F.cross_entropy(logits + ctx.get("logit_offset", 0.0), y)}
+
+
 def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, loss_terms,
-                grad_transforms, keep_opt: set[str], opt_state: dict, rng: np.random.Generator,
-                ctx: dict, epochs: int | None = None) -> tuple[dict, dict]:
+                keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: dict,
+                objective=None, grad_transform=None, ids: np.ndarray | None = None,
+                epochs: int | None = None) -> tuple[dict, dict]:
     """Train the model's trainable tensors in place on one client's data.
+
+    `objective(model, texts, y, ids, ctx) -> {name: loss}` gives the losses of one forward
+    (default: cross-entropy as "task"); parameter-only `loss_terms` are added to "task".
+    Without a `grad_transform` the step follows the gradient of the sum of all losses; with
+    one, the gradient of each loss is taken separately and the transform combines them
+    (`grad_transform(grads: {loss: [tensor per param]}) -> ([tensor per param], stats)`),
+    as FedPuReL's purification does.
 
     Returns the optimizer state of the `keep_opt` names (PRIVATE tensors: their Adam moments
     persist across rounds; GLOBAL tensors start each round fresh, as they are replaced by the
-    server's) and training statistics.
+    server's) and training statistics (means over steps).
     """
+    objective = objective or cross_entropy_objective
     params = model.trainable()
     names = sorted(params)
-    opt = make_optimizer([params[n] for n in names], cfg)
+    plist = [params[n] for n in names]
+    opt = make_optimizer(plist, cfg)
     import_opt_state(opt, params, opt_state)
     by_param = {params[n]: n for n in names}
     y_all = torch.as_tensor(labels, dtype=torch.long)
-    steps, loss_sum, task_sum, term_sums = 0, 0.0, 0.0, [0.0] * len(loss_terms)
+    ids = np.arange(len(texts)) if ids is None else np.asarray(ids)
+    steps, sums = 0, {}
     model.train()
     for _ in range(epochs or cfg.local_epochs):
         order = rng.permutation(len(texts))
         for i in range(0, len(order), cfg.batch_size):
             idx = order[i:i + cfg.batch_size]
-            logits = model([texts[j] for j in idx])
-            task = F.cross_entropy(logits, y_all[idx])
-            loss = task
-            for t, term in enumerate(loss_terms):
+            losses = objective(model, [texts[j] for j in idx], y_all[idx], ids[idx], ctx)
+            for term in loss_terms:
                 v = term(params, ctx)
-                term_sums[t] += float(v.detach())
-                loss = loss + v
+                sums[type(term).__name__.lower()] = sums.get(type(term).__name__.lower(), 0.0) + float(v.detach())
+                losses["task"] = losses["task"] + v
+            total = sum(losses.values())
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            for transform in grad_transforms:
-                transform(params, ctx)
+            if grad_transform is None:
+                total.backward()
+            else:
+                grads = {k: [g if g is not None else torch.zeros_like(p) for g, p in zip(
+                    torch.autograd.grad(v, plist, retain_graph=True, allow_unused=True), plist)]
+                    for k, v in losses.items()}
+                final, tstats = grad_transform(grads)
+                for p, g in zip(plist, final):
+                    p.grad = g
+                for k, v in tstats.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
             opt.step()
             steps += 1
-            loss_sum += float(loss.detach())
-            task_sum += float(task.detach())
+            sums["loss"] = sums.get("loss", 0.0) + float(total.detach())
+            for k, v in losses.items():
+                sums[f"{k}_loss"] = sums.get(f"{k}_loss", 0.0) + float(v.detach())
             if cfg.max_steps and steps >= cfg.max_steps:
                 break
         if cfg.max_steps and steps >= cfg.max_steps:
             break
-    stats = {"steps": steps, "loss": loss_sum / max(steps, 1), "task_loss": task_sum / max(steps, 1)}
-    for t, term in enumerate(loss_terms):
-        stats[type(term).__name__.lower()] = term_sums[t] / max(steps, 1)
+    stats = {"steps": steps, **{k: v / max(steps, 1) for k, v in sums.items()}}
     return export_opt_state(opt, by_param, keep_opt), stats

@@ -1,0 +1,81 @@
+"""PEFT types besides LoRA (which comes from HF peft): CoOp prompts and a FedCLIP feature adapter.
+
+Both start as the identity of the zero-shot model, so round 0 equals zero-shot exactly:
+the prompt context is initialized from the word embeddings of the class prompt's own words,
+and the adapter's attention starts uniform.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PromptLearner(nn.Module):
+    """CoOp (Zhou et al. 2022): learnable context vectors replacing the words of the class prompt
+    before "{label}" — "a quote about {label}." becomes [CLS] v_1..v_n label . [SEP].
+
+    n_ctx = 0 takes n from the template and initializes v from its words (exact zero-shot start);
+    n_ctx > 0 draws v ~ N(0, 0.02²) from a seeded generator. class_specific gives each class its
+    own context (C × n × d), else one shared context (n × d).
+    """
+
+    def __init__(self, tokenizer, word_embeddings: nn.Embedding, template: str, class_names: list[str],
+                 n_ctx: int, class_specific: bool, generator: torch.Generator):
+        super().__init__()
+        prefix, suffix = template.split("{label}", 1)
+        emb = word_embeddings.weight
+        prefix_ids = tokenizer(prefix.strip(), add_special_tokens=False)["input_ids"]
+        if n_ctx == 0:
+            init = emb[prefix_ids].detach().clone()
+        else:
+            init = torch.randn(n_ctx, emb.shape[1], generator=generator) * 0.02
+        if class_specific:
+            init = init.unsqueeze(0).repeat(len(class_names), 1, 1)
+        self.ctx = nn.Parameter(init)
+        self.n_ctx = init.shape[-2]
+        # Frozen pieces of each class sequence: [CLS] (ctx) label+suffix tokens [SEP].
+        cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
+        sep_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+        rows = [tokenizer(f"{c}{suffix}".strip(), add_special_tokens=False)["input_ids"] for c in class_names]
+        longest = max(len(r) for r in rows)
+        pad = tokenizer.pad_token_id or 0
+        ids = torch.full((len(rows), longest + 1), pad, dtype=torch.long)
+        mask = torch.zeros(len(rows), 2 + self.n_ctx + longest, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r) + 1] = torch.tensor(r + [sep_id])
+            mask[i, :2 + self.n_ctx + len(r)] = 1
+        self.register_buffer("cls_id", torch.tensor([cls_id]), persistent=False)
+        self.register_buffer("tail_ids", ids, persistent=False)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def inputs(self, word_embeddings: nn.Embedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs_embeds [C, L, d], attention_mask [C, L]) for the C class sequences."""
+        c = self.tail_ids.shape[0]
+        head = word_embeddings(self.cls_id).expand(c, 1, -1)
+        ctx = self.ctx if self.ctx.dim() == 3 else self.ctx.unsqueeze(0).expand(c, -1, -1)
+        return torch.cat([head, ctx, word_embeddings(self.tail_ids)], dim=1), self.mask
+
+
+class FeatureAdapter(nn.Module):
+    """FedCLIP's attention adapter (Lu et al. 2023): f' = softmax(W2·ReLU(W1·f)) ⊙ f.
+
+    W2 starts at zero, so the attention is uniform and f' ∝ f: after normalization the
+    predictions equal zero-shot.
+    """
+
+    def __init__(self, dim: int, hidden: int, generator: torch.Generator):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        with torch.no_grad():
+            bound = 1.0 / dim**0.5
+            self.fc1.weight.copy_(torch.empty(hidden, dim).uniform_(-bound, bound, generator=generator))
+            self.fc1.bias.zero_()
+            self.fc2.weight.zero_()
+            self.fc2.bias.zero_()
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        att = F.softmax(self.fc2(F.relu(self.fc1(f))), dim=-1)
+        return att * f * f.shape[-1]  # × d keeps the scale of f at the uniform start
