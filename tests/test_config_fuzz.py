@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fedsplice.cli import main
@@ -108,10 +108,12 @@ def test_mutated_shipped_configs_validate_or_exit_2(tmp_path_factory, which, mut
     path = tmp_path_factory.mktemp("fuzz") / "c.toml"
     try:
         path.write_text(tomli_w.dumps(table))
-    except (TypeError, ValueError):  # not representable as TOML (e.g. a key tomli_w refuses)
+    except (TypeError, ValueError) as e:  # not representable as TOML
+        event(f"not TOML: {type(e).__name__}")
         return
     what = (CONFIGS[which].name, muts)
     rc, out, err = _cli(["validate", str(path)])
+    event(f"validate rc={rc}")
     _check_contract(rc, out, err, what)
     if rc == 0:
         assert out.startswith("ok:")
@@ -155,6 +157,7 @@ def test_mutated_configs_run_tiny_or_exit_2(tmp_path_factory, tiny_bert_dir, toy
     d = tmp_path_factory.mktemp("fuzzrun")
     (d / "c.toml").write_text(tomli_w.dumps(table))
     rc, out, err = _cli(["run", str(d / "c.toml"), "--out", str(d / "out"), "--quiet"])
+    event(f"run rc={rc}")
     _check_contract(rc, out, err, muts)
     if rc == 0:
         assert json.loads((d / "out" / "results.json").read_text())["rounds"] >= 0

@@ -15,7 +15,7 @@ from fedsplice.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["server.rounds=1", "client.max_steps=2", "data.test_per_class=5", "data.local_test_size=10",
-         "data.holdout_clients=1", "eval.cold_start_epochs=1"]
+         "data.holdout_clients=1", "eval.cold_start_epochs=1"]  # a tiny budget: it checks plumbing, not accuracy
 
 
 def _run(config: str, out: Path, extra=()) -> dict:
@@ -53,3 +53,27 @@ def test_smollm2_pfadapter_runs_with_grouped_query_attention(tmp_path):
     per_layer_private = 8 * (576 + 192) + 8 * (576 + 576)
     assert r["params"] == {"global": 30 * per_layer_global, "private": 30 * per_layer_private}
     assert 0.0 <= r["gm"]["accuracy"] <= 1.0
+
+
+LT_KEYS = {"accuracy", "many", "medium", "few", "balancedness", "balancedness_0.1", "balancedness_0.01",
+           "tkl", "head_bias"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fedpurel-lora-fortunes.toml", "fedpurel-prompt-fortunes.toml",
+                                    "promptfl-fortunes.toml", "cliplora-fortunes.toml",
+                                    "fedsa-lora-fortunes.toml", "zeroshot-fortunes.toml"])
+def test_long_tailed_fortunes_configs_write_every_metric(tmp_path, config):
+    extra = ["method.personal_steps=2"] if config.startswith("fedpurel") else []
+    r = _run(config, tmp_path / "run", ["data.holdout_clients=0", *extra])
+    for group in ("gm", "pm"):
+        assert LT_KEYS <= set(r[group]), (group, sorted(r[group]))
+    # The long-tail cut follows the profile: the head class keeps n_max = 300 samples.
+    assert max(r["train_counts"]) == 300 and r["imbalance_measured"] >= 50
+    if config.startswith("zeroshot"):
+        assert r["rounds"] == 0 and r["communication"]["up_bytes"] == 0
+        assert r["gm"]["tkl"] == pytest.approx(0.0, abs=1e-6)  # the zero-shot model itself
+    if config.startswith("fedpurel"):
+        assert 0.0 <= r["purified_fraction"] <= 1.0
+        lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert lines[-1]["phase"] == "personalization"

@@ -34,7 +34,12 @@ def cmd_run(args) -> None:
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else default_out(cfg)
-    results = run_experiment(cfg, out, overwrite=args.overwrite, quiet=args.quiet)
+    if cfg.runtime.kind == "flower":  # the same config on Flower's deployment engine (docs/flower.md)
+        from fedsplice.flower.cli import run_flower
+
+        results = run_flower(cfg, out, overwrite=args.overwrite, quiet=args.quiet)
+    else:
+        results = run_experiment(cfg, out, overwrite=args.overwrite, quiet=args.quiet)
     if not args.quiet:
         _table(results)
         console.print(f"results: {out / 'results.json'}")
@@ -99,6 +104,9 @@ def main(argv=None) -> int:
     ls = sub.add_parser("list", help="list algorithms, datasets or models")
     ls.add_argument("what", choices=["algorithms", "datasets", "models"])
     ls.set_defaults(fn=cmd_list)
+    from fedsplice.flower.cli import add_parser as add_flower_parser  # `fedsplice flower up|app|certs|executor`
+
+    add_flower_parser(sub)
     args = p.parse_args(argv)
     try:
         args.fn(args)

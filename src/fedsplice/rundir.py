@@ -93,7 +93,7 @@ def plot_accuracy(out: Path, records: list[dict], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev = [r for r in records if "gm" in r]
+    ev = [r for r in records if "gm" in r and "phase" not in r]  # rounds only
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
     ax.plot([r["round"] for r in ev], [r["gm"]["accuracy"] for r in ev], "o-", label="GM (global test)")
     ax.plot([r["round"] for r in ev], [r["pm"]["accuracy"] for r in ev], "s-", label="PM (mean over clients)")

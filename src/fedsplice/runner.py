@@ -156,6 +156,9 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         "failures": {**{k: sum(r.get(k, 0) for r in records) for k in ("dropped", "late", "rejected")},
                      "skipped_rounds": sum(bool(r.get("skipped")) for r in records)},
     }
+    purified = [r["purified_steps"] for r in records if "purified_steps" in r]
+    if purified:
+        results["purified_fraction"] = float(sum(purified) / len(purified))
     if exp.holdout_ids:
         if not quiet:
             console.print(f"cold start: {len(exp.holdout_ids)} held-out clients, "

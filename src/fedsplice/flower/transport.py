@@ -123,6 +123,7 @@ class FlowerTransport:
             if err:
                 self._event("node_query_failed", node, [], err)
                 continue
+            self._audit("up", "query", 0, node, [], rep, weigh(rep))
             rec = rep.content.config_records[RESULT_KEY]
             parts[node] = (int(rec["partition-id"]), int(rec["num-partitions"]))
         if not parts:
@@ -234,7 +235,9 @@ class FlowerTransport:
         arrays = {k: sorted(r.keys()) for k, r in msg.content.array_records.items()} if msg.has_content() else {}
         hits = scan(w.blob, self.private)
         self.audit({"dir": direction, "kind": kind, "round": rnd, "node_id": node, "cids": cids,
-                    "bytes": w.total, "records": w.per_record, "arrays": arrays, "private_hits": hits})
+                    "bytes": w.total, "records": w.per_record, "arrays": arrays, "private_hits": hits,
+                    # the same scan for GLOBAL names: shows the scan sees the names that do travel
+                    "global_hits": len(scan(w.blob, set(self.like)))})
         return hits
 
     def _result(self, kind: str, rnd: int, node: int, cids: list[int], rep: Message):

@@ -1,0 +1,486 @@
+"""FedPuReL (DESIGN §3.2; ../shared/papers/fedpurel.md §3.2-3.3, Algorithm 1): temperature
+alignment, TKL, gradient purification, the two objectives, a purified local step on a tiny BERT,
+and two end-to-end runs with the personalization phase. Values checked by hand."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedsplice import fedpurel as fp
+from fedsplice import simulation, wire
+from fedsplice.experiment import build
+from fedsplice.simulation import train_context
+from fedsplice.train import local_train
+
+# ----------------------------------------------------------------------------- temperature
+
+
+def _entropy_by_hand(a: torch.Tensor) -> torch.Tensor:
+    p = torch.exp(a - a.logsumexp(-1, keepdim=True))
+    return -(p * torch.log(p)).sum(-1)
+
+
+def test_entropy_matches_definition():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 19, generator=g, dtype=torch.float64) * 3
+    assert torch.allclose(fp.entropy(a), _entropy_by_hand(a), atol=1e-12)
+    assert fp.entropy(torch.zeros(2, 19, dtype=torch.float64)) == pytest.approx(math.log(19))
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 5.0, 20.0, 80.0])
+def test_bisection_hits_target_entropy(scale):
+    g = torch.Generator().manual_seed(int(scale * 10))
+    a = (torch.randn(64, 19, generator=g) * scale).double()
+    # reachable range of each row: H at τ = 0.05 (coldest) .. τ = 20 (hottest)
+    h_cold = fp.entropy(a / fp.TAU_MIN)
+    h_hot = fp.entropy(a / fp.TAU_MAX)
+    u = torch.rand(64, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    target = h_cold + u * (h_hot - h_cold)
+    tau = fp.temperature_for_entropy(a, target)
+    assert tau.shape == (64,)
+    assert ((tau >= fp.TAU_MIN) & (tau <= fp.TAU_MAX)).all()
+    assert (fp.entropy(a / tau.unsqueeze(-1)) - target).abs().max() < 1e-4
+    # in float32 too (the dtype of logits in training)
+    tau32 = fp.temperature_for_entropy(a.float(), target.float())
+    assert tau32.dtype == torch.float32
+    assert (_entropy_by_hand(a / tau32.double().unsqueeze(-1)) - target).abs().max() < 1e-4
+
+
+def test_bisection_recovers_known_temperature():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(64, 19, generator=g, dtype=torch.float64) * 4
+    true_tau = torch.exp(torch.empty(64, dtype=torch.float64).uniform_(math.log(0.1), math.log(10), generator=g))
+    target = fp.entropy(a / true_tau.unsqueeze(-1))
+    tau = fp.temperature_for_entropy(a, target)
+    assert torch.allclose(tau, true_tau, rtol=1e-5)
+
+
+def test_bisection_clamps_unreachable_targets():
+    a = torch.tensor([[3.0, 0.0, -1.0], [3.0, 0.0, -1.0]], dtype=torch.float64)
+    tau = fp.temperature_for_entropy(a, torch.tensor([10.0, 0.0], dtype=torch.float64))
+    assert tau[0] == pytest.approx(fp.TAU_MAX, rel=1e-6)  # above log C: hottest
+    assert tau[1] == pytest.approx(fp.TAU_MIN, rel=1e-6)  # below H at τ_min: coldest
+
+
+def test_aligned_temperatures_reach_mean_entropy():
+    g = torch.Generator().manual_seed(2)
+    f = torch.randn(64, 19, generator=g) * 6
+    z = torch.randn(64, 19, generator=g) * 1.5
+    tf, tz = fp.aligned_temperatures(f, z)
+    h_star = 0.5 * (_entropy_by_hand(f.double()) + _entropy_by_hand(z.double()))
+    assert (_entropy_by_hand(f.double() / tf.double().unsqueeze(-1)) - h_star).abs().max() < 1e-4
+    assert (_entropy_by_hand(z.double() / tz.double().unsqueeze(-1)) - h_star).abs().max() < 1e-4
+    # the sharper f is heated (τ_f > 1), the flatter z cooled (τ_z < 1)
+    assert (tf > 1).float().mean() > 0.9 and (tz < 1).float().mean() > 0.9
+
+
+# ----------------------------------------------------------------------------- TKL
+
+
+def _kl_by_hand(z: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """KL(softmax z ‖ softmax f) per row, written out."""
+    pz = torch.exp(z) / torch.exp(z).sum(-1, keepdim=True)
+    pf = torch.exp(f) / torch.exp(f).sum(-1, keepdim=True)
+    return (pz * (torch.log(pz) - torch.log(pf))).sum(-1)
+
+
+def test_tkl_equals_plain_kl_when_entropies_match():
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(64, 19, generator=g, dtype=torch.float64) * 2
+    # f: a per-row permutation of z's logits -> same entropy, different distribution
+    perm = torch.stack([torch.randperm(19, generator=g) for _ in range(64)])
+    f = torch.gather(z, 1, perm)
+    tf, tz = fp.aligned_temperatures(f, z)
+    assert torch.allclose(tf, torch.ones_like(tf), atol=1e-6)
+    assert torch.allclose(tz, torch.ones_like(tz), atol=1e-6)
+    got = fp.tkl(f, z)
+    want = _kl_by_hand(z, f)
+    assert (want > 0.1).all()  # not a vacuous comparison
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_tkl_unaligned_is_plain_kl():
+    g = torch.Generator().manual_seed(4)
+    f = torch.randn(64, 19, generator=g, dtype=torch.float64) * 5
+    z = torch.randn(64, 19, generator=g, dtype=torch.float64)
+    assert torch.allclose(fp.tkl(f, z, aligned=False), _kl_by_hand(z, f), atol=1e-10)
+    # and aligned differs from it when confidences differ
+    assert not torch.allclose(fp.tkl(f, z), _kl_by_hand(z, f), atol=1e-3)
+
+
+def test_tkl_ignores_a_pure_confidence_change():
+    """f = 3·z: the same ranking, only sharper. Plain KL is large, TKL ~ 0 (paper §3.2)."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(64, 19, generator=g, dtype=torch.float64)
+    f = 3 * z
+    assert fp.tkl(f, z, aligned=False).mean() > 0.3
+    assert fp.tkl(f, z).abs().max() < 1e-6
+
+
+def test_tkl_temperatures_carry_no_gradient():
+    g = torch.Generator().manual_seed(6)
+    f0 = torch.randn(32, 19, generator=g, dtype=torch.float64) * 4
+    z = torch.randn(32, 19, generator=g, dtype=torch.float64) * 2
+    f = f0.clone().requires_grad_(True)
+    (grad_auto,) = torch.autograd.grad(fp.tkl(f, z).sum(), f)
+    # manual: τ's as constants, KL(softmax(z/τz) ‖ softmax(f/τf)) differentiated by hand
+    tf, tz = fp.aligned_temperatures(f0, z)
+    pz = torch.softmax(z / tz[:, None], -1)
+    pf = torch.softmax(f0 / tf[:, None], -1)
+    grad_manual = (pf - pz) / tf[:, None]
+    assert torch.allclose(grad_auto, grad_manual, atol=1e-10)
+    # and autograd over the same expression with detached τ agrees
+    f2 = f0.clone().requires_grad_(True)
+    loss = (pz * (torch.log(pz) - F.log_softmax(f2 / tf.detach()[:, None], -1))).sum()
+    (grad_const,) = torch.autograd.grad(loss, f2)
+    assert torch.allclose(grad_auto, grad_const, atol=1e-10)
+    # no gradient reaches z either (the zero-shot side is a fixed target)
+    zr = z.clone().requires_grad_(True)
+    fp.tkl(f0.clone().requires_grad_(True), zr).sum().backward()
+    assert zr.grad is None
+
+
+# ----------------------------------------------------------------------------- projection
+
+
+def test_project_two_d_by_hand():
+    g_task = torch.tensor([1.0, 0.0])
+    g_align = torch.tensor([-1.0, 1.0])
+    out, hit = fp.project(g_task, g_align)
+    # ⟨g_t, g_a⟩ = -1, ‖g_a‖² = 2: g̃ = [1, 0] + ½·[-1, 1]
+    assert hit is True
+    assert out.tolist() == [0.5, 0.5]
+    assert float(out @ g_align) == 0.0
+
+
+def test_project_keeps_non_conflicting_gradient_exactly():
+    g_task = torch.tensor([1.0, 2.0, -3.0])
+    for g_align in (torch.tensor([1.0, 1.0, 1.0]), torch.tensor([3.0, 0.0, 1.0]), torch.zeros(3)):
+        # dots 0 (orthogonal: kept), 0, and a zero align gradient
+        out, hit = fp.project(g_task, g_align)
+        assert hit is False and torch.equal(out, g_task)
+    out, hit = fp.project(g_task, torch.tensor([1.0, 1.0, 0.0]))  # dot 3 > 0
+    assert hit is False and torch.equal(out, g_task)
+
+
+def test_project_random_invariants():
+    g = torch.Generator().manual_seed(7)
+    conflicts = 0
+    for _ in range(200):
+        gt = torch.randn(50, generator=g, dtype=torch.float64)
+        ga = torch.randn(50, generator=g, dtype=torch.float64)
+        out, hit = fp.project(gt, ga)
+        dot = float(gt @ ga)
+        assert float(out @ ga) >= -1e-10  # never opposes g_align
+        if dot >= 0:
+            assert not hit and torch.equal(out, gt)
+        else:
+            conflicts += 1
+            assert hit
+            assert float(out @ ga) == pytest.approx(0.0, abs=1e-10)
+            # only the g_align component was removed
+            assert torch.allclose(out, gt - dot / float(ga @ ga) * ga)
+    assert 50 < conflicts < 150
+
+
+# ----------------------------------------------------------------------------- purification
+
+
+def _grads(conflict_second: bool):
+    task = [torch.tensor([1.0, 0.0]), torch.tensor([[1.0, 2.0]])]
+    align = [torch.tensor([-1.0, 1.0]), torch.tensor([[-1.0, -1.0]] if conflict_second else [[1.0, 1.0]])]
+    return {"task": task, "align": align}
+
+
+def test_purification_per_tensor_projects_only_conflicting_tensor():
+    out, stats = fp.purification("tensor")(_grads(conflict_second=False))
+    assert out[0].tolist() == [0.5, 0.5]  # ⟨[1,0],[-1,1]⟩ = -1: projected
+    assert out[1].tolist() == [[1.0, 2.0]]  # ⟨[1,2],[1,1]⟩ = 3: untouched
+    assert out[1].shape == (1, 2)
+    assert stats == {"purified_steps": 1.0, "purified_tensors": 0.5}
+
+
+def test_purification_flat_projects_concatenation():
+    # same gradients: the concatenation's dot is -1 + 3 = 2 >= 0, so nothing changes
+    out, stats = fp.purification("flat")(_grads(conflict_second=False))
+    assert out[0].tolist() == [1.0, 0.0] and out[1].tolist() == [[1.0, 2.0]]
+    assert stats == {"purified_steps": 0.0, "purified_tensors": 0.0}
+    # second tensor conflicting too: flat dot = -1 - 3 = -4, ‖g_a‖² = 4 -> g̃ = g_t + 1·g_a
+    out, stats = fp.purification("flat")(_grads(conflict_second=True))
+    assert out[0].tolist() == [0.0, 1.0]
+    assert out[1].tolist() == [[0.0, 1.0]] and out[1].shape == (1, 2)
+    assert stats == {"purified_steps": 1.0, "purified_tensors": 1.0}
+    # per tensor on the same: [0.5, 0.5] and [1,2] + 1.5·[-1,-1] = [-0.5, 0.5]
+    out, stats = fp.purification("tensor")(_grads(conflict_second=True))
+    assert out[0].tolist() == [0.5, 0.5] and out[1].tolist() == [[-0.5, 0.5]]
+    assert stats == {"purified_steps": 1.0, "purified_tensors": 1.0}
+
+
+def test_purification_no_conflict_stats_zero():
+    grads = {"task": [torch.ones(3), torch.ones(2, 2)], "align": [torch.ones(3), torch.zeros(2, 2)]}
+    out, stats = fp.purification("tensor")(grads)
+    assert all(torch.equal(a, b) for a, b in zip(out, grads["task"]))
+    assert stats == {"purified_steps": 0.0, "purified_tensors": 0.0}
+
+
+# ----------------------------------------------------------------------------- objectives
+
+
+def test_residual_objective_by_hand():
+    g = torch.Generator().manual_seed(8)
+    n_train, c = 20, 5
+    global_logits = torch.randn(n_train, c, generator=g) * 3
+    l_p = torch.randn(4, c, generator=g)
+    ids = np.array([17, 2, 9, 11])
+    y = torch.tensor([0, 3, 3, 1])
+    calls = []
+
+    def model(texts):
+        calls.append(texts)
+        return l_p
+
+    def ce(logits, y):
+        logp = logits - torch.log(torch.exp(logits).sum(-1, keepdim=True))
+        return -logp[torch.arange(len(y)), y].mean()
+
+    for lam in (0.0, 0.9, 1.0):
+        out = fp.residual_objective(lam)(model, ["w", "x", "y", "z"], y, ids, {"global_logits": global_logits})
+        l_g = global_logits[torch.as_tensor(ids)]
+        want = (1 - lam) * ce(l_g + l_p, y) + lam * ce(l_p, y)
+        assert set(out) == {"task"}
+        assert float(out["task"]) == pytest.approx(float(want), rel=1e-6)
+    assert len(calls) == 3  # one forward per call
+
+
+@pytest.fixture(scope="module")
+def purel_exp(cfg_factory, tiny_bert_dir, toy_jsonl):
+    cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"', client__optimizer='"sgd"',
+                      client__lr=1.0, client__batch_size=64, client__max_steps=1,
+                      client__weight_decay=0.0)
+    exp = build(cfg)
+    for m in exp.model.modules():  # BERT's dropout off: forwards are deterministic
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    # move LoRA B off zero, so that f ≠ z and the alignment gradient is not zero
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in exp.model.trainable().items():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g))
+    return exp
+
+
+CID = 1  # 49 samples: one batch of 64
+
+
+def _client_batch(exp, cid=CID, order=None):
+    c = exp.clients[cid]
+    idx = c.train_idx if order is None else c.train_idx[order]
+    texts = [exp.data.train_texts[i] for i in idx]
+    y = torch.as_tensor(exp.data.train_labels[idx], dtype=torch.long)
+    return texts, y, idx
+
+
+def test_align_objective_one_forward_both_losses(purel_exp):
+    exp, model = purel_exp, purel_exp.model
+    texts, y, ids = _client_batch(exp)
+    ctx = train_context(exp, CID, {})
+    calls = []
+    h = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        model.eval()
+        out = fp.align_objective()(model, texts, y, ids, ctx)
+        assert len(calls) == 1
+        with torch.no_grad():
+            f = model(texts)
+    finally:
+        h.remove()
+    assert set(out) == {"task", "align"}
+    z = exp.caches["zero_shot"][torch.as_tensor(ids)]
+    assert float(out["task"].detach()) == pytest.approx(float(F.cross_entropy(f, y)), rel=1e-5)
+    assert float(out["align"].detach()) == pytest.approx(float(fp.tkl(f, z).mean()), rel=1e-4, abs=1e-8)
+    assert float(out["align"].detach()) > 1e-3  # the perturbed LoRA moved away from zero-shot
+    # both losses hang off the one graph
+    assert out["task"].requires_grad and out["align"].requires_grad
+    # the cached zero-shot logits are what the frozen model predicts on these texts
+    with model.zero_shot():
+        assert torch.allclose(model.predict(texts, 64), z, atol=1e-5)
+    # aligned=False: plain KL on the same forward
+    plain = fp.align_objective(aligned=False)(model, texts, y, ids, ctx)
+    assert float(plain["align"].detach()) == pytest.approx(float(_kl_by_hand(z.double(), f.double()).mean()), rel=1e-4)
+
+
+def test_local_train_steps_with_purified_gradient(purel_exp):
+    exp, model = purel_exp, purel_exp.model
+    n = len(exp.clients[CID].train_idx)
+    assert n <= exp.cfg.client.batch_size
+    # the batch in the order local_train will draw it (same float sums)
+    texts, y, ids = _client_batch(exp, order=np.random.default_rng(0).permutation(n))
+    ctx = train_context(exp, CID, {})
+    params = model.trainable()
+    names = sorted(params)
+    before = {n: params[n].detach().clone() for n in names}
+    # g_task and g_align by hand, from one forward on the whole client batch
+    model.train()
+    losses = fp.align_objective()(model, texts, y, ids, ctx)
+    plist = [params[n] for n in names]
+    g_task = torch.autograd.grad(losses["task"], plist, retain_graph=True, allow_unused=True)
+    g_align = torch.autograd.grad(losses["align"], plist, allow_unused=True)
+    expected, hits = {}, 0
+    for n, p, gt, ga in zip(names, plist, g_task, g_align):
+        gt = torch.zeros_like(p) if gt is None else gt
+        ga = torch.zeros_like(p) if ga is None else ga
+        dot, nrm = float((gt * ga).sum()), float((ga * ga).sum())
+        if dot < 0 and nrm > 0:
+            gt = gt - dot / nrm * ga
+            hits += 1
+            assert float((gt * ga).sum()) == pytest.approx(0.0, abs=1e-6 * nrm**0.5 * float(gt.norm()) + 1e-12)
+        expected[n] = before[n] - 1.0 * gt  # SGD, lr = 1
+    assert 0 < hits < len(names)  # some tensors purified, some not: the test tells them apart
+    r = exp.recipe
+    c = exp.clients[CID]
+    _, stats = local_train(model, [exp.data.train_texts[i] for i in c.train_idx], exp.data.train_labels[c.train_idx],
+                           cfg=exp.cfg.client, loss_terms=r.loss_terms, objective=r.objective,
+                           grad_transform=r.grad_transform, ids=c.train_idx, keep_opt=set(), opt_state={},
+                           rng=np.random.default_rng(0), ctx=ctx)
+    assert stats["steps"] == 1
+    assert stats["purified_steps"] == 1.0
+    assert stats["purified_tensors"] == pytest.approx(hits / len(names))
+    after = model.trainable()
+    for n in names:
+        assert torch.allclose(after[n].detach(), expected[n], atol=1e-5, rtol=1e-4), n
+    # not the plain gradient of the sum, nor the raw task gradient
+    plain = {n: before[n] - (gt if gt is not None else 0) - (ga if ga is not None else 0)
+             for n, gt, ga in zip(names, g_task, g_align)}
+    assert any(not torch.allclose(after[n].detach(), plain[n], atol=1e-5) for n in names)
+    raw = {n: before[n] - (gt if gt is not None else 0) for n, gt in zip(names, g_task)}
+    assert any(not torch.allclose(after[n].detach(), raw[n], atol=1e-5) for n in names)
+    model.load_params(before)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "flat"])
+def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
+        granularity, cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
+    from fedsplice.runner import run_experiment
+
+    cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"',
+                      method=f'{{personal_steps = 2, granularity = "{granularity}"}}',
+                      data__imbalance=3.0, eval__many_threshold=40, eval__few_threshold=20,
+                      data__holdout_clients=0, data__num_clients=3)
+    # watch phase 2: what goes over the wire, and whether the GLOBAL tensors move
+    wire_calls = []
+    for name in ("encode", "decode"):
+        orig = getattr(wire, name)
+        monkeypatch.setattr(wire, name, lambda x, _o=orig, _n=name: (wire_calls.append(_n), _o(x))[1])
+    fits = []
+    orig_fit = simulation.InProcess.fit
+    monkeypatch.setattr(simulation.InProcess, "fit", lambda self, *a: (fits.append(a[0]), orig_fit(self, *a))[1])
+    seen = {}
+    orig_personalize = fp.personalize
+
+    def spy(exp, global_params, **kw):
+        seen["global_before"] = {n: t.clone() for n, t in global_params.items()}
+        seen["wire_before"], seen["fits_before"] = len(wire_calls), len(fits)
+        out = orig_personalize(exp, global_params, **kw)
+        seen["wire_after"], seen["fits_after"] = len(wire_calls), len(fits)
+        seen["global_after"] = global_params
+        seen["model_after"] = {n: p.detach().clone() for n, p in exp.model.trainable().items()}
+        seen["kw"] = kw
+        seen["n_clients"] = len(out)
+        return out
+
+    monkeypatch.setattr(fp, "personalize", spy)  # the recipe binds fp.personalize at build time
+    out = tmp_path / "run"
+    results = run_experiment(cfg, out, quiet=True)
+
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["algorithm"] == "fedpurel-lora" and saved["rounds"] == 2
+    assert saved["train_counts"] == [54, 31, 18]  # long_tail_counts(3, 54, 3)
+    for side in ("gm", "pm"):
+        for key in ("many", "medium", "few", "balancedness", "tkl", "head_bias"):
+            assert key in saved[side], (side, key)
+        for key in ("many", "medium", "few"):  # every group has a class at these thresholds
+            assert 0.0 <= saved[side][key] <= 1.0
+        assert 0.0 < saved[side]["balancedness"] <= 1.0
+        assert saved[side]["tkl"] >= 0.0
+    lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in lines] == [0, 1, 2, 2]
+    last = lines[-1]
+    assert last["phase"] == "personalization"
+    assert "phase" not in lines[-2]
+    assert last["gm"] == lines[-2]["gm"]  # phase 2 leaves the global model as it is
+    assert last["pm"] == saved["pm"] and last["gm"] == saved["gm"]
+    assert "up_bytes" not in last and "down_bytes" not in last
+    # phase 1 logged its purification statistics
+    assert all(0.0 <= r["purified_tensors"] <= r["purified_steps"] <= 1.0 for r in lines[1:3])
+    assert all(r["align_loss"] >= 0.0 for r in lines[1:3])
+    # communication is phase 1's only
+    assert results["communication"]["up_bytes"] == sum(r["up_bytes"] for r in lines[1:3])
+    # phase 2: every training client, nothing over the wire, no fit, GLOBAL tensors unchanged
+    assert seen["n_clients"] == 3
+    assert seen["kw"] == {"lam": 0.9, "steps": 2}
+    assert seen["wire_after"] == seen["wire_before"] and seen["fits_after"] == seen["fits_before"]
+    assert set(seen["global_after"]) == set(seen["global_before"])
+    for n, t in seen["global_before"].items():
+        assert torch.equal(seen["global_after"][n], t), n
+        assert torch.equal(seen["model_after"][n], t), n  # the model is left with φ_g loaded
+
+
+def test_personalize_predicts_global_plus_residual(purel_exp, monkeypatch):
+    """Phase 2 scores softmax(l_G + l_P): with λ = 1 and an lr of 0 the residual branch stays at
+    its fresh init, so l_P is the fresh model's logits; compare the PM counts by hand."""
+    import dataclasses
+
+    from fedsplice import train as T
+
+    exp = purel_exp
+    params = exp.model.trainable()
+    global_params = {n: params[n].detach().clone() for n in exp.global_names}
+    steps = []
+    orig = T.local_train
+    monkeypatch.setattr(T, "local_train", lambda *a, **k: (lambda r: (steps.append(r[1]["steps"]), r)[1])(orig(*a, **k)))
+    cfg0 = exp.cfg
+    exp.cfg = dataclasses.replace(cfg0, client=dataclasses.replace(cfg0.client, lr=1e-30))
+    try:
+        out = fp.personalize(exp, global_params, lam=1.0, steps=1)
+    finally:
+        exp.cfg = cfg0
+    assert steps == [1] * len(exp.train_ids)
+    d = exp.data
+    exp.model.load_params({n: t.clone() for n, t in exp.init_params.items()})
+    for cid, m in zip(exp.train_ids, out):
+        test = [d.test_texts[i] for i in exp.clients[cid].test_idx]
+        l_p = exp.model.predict(test, 64)
+        exp.model.load_params(global_params)
+        l_g = exp.model.predict(test, 64)
+        exp.model.load_params({n: t.clone() for n, t in exp.init_params.items()})
+        pred = (l_g + l_p).argmax(1).numpy()
+        labels = d.test_labels[exp.clients[cid].test_idx]
+        assert m["accuracy"] == pytest.approx(float((pred == labels).mean()))
+    exp.model.load_params(global_params)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: method.personal_steps = 0 (accepted by the config) trains "
+                                       "a whole local epoch in phase 2, since client.max_steps = 0 "
+                                       "means 'no cap'")
+def test_personal_steps_zero_trains_nothing(purel_exp, monkeypatch):
+    from fedsplice import train as T
+
+    exp = purel_exp
+    params = exp.model.trainable()
+    global_params = {n: params[n].detach().clone() for n in exp.global_names}
+    steps = []
+    orig = T.local_train
+    monkeypatch.setattr(T, "local_train", lambda *a, **k: (lambda r: (steps.append(r[1]["steps"]), r)[1])(orig(*a, **k)))
+    try:
+        fp.personalize(exp, global_params, lam=0.9, steps=0)
+    finally:
+        exp.model.load_params(global_params)
+    assert all(s == 0 for s in steps)

@@ -1,0 +1,284 @@
+"""The Flower runtime on a real local deployment: a SuperLink and 3 SuperNodes as separate
+processes on 127.0.0.1, TLS with certificates made by `cryptography`, SuperNode authentication
+on, tiny BERT on the toy data set.
+
+- PFAdapter and FedAvg-LoRA, 2 rounds each: every round's GM/PM metrics, clients and losses are
+  exactly the simulation runtime's for the same seed (same code, same data order, same seeds,
+  one torch thread on both sides: nothing is allowed to differ);
+- PFAdapter uploads about half of FedAvg-LoRA's bytes, measured on the serialized Flower messages;
+  the Flower figure is the simulation's safetensors payload plus a stated envelope;
+- the wire audit reads the real messages (every ArrayRecord's names, and a byte scan of every
+  serialized message for every PRIVATE name); PRIVATE state stays in the SuperNodes' stores;
+- an unregistered SuperNode key is refused, a SuperNode killed mid-run does not stop the run,
+  and no process outlives a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytest.importorskip("flwr")
+
+from fedsplice import wire  # noqa: E402
+from fedsplice.experiment import build  # noqa: E402
+from fedsplice.flower import certs, launcher  # noqa: E402
+from fedsplice.flower.records import RecordError, decode, from_record, to_record, weigh  # noqa: E402
+from fedsplice.runner import run_experiment  # noqa: E402
+
+SUPERNODES = 3  # = the 3 training clients of the tiny budget: one client per SuperNode
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
+
+
+def _ours_alive(cl_root: Path) -> list[str]:
+    """Processes (not zombies) whose command line or environment mentions this run's folder."""
+    needle = str(cl_root).encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            if stat.split(") ")[1][0] == "Z":
+                continue
+            blob = Path(f"/proc/{d}/cmdline").read_bytes() + Path(f"/proc/{d}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in blob:
+            found.append(f"{d}: {Path(f'/proc/{d}/cmdline').read_bytes()[:120]!r}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path_factory):
+    """For each algorithm: the simulation run and the Flower run of the same config."""
+    out = {}
+    for algo in ("pfadapter", "lora"):
+        kw = {} if algo == "pfadapter" else {"algorithm": '"lora"'}
+        cfg = cfg_factory(tiny_bert_dir, toy_jsonl, **kw)
+        sim = tmp_path_factory.mktemp(f"sim-{algo}")
+        run_experiment(cfg, sim, overwrite=True, quiet=True)
+        fl = tmp_path_factory.mktemp(f"flower-{algo}")
+        t0 = time.monotonic()
+        res = launcher.up(cfg, fl, supernodes=SUPERNODES, overwrite=True, quiet=True)
+        out[algo] = {"cfg": cfg, "sim": sim, "flower": fl, "results": res, "time_s": time.monotonic() - t0}
+    return out
+
+
+@pytest.mark.parametrize("algo", ["pfadapter", "lora"])
+def test_flower_metrics_equal_the_simulation(runs, algo):
+    r = runs[algo]
+    sim, fl = _records(r["sim"]), _records(r["flower"])
+    assert [x["round"] for x in fl] == [x["round"] for x in sim] == [0, 1, 2]
+    for a, b in zip(sim, fl):
+        assert b["gm"] == a["gm"], a["round"]
+        assert b["pm"] == a["pm"], a["round"]
+        for k in ("clients", "train_loss", "orthogonality", "dropped", "late", "rejected"):
+            assert b.get(k) == a.get(k), (a["round"], k)
+    res = r["results"]
+    assert res["gm"] == json.loads((r["sim"] / "results.json").read_text())["gm"]
+    assert res["flower"]["supernodes"] == SUPERNODES and res["flower"]["events"] == 0
+    # the same run directory as `fedsplice run`
+    for f in ("config.toml", "metrics.jsonl", "results.json", "results.csv", "accuracy.png"):
+        assert (r["flower"] / f).is_file(), f
+    assert "kind = \"flower\"" in (r["flower"] / "config.toml").read_text()
+
+
+def test_pfadapter_uploads_half_of_fedavg_lora(runs):
+    up = {a: runs[a]["results"]["communication"]["up_bytes"] for a in runs}
+    ratio = up["pfadapter"] / up["lora"]
+    assert 0.45 <= ratio <= 0.55, (up, ratio)
+
+
+@pytest.mark.parametrize("algo", ["pfadapter", "lora"])
+def test_flower_bytes_are_the_payload_plus_a_stated_envelope(runs, algo):
+    """Per client upload: Flower bytes = the simulation's safetensors payload + envelope. The
+    envelope per tensor (npy header, Array + ArrayChunk objects and their 64-hex ids) replaces
+    safetensors' per-tensor header, and one result record per message carries the statistics
+    and a data fingerprint. docs/flower.md states the measured figures."""
+    r = runs[algo]
+    sim = json.loads((r["sim"] / "results.json").read_text())["communication"]
+    fl = r["results"]["communication"]
+    f = r["results"]["flower"]
+    assert f["up_payload_bytes"] == sim["up_bytes"]  # the very same tensors, per client
+    uploads = r["cfg"].server.rounds * r["cfg"].server.clients_per_round
+    tensors = f["uploaded_tensors"] / uploads
+    per_upload = (fl["up_bytes"] - sim["up_bytes"]) / uploads
+    assert 0 < per_upload <= 900 * tensors + 1500, (per_upload, tensors)
+    assert 0 < (fl["down_bytes"] - sim["down_bytes"]) / uploads <= 900 * tensors + 1500
+
+
+@pytest.mark.parametrize("algo", ["pfadapter", "lora"])
+def test_wire_audit_of_the_real_messages(runs, algo):
+    r = runs[algo]
+    exp = build(r["cfg"])
+    glob, private = set(exp.global_names), set(exp.private_names)
+    if algo == "pfadapter":
+        assert len(private) == len(glob) > 0
+    audit = _lines(r["flower"] / "wire.jsonl")
+    assert {(m["dir"], m["kind"]) for m in audit} == {(d, k) for d in ("down", "up")
+                                                      for k in ("query", "train", "evaluate")}
+    ups = [m for m in audit if m["dir"] == "up" and m["kind"] == "train"]
+    downs = [m for m in audit if m["dir"] == "down" and m["kind"] in ("train", "evaluate")]
+    assert len(ups) == r["cfg"].server.rounds * r["cfg"].server.clients_per_round  # one client per node
+    for m in audit:
+        assert m["private_hits"] == [], m  # no PRIVATE name anywhere in the serialized bytes
+        for names in m["arrays"].values():
+            assert set(names) <= glob and not set(names) & private
+    for m in ups:
+        assert m["arrays"] == {f"up.{m['cids'][0]}": sorted(glob)}
+        assert m["global_hits"] == len(glob)  # the byte scan does see names: GLOBAL ones are there
+    for m in downs:
+        assert m["arrays"] == {"global": sorted(glob)}
+    # PRIVATE tensors and their optimizer state stayed on the SuperNodes, per client
+    states = sorted((r["flower"] / "flower" / "nodes").glob("node-*/state/run-*/client-*.safetensors"))
+    trained = {c for ids in exp.sampling for c in ids}
+    assert len(states) == len(trained)
+    for path in states:
+        st = load_file(str(path))
+        if private:
+            assert {k[len("param/"):] for k in st if k.startswith("param/")} == private
+        assert not {k for k in st if k.startswith("param/")} & glob
+    assert not (r["flower"] / "client_state").exists() or not any((r["flower"] / "client_state").iterdir())
+
+
+def test_no_process_outlives_the_runs(runs):
+    for r in runs.values():
+        assert _ours_alive(r["flower"] / "flower") == []
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+@pytest.fixture(scope="module")
+def faulty_run(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path_factory):
+    """One run in which an intruder SuperNode (unregistered key) tries to join before the run,
+    and SuperNode 2 (client 2, sampled in round 1) is SIGKILLed as soon as round 0 is logged."""
+    cfg = cfg_factory(tiny_bert_dir, toy_jsonl, server__round_deadline_s="30.0")
+    out = tmp_path_factory.mktemp("flower-faults")
+    victim = build(cfg).sampling[0][-1]  # a client sampled in round 1; SuperNode `victim` serves it
+    facts: dict = {"victim": victim}
+
+    def on_cluster(cl: launcher.Cluster) -> None:
+        key = certs.make_node_key(cl.root / "intruder", "auth-key")  # never registered
+        p = cl.start_supernode(2, cl.node_config(2, SUPERNODES), key, name="intruder")
+        rc = p.popen.wait(timeout=60)
+        facts["intruder"] = (rc, p.tail(40))
+        facts["node_ids"] = dict(cl.node_ids)
+
+    def on_tick(cl: launcher.Cluster) -> None:
+        if "killed" not in facts and (out / "metrics.jsonl").is_file() and _records(out):
+            cl.kill_supernode(victim, signal.SIGKILL)  # the host dies: SuperNode + executor at once
+            facts["killed"] = (time.time(), cl.node_ids[victim])
+
+    res = launcher.up(cfg, out, supernodes=SUPERNODES, overwrite=True, quiet=True,
+                      on_cluster=on_cluster, on_tick=on_tick)
+    return cfg, out, res, facts
+
+
+def test_an_unregistered_supernode_is_refused(faulty_run):
+    cfg, out, res, facts = faulty_run
+    rc, log = facts["intruder"]
+    assert rc != 0
+    assert "Failed to activate SuperNode" in log or "2004" in log, log
+    # the run saw only the registered nodes (an intruder with partition-id 2 would clash)
+    assert res["flower"]["supernodes"] == SUPERNODES
+
+
+def test_a_killed_supernode_does_not_stop_the_run(faulty_run):
+    cfg, out, res, facts = faulty_run
+    recs = _records(out)
+    assert [r["round"] for r in recs] == [0, 1, 2] and (out / "results.json").is_file()
+    victim = facts["victim"]
+    killed_node = facts["node_ids"][victim]
+    sampled = build(cfg).sampling
+    r1 = recs[1]
+    assert r1["clients"] == [c for c in sampled[0] if c != victim]
+    assert r1["late"] + r1["dropped"] == 1 and not r1.get("skipped")
+    assert recs[2]["clients"] == [c for c in sampled[1] if c != victim]
+    events = _lines(out / "events.jsonl")
+    assert any(e["node_id"] == killed_node and victim in e["cids"] and e.get("round") == 1 for e in events), events
+    # later: the node is not asked again; PM averages the clients that can still answer
+    assert any(e["event"] == "client_skipped" and e["node_id"] == killed_node for e in events)
+    assert all(0 <= r["pm"]["accuracy"] <= 1 for r in recs)
+    assert _ours_alive(out / "flower") == []
+
+
+# ----------------------------------------------------------------------------- units (no processes)
+
+
+def test_records_round_trip_fp32_fp16_and_bf16():
+    import torch
+
+    like = {"a": torch.zeros(3, 2), "h": torch.zeros(4, dtype=torch.float16), "b": torch.zeros(2, 3, dtype=torch.bfloat16)}
+    t = {"a": torch.randn(3, 2), "h": torch.randn(4).half(), "b": torch.randn(2, 3).bfloat16()}
+    rec = to_record(t)
+    assert rec["b"].dtype == "float32"  # numpy has no bfloat16: widened (exactly) for the wire
+    back = from_record(rec, like)
+    assert all(back[k].dtype == t[k].dtype and torch.equal(back[k], t[k]) for k in t)
+    with pytest.raises(RecordError, match="PRIVATE"):
+        from_record(to_record({**t, "p": torch.zeros(1)}), {**like, "p": torch.zeros(1)}, private={"p"})
+    with pytest.raises(RecordError, match="shape"):
+        from_record(to_record({**t, "a": torch.zeros(2, 3)}), like)
+    with pytest.raises(RecordError, match="non-finite"):
+        from_record(to_record({**t, "a": torch.full((3, 2), float("nan"))}), like)
+    # the server side decodes leniently; the round loop's validation refuses what is wrong
+    assert set(decode(to_record({"x": torch.zeros(1)}), like)) == {"x"}
+
+
+def test_weigh_counts_every_object_of_the_message(monkeypatch):
+    import torch
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # a Message outside a run needs these
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+    small = Message(RecordDict({"c": ConfigRecord({"x": 1})}), dst_node_id=1, message_type="train")
+    t = {"w": torch.randn(64, 64)}
+    big = Message(RecordDict({"c": ConfigRecord({"x": 1}), "g": to_record(t)}), dst_node_id=1, message_type="train")
+    ws, wb = weigh(small), weigh(big)
+    payload = len(wire.encode(t))
+    assert wb.total - ws.total >= 64 * 64 * 4
+    assert 0 < wb.per_record["g"] - payload < 1000  # one tensor: npy header + Array/ArrayChunk objects
+    assert b"w" in wb.blob
+
+
+def test_certificates_and_node_keys(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    tls = certs.make_tls(tmp_path, hosts=["127.0.0.1", "superlink.example.org"])
+    ca = x509.load_pem_x509_certificate(tls.ca_cert.read_bytes())
+    srv = x509.load_pem_x509_certificate(tls.server_cert.read_bytes())
+    srv.verify_directly_issued_by(ca)
+    san = srv.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "superlink.example.org" in san.get_values_for_type(x509.DNSName)
+    assert oct(tls.server_key.stat().st_mode & 0o777) == "0o600"
+    k = certs.make_node_key(tmp_path, "n0")
+    assert load_ssh_private_key(k.private.read_bytes(), None).public_key().public_numbers() == \
+        load_ssh_public_key(k.public.read_bytes()).public_numbers()
+
+
+def test_flower_config_fields_are_validated(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
+    from fedsplice.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="runtime.num_supernodes"):
+        cfg_factory(tiny_bert_dir, toy_jsonl, runtime__num_supernodes="0")
+    cfg = cfg_factory(tiny_bert_dir, toy_jsonl, runtime__kind='"flower"')
+    with pytest.raises(ConfigError, match="exceeds the 3 training clients"):
+        launcher.up(cfg, tmp_path / "x", supernodes=4, quiet=True)
