@@ -53,7 +53,8 @@ def test_bisection_hits_target_entropy(scale):
 def test_bisection_recovers_known_temperature():
     g = torch.Generator().manual_seed(1)
     a = torch.randn(64, 19, generator=g, dtype=torch.float64) * 4
-    true_tau = torch.exp(torch.empty(64, dtype=torch.float64).uniform_(math.log(0.1), math.log(10), generator=g))
+    log_tau = torch.empty(64, dtype=torch.float64).uniform_(math.log(0.1), math.log(10), generator=g)
+    true_tau = torch.exp(log_tau)
     target = fp.entropy(a / true_tau.unsqueeze(-1))
     tau = fp.temperature_for_entropy(a, target)
     assert torch.allclose(tau, true_tau, rtol=1e-5)
@@ -64,6 +65,12 @@ def test_bisection_clamps_unreachable_targets():
     tau = fp.temperature_for_entropy(a, torch.tensor([10.0, 0.0], dtype=torch.float64))
     assert tau[0] == pytest.approx(fp.TAU_MAX, rel=1e-6)  # above log C: hottest
     assert tau[1] == pytest.approx(fp.TAU_MIN, rel=1e-6)  # below H at τ_min: coldest
+
+
+def test_bisection_keeps_the_logits_device():
+    a = torch.randn(4, 19, device="meta")
+    assert fp.temperature_for_entropy(a, torch.ones(4, device="meta")).device.type == "meta"
+    assert fp.tkl(a, torch.randn(4, 19, device="meta")).device.type == "meta"
 
 
 def test_aligned_temperatures_reach_mean_entropy():
@@ -248,7 +255,8 @@ def test_residual_objective_by_hand():
         return -logp[torch.arange(len(y)), y].mean()
 
     for lam in (0.0, 0.9, 1.0):
-        out = fp.residual_objective(lam)(model, ["w", "x", "y", "z"], y, ids, {"global_logits": global_logits})
+        ctx = {"global_logits": global_logits}
+        out = fp.residual_objective(lam)(model, ["w", "x", "y", "z"], y, ids, ctx)
         l_g = global_logits[torch.as_tensor(ids)]
         want = (1 - lam) * ce(l_g + l_p, y) + lam * ce(l_p, y)
         assert set(out) == {"task"}
@@ -311,7 +319,8 @@ def test_align_objective_one_forward_both_losses(purel_exp):
         assert torch.allclose(model.predict(texts, 64), z, atol=1e-5)
     # aligned=False: plain KL on the same forward
     plain = fp.align_objective(aligned=False)(model, texts, y, ids, ctx)
-    assert float(plain["align"].detach()) == pytest.approx(float(_kl_by_hand(z.double(), f.double()).mean()), rel=1e-4)
+    by_hand = float(_kl_by_hand(z.double(), f.double()).mean())
+    assert float(plain["align"].detach()) == pytest.approx(by_hand, rel=1e-4)
 
 
 def test_local_train_steps_with_purified_gradient(purel_exp):
@@ -338,15 +347,16 @@ def test_local_train_steps_with_purified_gradient(purel_exp):
         if dot < 0 and nrm > 0:
             gt = gt - dot / nrm * ga
             hits += 1
-            assert float((gt * ga).sum()) == pytest.approx(0.0, abs=1e-6 * nrm**0.5 * float(gt.norm()) + 1e-12)
+            tol = 1e-6 * nrm**0.5 * float(gt.norm()) + 1e-12
+            assert float((gt * ga).sum()) == pytest.approx(0.0, abs=tol)
         expected[n] = before[n] - 1.0 * gt  # SGD, lr = 1
     assert 0 < hits < len(names)  # some tensors purified, some not: the test tells them apart
     r = exp.recipe
     c = exp.clients[CID]
-    _, stats = local_train(model, [exp.data.train_texts[i] for i in c.train_idx], exp.data.train_labels[c.train_idx],
-                           cfg=exp.cfg.client, loss_terms=r.loss_terms, objective=r.objective,
-                           grad_transform=r.grad_transform, ids=c.train_idx, keep_opt=set(), opt_state={},
-                           rng=np.random.default_rng(0), ctx=ctx)
+    all_texts = [exp.data.train_texts[i] for i in c.train_idx]
+    _, stats = local_train(model, all_texts, exp.data.train_labels[c.train_idx], cfg=exp.cfg.client,
+                           loss_terms=r.loss_terms, objective=r.objective, grad_transform=r.grad_transform,
+                           ids=c.train_idx, keep_opt=set(), opt_state={}, rng=np.random.default_rng(0), ctx=ctx)
     assert stats["steps"] == 1
     assert stats["purified_steps"] == 1.0
     assert stats["purified_tensors"] == pytest.approx(hits / len(names))
@@ -381,7 +391,12 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
         monkeypatch.setattr(wire, name, lambda x, _o=orig, _n=name: (wire_calls.append(_n), _o(x))[1])
     fits = []
     orig_fit = simulation.InProcess.fit
-    monkeypatch.setattr(simulation.InProcess, "fit", lambda self, *a: (fits.append(a[0]), orig_fit(self, *a))[1])
+
+    def fit(self, rnd, *a):
+        fits.append(rnd)
+        return orig_fit(self, rnd, *a)
+
+    monkeypatch.setattr(simulation.InProcess, "fit", fit)
     seen = {}
     orig_personalize = fp.personalize
 
@@ -416,6 +431,7 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
     assert last["phase"] == "personalization"
     assert "phase" not in lines[-2]
     assert last["gm"] == lines[-2]["gm"]  # phase 2 leaves the global model as it is
+    assert last["pm"]["tkl"] != lines[-2]["pm"]["tkl"]  # PM is now scored on l_G + l_P
     assert last["pm"] == saved["pm"] and last["gm"] == saved["gm"]
     assert "up_bytes" not in last and "down_bytes" not in last
     # phase 1 logged its purification statistics
@@ -433,19 +449,30 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
         assert torch.equal(seen["model_after"][n], t), n  # the model is left with φ_g loaded
 
 
+def _count_local_steps(monkeypatch) -> list[int]:
+    """Record the steps of every local_train call (phase 2 imports it at call time)."""
+    from fedsplice import train as T
+
+    steps, orig = [], T.local_train
+
+    def spy(*a, **k):
+        out = orig(*a, **k)
+        steps.append(out[1]["steps"])
+        return out
+
+    monkeypatch.setattr(T, "local_train", spy)
+    return steps
+
+
 def test_personalize_predicts_global_plus_residual(purel_exp, monkeypatch):
     """Phase 2 scores softmax(l_G + l_P): with λ = 1 and an lr of 0 the residual branch stays at
     its fresh init, so l_P is the fresh model's logits; compare the PM counts by hand."""
     import dataclasses
 
-    from fedsplice import train as T
-
     exp = purel_exp
     params = exp.model.trainable()
     global_params = {n: params[n].detach().clone() for n in exp.global_names}
-    steps = []
-    orig = T.local_train
-    monkeypatch.setattr(T, "local_train", lambda *a, **k: (lambda r: (steps.append(r[1]["steps"]), r)[1])(orig(*a, **k)))
+    steps = _count_local_steps(monkeypatch)
     cfg0 = exp.cfg
     exp.cfg = dataclasses.replace(cfg0, client=dataclasses.replace(cfg0.client, lr=1e-30))
     try:
@@ -455,6 +482,7 @@ def test_personalize_predicts_global_plus_residual(purel_exp, monkeypatch):
     assert steps == [1] * len(exp.train_ids)
     d = exp.data
     exp.model.load_params({n: t.clone() for n, t in exp.init_params.items()})
+    differs = 0
     for cid, m in zip(exp.train_ids, out):
         test = [d.test_texts[i] for i in exp.clients[cid].test_idx]
         l_p = exp.model.predict(test, 64)
@@ -464,21 +492,17 @@ def test_personalize_predicts_global_plus_residual(purel_exp, monkeypatch):
         pred = (l_g + l_p).argmax(1).numpy()
         labels = d.test_labels[exp.clients[cid].test_idx]
         assert m["accuracy"] == pytest.approx(float((pred == labels).mean()))
+        assert m["class_correct"] == np.bincount(labels[pred == labels], minlength=3).tolist()
+        differs += int((pred != l_g.argmax(1).numpy()).sum() + (pred != l_p.argmax(1).numpy()).sum())
+    assert differs > 0  # l_G + l_P is neither branch alone on these samples
     exp.model.load_params(global_params)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: method.personal_steps = 0 (accepted by the config) trains "
-                                       "a whole local epoch in phase 2, since client.max_steps = 0 "
-                                       "means 'no cap'")
 def test_personal_steps_zero_trains_nothing(purel_exp, monkeypatch):
-    from fedsplice import train as T
-
     exp = purel_exp
     params = exp.model.trainable()
     global_params = {n: params[n].detach().clone() for n in exp.global_names}
-    steps = []
-    orig = T.local_train
-    monkeypatch.setattr(T, "local_train", lambda *a, **k: (lambda r: (steps.append(r[1]["steps"]), r)[1])(orig(*a, **k)))
+    steps = _count_local_steps(monkeypatch)
     try:
         fp.personalize(exp, global_params, lam=0.9, steps=0)
     finally:

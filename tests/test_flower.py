@@ -167,16 +167,17 @@ def test_no_process_outlives_the_runs(runs):
 def faulty_run(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path_factory):
     """One run in which an intruder SuperNode (unregistered key) tries to join before the run,
     and SuperNode 2 (client 2, sampled in round 1) is SIGKILLed as soon as round 0 is logged."""
-    cfg = cfg_factory(tiny_bert_dir, toy_jsonl, server__round_deadline_s="30.0")
+    cfg = cfg_factory(tiny_bert_dir, toy_jsonl, server__round_deadline_s="25.0")
     out = tmp_path_factory.mktemp("flower-faults")
     victim = build(cfg).sampling[0][-1]  # a client sampled in round 1; SuperNode `victim` serves it
     facts: dict = {"victim": victim}
 
     def on_cluster(cl: launcher.Cluster) -> None:
+        # an unregistered key, and no key at all, both claiming partition 2
         key = certs.make_node_key(cl.root / "intruder", "auth-key")  # never registered
-        p = cl.start_supernode(2, cl.node_config(2, SUPERNODES), key, name="intruder")
-        rc = p.popen.wait(timeout=60)
-        facts["intruder"] = (rc, p.tail(40))
+        ps = {"intruder": cl.start_supernode(2, cl.node_config(2, SUPERNODES), key, name="intruder"),
+              "anonymous": cl.start_supernode(2, cl.node_config(2, SUPERNODES), None, name="anonymous")}
+        facts["intruders"] = {k: (p.popen.wait(timeout=60), p.tail(40)) for k, p in ps.items()}
         facts["node_ids"] = dict(cl.node_ids)
 
     def on_tick(cl: launcher.Cluster) -> None:
@@ -191,9 +192,10 @@ def faulty_run(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path_factory):
 
 def test_an_unregistered_supernode_is_refused(faulty_run):
     cfg, out, res, facts = faulty_run
-    rc, log = facts["intruder"]
-    assert rc != 0
-    assert "Failed to activate SuperNode" in log or "2004" in log, log
+    rc, log = facts["intruders"]["intruder"]
+    assert rc != 0 and "Failed to activate SuperNode" in log, log
+    rc, log = facts["intruders"]["anonymous"]
+    assert rc != 0 and "All SuperNodes must be registered" in log, log
     # the run saw only the registered nodes (an intruder with partition-id 2 would clash)
     assert res["flower"]["supernodes"] == SUPERNODES
 
@@ -282,3 +284,124 @@ def test_flower_config_fields_are_validated(cfg_factory, tiny_bert_dir, toy_json
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, runtime__kind='"flower"')
     with pytest.raises(ConfigError, match="exceeds the 3 training clients"):
         launcher.up(cfg, tmp_path / "x", supernodes=4, quiet=True)
+
+
+# ----------------------------------------------------------------------------- in-process Flower
+
+
+class FakeGrid:
+    """A Grid without processes: messages go straight to fedsplice's real ClientApp, called
+    in this process with each node's Context; `tamper(kind, node, msg, reply)` may alter a
+    reply or return "silence" (no reply ever); `silent` nodes never answer."""
+
+    def __init__(self, cfg_text: str, tmp: Path, n: int, tamper=None, silent=()):
+        from flwr.app import Context, RecordDict
+
+        from fedsplice.flower.app import CONFIG_KEY
+
+        self.nodes = {1000 + i: Context(run_id=7, node_id=1000 + i, state=RecordDict(), run_config={CONFIG_KEY: cfg_text},
+                                        node_config={"partition-id": i, "num-partitions": n,
+                                                     "state-dir": str(tmp / f"node-{i}")}) for i in range(n)}
+        self.tamper, self.silent, self.replies = tamper, set(silent), {}
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def push_messages(self, messages):
+        from fedsplice.flower.app import client_app
+
+        ids = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = m.object_id
+            ids.append(m.metadata.message_id)
+            if m.metadata.dst_node_id in self.silent:
+                continue
+            rep = client_app(message=m, context=self.nodes[m.metadata.dst_node_id])
+            if self.tamper:
+                rep = self.tamper(m.metadata.message_type, m.metadata.dst_node_id, m, rep) or rep
+            if rep != "silence":
+                self.replies[m.metadata.message_id] = rep
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+
+@pytest.fixture
+def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
+    import tomli_w
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedsplice.config import to_dict
+    from fedsplice.flower.transport import FlowerTransport, JsonLog
+    from fedsplice.simulation import run_rounds
+    from fedsplice.store import MemoryStore
+
+    for k, v in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, k, v)
+
+    def run(cfg, **grid_kw):
+        grid = FakeGrid(tomli_w.dumps(to_dict(cfg)), tmp_path, 3, **grid_kw)
+        exp, records = build(cfg), []
+        events, audit = JsonLog(tmp_path / "events.jsonl"), JsonLog(tmp_path / "wire.jsonl")
+        t = FlowerTransport(grid, exp, events=events, audit=audit, min_nodes=3, say=lambda s: None, poll_s=0.01)
+        run_rounds(exp, MemoryStore(), records.append, transport=t)
+        return exp, records, _lines(tmp_path / "events.jsonl"), grid
+
+    return run
+
+
+def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_bert_dir, toy_jsonl):
+    from fedsplice.simulation import run_rounds
+    from fedsplice.store import MemoryStore
+
+    cfg = cfg_factory(tiny_bert_dir, toy_jsonl)
+    exp_s, sim = build(cfg), []
+    run_rounds(exp_s, MemoryStore(), sim.append)
+    _, fl, events, _ = in_process(cfg)
+    assert events == []
+    for a, b in zip(sim, fl, strict=True):
+        assert (a["gm"], a["pm"], a.get("clients"), a.get("train_loss")) == (b["gm"], b["pm"], b.get("clients"),
+                                                                              b.get("train_loss"))
+
+
+def test_bad_replies_are_refused_and_logged_with_the_node_id(in_process, cfg_factory, tiny_bert_dir, toy_jsonl):
+    """Round 1: one client's reply smuggles a PRIVATE tensor; round 2: one sends NaN; round 3:
+    one node never answers (deadline). Each round goes on with the other client."""
+    import torch
+
+    cfg = cfg_factory(tiny_bert_dir, toy_jsonl, server__rounds="3", server__round_deadline_s="1.0",
+                      server__max_retries="0")
+    s = build(cfg).sampling
+    bad = {1: s[0][0], 2: s[1][0]}
+    silent_cid = s[2][0]
+
+    def tamper(kind, node, msg, rep):
+        rnd = int(msg.content.config_records["task"]["round"])
+        cid = node - 1000
+        if kind == "train" and rnd == 3 and cid == silent_cid:
+            return "silence"
+        if kind != "train" or bad.get(rnd) != cid:
+            return None
+        rec = rep.content.array_records[f"up.{cid}"]
+        name = next(iter(rec.keys()))
+        if rnd == 1:
+            exp = build(cfg)
+            rec[exp.private_names[0]] = to_record({"x": exp.init_params[exp.private_names[0]]})["x"]
+        else:
+            rec[name] = to_record({"x": torch.full(tuple(rec[name].shape), float("nan"))})["x"]
+        return rep
+
+    exp, recs, events, grid = in_process(cfg, tamper=tamper)
+    assert [r["round"] for r in recs] == [0, 1, 2, 3]
+    for rnd in (1, 2):
+        r = recs[rnd]
+        assert r["clients"] == [c for c in s[rnd - 1] if c != bad[rnd]] and not r.get("skipped")
+        assert r["dropped"] + r["rejected"] == 1
+        assert any(e["node_id"] == 1000 + bad[rnd] and e["round"] == rnd for e in events), events
+    assert any("PRIVATE" in e["detail"] for e in events if e["round"] == 1)
+    assert any("non-finite" in e["detail"] for e in events if e["round"] == 2)
+    assert recs[3]["late"] == 1 and recs[3]["clients"] == [c for c in s[2] if c != silent_cid]
+    assert any(e["node_id"] == 1000 + silent_cid and "deadline" in e["detail"] for e in events)
+    # the silent node is not asked again: PM after round 3 averages the other clients
+    assert any(e["event"] == "pm_partial" and e["cids"] == [silent_cid] for e in events)

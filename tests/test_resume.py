@@ -106,9 +106,10 @@ def _wait(proc: subprocess.Popen, log: Path, ready, timeout: float = 120.0) -> N
         time.sleep(0.005)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, log: Path) -> None:
     proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
+    rc = proc.wait(timeout=30)
+    assert rc == -signal.SIGKILL, f"the run ended by itself (rc {rc}) before the kill:\n{log.read_text()}"
 
 
 def _kill_after_round(args, run: Path, k: int, log: Path) -> None:
@@ -116,7 +117,7 @@ def _kill_after_round(args, run: Path, k: int, log: Path) -> None:
     round k+1, or while checkpoint k is being written)."""
     proc = _spawn(args, log)
     _wait(proc, log, lambda: _logged_rounds(run) >= k + 1)
-    _kill(proc)
+    _kill(proc, log)
 
 
 # ----------------------------------------------------------------------------- SIGKILL tests
@@ -149,7 +150,7 @@ def test_sigkill_inside_a_checkpoint_write(setups, tmp_path):
 
     _wait(proc, log, writing)
     time.sleep(0.2)  # well inside the 120 s pause: client files written, state.json not yet
-    _kill(proc)
+    _kill(proc, log)
     assert [r for r, _ in ckpt.checkpoints(root)][-1] == k - 1, why  # round k was never completed
     assert any(p.name.startswith(".round-") for p in root.iterdir()), why  # the partial write is there
     # resume as a real process too

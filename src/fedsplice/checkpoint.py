@@ -274,21 +274,9 @@ class Loaded:
     path: Path
 
 
-def check_config(path: Path, cfg: ExperimentConfig) -> None:
-    """Cheap (before the build): the checkpoint was written for this very config."""
-    try:
-        meta = json.loads((Path(path) / "state.json").read_text())
-        digest = meta["config_sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: unreadable checkpoint ({e}); delete it to fall back to "
-                              f"the one before") from None
-    if digest != config_digest(cfg):
-        raise CheckpointError(f"{path}: written for a different config than {Path(path).parent.parent}"
-                              f"/config.toml; resume needs the config the run started with")
-
-
-def load(path: Path, cfg: ExperimentConfig, sampling: list[list[int]]) -> Loaded:
-    """Read a checkpoint back and check it belongs to this config and sampling stream."""
+def check(path: Path, cfg: ExperimentConfig) -> dict:
+    """Cheap (before the build): the checkpoint is whole and was written for this very config.
+    Returns its state.json."""
     path = Path(path)
     try:
         meta = json.loads((path / "state.json").read_text())
@@ -296,10 +284,27 @@ def load(path: Path, cfg: ExperimentConfig, sampling: list[list[int]]) -> Loaded
             raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this "
                                   f"fedsplice reads format {FORMAT}")
         for rel, size in meta["files"].items():
-            if (path / rel).stat().st_size != size:
-                raise CheckpointError(f"{path / rel}: {(path / rel).stat().st_size} bytes, the "
-                                      f"checkpoint recorded {size}; it is damaged")
+            got = (path / rel).stat().st_size
+            if got != size:
+                raise CheckpointError(f"{path / rel}: {got} bytes, the checkpoint recorded {size}; "
+                                      f"it is damaged: delete {path} to fall back to the one before")
+        digest = meta["config_sha256"]
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it "
+                              f"to fall back to the one before") from None
+    if digest != config_digest(cfg):
+        raise CheckpointError(f"{path}: written for a different config than {path.parent.parent}"
+                              f"/config.toml; resume needs the config the run started with")
+    return meta
 
+
+def load(path: Path, cfg: ExperimentConfig, sampling: list[list[int]]) -> Loaded:
+    """Read a checkpoint back and check it belongs to this config and sampling stream."""
+    path = Path(path)
+    meta = check(path, cfg)
+    try:
         def tensors(rel: str) -> dict:
             return st_load((path / rel).read_bytes())
 
@@ -308,12 +313,9 @@ def load(path: Path, cfg: ExperimentConfig, sampling: list[list[int]]) -> Loaded
         clients = {int(c): tensors(f"clients/{_client_file(int(c))}") for c in meta["clients"]}
         lines = (path / "metrics.jsonl").read_text().splitlines()
         rng_torch = tensors("rng.safetensors")["torch"]
-    except CheckpointError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: unreadable checkpoint ({e}); delete it to fall back to "
-                              f"the one before") from None
-    check_config(path, cfg)
+    except Exception as e:  # OSError, bad JSON, a safetensors header that does not parse, ...
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it "
+                              f"to fall back to the one before") from None
     if meta["sampling_sha256"] != sampling_digest(sampling, state.round):
         raise CheckpointError(f"{path}: the client-sampling stream re-derived from the seed differs "
                               f"from the one the run used; was fedsplice upgraded mid-run?")

@@ -20,7 +20,8 @@ from fedsplice.server import ServerOptimizer, make_server_optimizer
 from fedsplice.split import GLOBAL, PRIVATE, names_in
 
 # Streams of the one seed: each use gets its own generator (numpy SeedSequence entropy pairs).
-STREAM_PARTITION, STREAM_SAMPLING, STREAM_CLIENT, STREAM_LOCAL_TEST, STREAM_LONG_TAIL = 0, 1, 2, 3, 4
+STREAM_PARTITION, STREAM_SAMPLING, STREAM_CLIENT, STREAM_LOCAL_TEST, STREAM_LONG_TAIL = 0, 1, 2, 3, 5
+# (4 is the simulated-fault stream of simulation.InProcess)
 
 
 @dataclass

@@ -31,8 +31,8 @@ def temperature_for_entropy(logits: torch.Tensor, target: torch.Tensor, steps: i
     """
     a = logits.detach().double()
     t = target.detach().double()
-    lo_t = torch.full(t.shape, lo, dtype=torch.float64)
-    hi_t = torch.full(t.shape, hi, dtype=torch.float64)
+    lo_t = torch.full(t.shape, lo, dtype=torch.float64, device=a.device)
+    hi_t = torch.full(t.shape, hi, dtype=torch.float64, device=a.device)
     for _ in range(steps):
         mid = (lo_t * hi_t).sqrt()
         too_cold = entropy(a / mid.unsqueeze(-1)) < t
@@ -140,10 +140,11 @@ def personalize(exp, global_params: dict, lam: float, steps: int) -> list[dict]:
         l_g_test = model.predict(test, bs)
         model.load_params(fresh)
         _client_seed(exp, -(10**6), cid)
-        local_train(model, texts, d.train_labels[c.train_idx], cfg=ccfg, loss_terms=[],
-                    objective=residual_objective(lam), ids=c.train_idx, keep_opt=set(), opt_state={},
-                    rng=rng(exp.cfg, STREAM_CLIENT, 10**7, cid),
-                    ctx=train_context(exp, cid, global_params, global_logits=l_g))
+        if steps > 0:  # 0: l_P stays at its fresh init (client.max_steps = 0 would mean "no cap")
+            local_train(model, texts, d.train_labels[c.train_idx], cfg=ccfg, loss_terms=[],
+                        objective=residual_objective(lam), ids=c.train_idx, keep_opt=set(), opt_state={},
+                        rng=rng(exp.cfg, STREAM_CLIENT, 10**7, cid),
+                        ctx=train_context(exp, cid, global_params, global_logits=l_g))
         logits = (l_g_test + model.predict(test, bs)).numpy()
         out.append(score(exp, d.test_labels[c.test_idx], logits, c.test_idx))
     model.load_params(global_params)

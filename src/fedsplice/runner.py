@@ -69,7 +69,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         ckpt.remove_partial(out / ckpt.DIRNAME)  # a write that was killed
         last_ckpt = ckpt.latest(out / ckpt.DIRNAME)
         if last_ckpt is not None:
-            ckpt.check_config(last_ckpt, cfg)
+            ckpt.check(last_ckpt, cfg)
     ckpt.check_writable(out)
     ckpt.check_space(out, ckpt.MIN_FREE)
     t0 = time.perf_counter()
@@ -159,7 +159,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     purified = [r["purified_steps"] for r in records if "purified_steps" in r]
     if purified:
         results["purified_fraction"] = float(sum(purified) / len(purified))
-    if exp.holdout_ids:
+    if exp.holdout_ids and exp.recipe.trains:
         if not quiet:
             console.print(f"cold start: {len(exp.holdout_ids)} held-out clients, "
                           f"{cfg.eval.cold_start_epochs} local epochs")

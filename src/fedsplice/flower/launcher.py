@@ -363,7 +363,9 @@ class Cluster:
 
     def start_supernode(self, i: int, node_config: Path, key: certs.NodeKey | None,
                         name: str | None = None) -> Proc:
-        folder = self.root / "nodes" / f"node-{i}"
+        """Start SuperNode `i` (its own folder, log and executor); `name` starts an extra one
+        (e.g. a test's intruder) under that name instead, leaving node i alone."""
+        folder = self.root / "nodes" / (name or f"node-{i}")
         runtime_port = free_port()
         cmd = ["flower-supernode", "--superlink", self.address, "--port", str(runtime_port),
                "--node-config", str(node_config)]
@@ -375,14 +377,15 @@ class Cluster:
             cmd += ["--root-certificates", str(self.tls.ca_cert)]
             if key is not None:
                 cmd += ["--auth-supernode-private-key", str(key.private)]
+        slot = name or i
         name = name or f"supernode-{i}"
         p = self._spawn(name, cmd, folder / "home", self.root / "logs" / f"{name}.log")
-        self.supernodes[i] = p
+        self.supernodes[slot] = p
         if self.isolation == "fedsplice":
-            self.executors[i] = self._spawn(
-                f"executor-{i}", [sys.executable, "-m", "fedsplice.flower.executor", "--runtime-api-address",
-                                  f"127.0.0.1:{runtime_port}", "--parent-pid", str(p.pid)],
-                folder / "home", self.root / "logs" / f"executor-{i}.log")
+            self.executors[slot] = self._spawn(
+                f"executor-{slot}", [sys.executable, "-m", "fedsplice.flower.executor",
+                                     "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--parent-pid", str(p.pid)],
+                folder / "home", self.root / "logs" / f"executor-{slot}.log")
         return p
 
     def kill_supernode(self, i: int, sig: int = signal.SIGKILL) -> None:

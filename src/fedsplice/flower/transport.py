@@ -35,6 +35,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedsplice import wire
 from fedsplice.experiment import Experiment
+from fedsplice.robust import check_update
 from fedsplice.flower.records import RecordError, decode, finite_json, scan, split_bytes, to_record, weigh
 from fedsplice.simulation import Reply
 
@@ -98,6 +99,7 @@ class FlowerTransport:
         self.like = {n: exp.init_params[n] for n in exp.global_names}
         self.fingerprints = {c: client_fingerprint(exp, c) for c in exp.train_ids}
         self.round = 0  # the last round trained; an evaluation is of the model after it
+        self._reference: dict = {}  # the GLOBAL tensors sent in the current round
         self._sent: dict[int, int] = {}  # node -> bytes of the message just sent to it
         # Flower-measured bytes vs the simulation's safetensors payload of the same tensors
         self.totals = {"messages": 0, "up_bytes": 0, "down_bytes": 0, "up_payload_bytes": 0,
@@ -256,7 +258,8 @@ class FlowerTransport:
     def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]:
         self.round = rnd
         by_node, skipped = self._group(cids, "train", rnd)
-        got = self._exchange(MessageType.TRAIN, str(rnd), by_node, wire.decode(down), rnd)
+        self._reference = wire.decode(down)
+        got = self._exchange(MessageType.TRAIN, str(rnd), by_node, self._reference, rnd)
         replies: dict[int, Reply] = {c: Reply(c, b"", 0, {}, 0, 0, error=why) for c, why in skipped.items()}
         for node, (rep, err, late) in got.items():
             ncids = by_node[node]
@@ -291,6 +294,9 @@ class FlowerTransport:
         except RecordError as e:
             self._event("reply_refused", node, [cid], str(e), rnd)
             return Reply(cid, b"", 0, {}, up, down, error=f"SuperNode {node}: {e}")
+        reason = check_update(tensors, self._reference, self.private)
+        if reason:  # the round loop refuses it too (and counts it); here it is logged with the node id
+            self._event("reply_invalid", node, [cid], reason, rnd)
         payload = wire.encode(tensors)
         self.totals["up_bytes"] += up
         self.totals["up_payload_bytes"] += len(payload)
