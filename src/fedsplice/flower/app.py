@@ -91,6 +91,10 @@ def run_on_grid(grid: Grid, cfg, out: Path, *, min_nodes: int, node_wait_s: floa
     def rounds_on_grid(exp, store, on_round, progress=None, transport=None, **kw):
         t = made["t"] = FlowerTransport(grid, exp, events=events, audit=audit, min_nodes=min_nodes,
                                         node_wait_s=node_wait_s, say=_say)
+        if exp.recipe.personalize:  # the runner runs it in this (the server's) process, on all data
+            events({"event": "personalization_on_server", "node_id": 0, "cids": list(exp.train_ids),
+                    "detail": "this algorithm's local personalization stage runs in the ServerApp "
+                              "process, not on the SuperNodes (a runner hook is needed to move it)"})
 
         def on_round_say(record):
             on_round(record)
@@ -107,10 +111,12 @@ def run_on_grid(grid: Grid, cfg, out: Path, *, min_nodes: int, node_wait_s: floa
             "supernodes": len(set(t.owner.values())) if t.owner else 0,
             "events": events.count,
             "messages": tot["messages"],
-            # the simulation runtime's figure for the same tensors (safetensors payloads)
+            # The simulation runtime's figures for the same tensors (safetensors payloads; one
+            # broadcast per sampled client). Uploads compare one to one: Flower's up_bytes are the
+            # payload plus the message envelope. Downloads do not: Flower sends one message per
+            # SuperNode per round, however many of its clients were sampled (docs/flower.md).
             "up_payload_bytes": tot["up_payload_bytes"], "down_payload_bytes": tot["down_payload_bytes"],
             "up_envelope_bytes": tot["up_bytes"] - tot["up_payload_bytes"],
-            "down_envelope_bytes": tot["down_bytes"] - tot["down_payload_bytes"],
             "uploaded_tensors": tot["up_tensors"],
             "eval_down_bytes": tot["eval_down_bytes"], "eval_up_bytes": tot["eval_up_bytes"],
         }
