@@ -10,6 +10,21 @@ import sys
 from pathlib import Path
 
 
+def fmt(v) -> str:
+    return "–" if v is None else f"{v:.3f}"
+
+
+def longtail(dirs: list[str]) -> None:
+    print("| method | GM all | GM many | GM med | GM few | GM β(0.1) | GM head bias | PM all | PM many | PM med | PM few | PM β(0.1) | up kB/round |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for d in dirs:
+        r = json.loads((Path(d) / "results.json").read_text())
+        gm, pm = r["gm"], r["pm"]
+        cells = [fmt(gm[k]) for k in ("accuracy", "many", "medium", "few", "balancedness_0.1", "head_bias")]
+        cells += [fmt(pm[k]) for k in ("accuracy", "many", "medium", "few", "balancedness_0.1")]
+        print(f"| {r['algorithm']} | " + " | ".join(cells) + f" | {r['communication']['up_bytes_per_round'] / 1e3:.1f} |")
+
+
 def main(dirs: list[str]) -> None:
     print("| method | GM acc | GM F1 | PM acc (mean ± std) | PM min | PM F1 | cold start 0→5 ep | up kB/round | vs FedAvg-LoRA |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -26,4 +41,7 @@ def main(dirs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--longtail"]:
+        longtail(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -113,7 +113,10 @@ def run_executor(address: str, parent_pid: int | None = None, poll_s: float = 0.
                 time.sleep(1.0)
                 continue
             if res.HasField("task") and res.token:
-                run_task(address, res.token)
+                try:
+                    run_task(address, res.token)
+                except Exception:  # noqa: BLE001 - one broken task must not take the node down
+                    log.exception("task failed outside the ClientApp")
             else:
                 time.sleep(poll_s)
     finally:

@@ -268,7 +268,13 @@ class Cluster:
         self.close()
 
     def close(self) -> list[int]:
-        left = stop_procs(self.procs, self.tag)
+        main = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # a 2nd Ctrl-C must not cut teardown short
+        try:
+            left = stop_procs(self.procs, self.tag)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, old)
         if left:
             self.say(f"warning: processes still alive after teardown: {left}")
         return left
@@ -493,7 +499,8 @@ def up(cfg, out: Path, *, supernodes: int | None = None, insecure: bool | None =
     out.mkdir(parents=True, exist_ok=True)
     root = out / "flower"
     shutil.rmtree(root, ignore_errors=True)
-    (out / STATUS_FILE).unlink(missing_ok=True)
+    for stale in (STATUS_FILE, "events.jsonl", "wire.jsonl"):  # of an overwritten run
+        (out / stale).unlink(missing_ok=True)
     say = _printer(quiet)
     say(f"flower: SuperLink + {n} SuperNodes on 127.0.0.1 ({'INSECURE' if insecure else 'TLS + node auth'}) -> {out}")
     t0 = time.monotonic()

@@ -12,7 +12,6 @@ object tree itself. HTTP/TLS framing is not counted (it depends on the transport
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,6 +126,4 @@ def finite_json(x):
         return x.item()
     if isinstance(x, torch.Tensor) and x.numel() == 1:
         return x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return x
     raise TypeError(f"not JSON serializable: {type(x).__name__}")

@@ -35,8 +35,8 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedsplice import wire
 from fedsplice.experiment import Experiment
-from fedsplice.robust import check_update
 from fedsplice.flower.records import RecordError, decode, finite_json, scan, split_bytes, to_record, weigh
+from fedsplice.robust import check_update
 from fedsplice.simulation import Reply
 
 GLOBAL_KEY, TASK_KEY, RESULT_KEY, UP_PREFIX = "global", "task", "result", "up."
