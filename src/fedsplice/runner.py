@@ -21,7 +21,7 @@ from fedsplice.store import make_store
 console = Console(stderr=True)
 
 
-def _round_line(r: dict) -> str:
+def round_line(r: dict) -> str:
     s = f"round {r['round']:>3}"
     if "train_loss" in r:
         s += f"  loss {r['train_loss']:.3f}  up {r['up_bytes'] / 1e3:.1f} kB  {r['time_s']:.1f}s"
@@ -56,11 +56,12 @@ def resume_experiment(out: Path, quiet: bool = False) -> dict:
 
 
 def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, quiet: bool = False,
-                   resume: bool = False) -> dict:
+                   resume: bool = False, make_transport=None, echo=None) -> dict:
     """Run `cfg` into the run directory `out`, checkpointing every `runtime.checkpoint_every`
     rounds. `resume=True` continues the run already in `out` from its last complete checkpoint
     (from the start if it has none) and gives the same metrics.jsonl and results.json as an
-    uninterrupted run, apart from the wall-clock `time_s` fields."""
+    uninterrupted run, apart from the wall-clock `time_s` fields. `make_transport(exp, store)`
+    gives the round loop another runtime (Flower); `echo(line)` also receives each round line."""
     last_ckpt = None
     if not resume:
         rundir.check_out(out, overwrite)  # fail before the slow build, and write nothing yet
@@ -112,13 +113,16 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
 
         def on_round(record: dict) -> None:
             log.append(record)
+            if echo is not None:
+                echo(round_line(record))
             if not quiet:
-                bar.console.print(_round_line(record))
+                bar.console.print(round_line(record))
                 for e in record.get("events", []):
                     bar.console.print(f"  client {e['client']} {e['event']}: {e['reason']}")
 
         if exp.recipe.trains:
             final = run_rounds(exp, store, on_round, progress=lambda: bar.advance(task),
+                               transport=make_transport(exp, store) if make_transport else None,
                                start=loaded.state if loaded is not None else None, on_state=on_state)
         else:
             final = evaluate_only(exp, store, on_round)

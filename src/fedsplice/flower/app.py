@@ -61,49 +61,26 @@ def _say(line: str) -> None:
 # ============================================================================ ServerApp
 
 
-class _Swap:
-    """Temporarily replace a module attribute (here: runner.run_rounds, to pass a transport)."""
-
-    def __init__(self, module, name, value):
-        self.module, self.name, self.value = module, name, value
-
-    def __enter__(self):
-        self.old = getattr(self.module, self.name)
-        setattr(self.module, self.name, self.value)
-
-    def __exit__(self, *exc):
-        setattr(self.module, self.name, self.old)
-
-
 def run_on_grid(grid: Grid, cfg, out: Path, *, min_nodes: int, node_wait_s: float) -> dict:
-    """`runner.run_experiment` with the round loop's transport = FlowerTransport(grid).
-
-    The runner has no transport parameter, so `runner.run_rounds` is swapped for this process
-    only (the ServerApp runs in its own process) by a wrapper that passes the transport.
-    """
-    from fedsplice import rundir, runner, simulation
+    """`runner.run_experiment` with the round loop's transport = FlowerTransport(grid)."""
+    from fedsplice import rundir, runner
     from fedsplice.flower.transport import FlowerTransport, JsonLog
 
     events = JsonLog(out / "events.jsonl", echo=_say)
     audit = JsonLog(out / "wire.jsonl")
     made = {}
 
-    def rounds_on_grid(exp, store, on_round, progress=None, transport=None, **kw):
+    def make_transport(exp, store):
         t = made["t"] = FlowerTransport(grid, exp, events=events, audit=audit, min_nodes=min_nodes,
                                         node_wait_s=node_wait_s, say=_say)
         if exp.recipe.personalize:  # the runner runs it in this (the server's) process, on all data
             events({"event": "personalization_on_server", "node_id": 0, "cids": list(exp.train_ids),
                     "detail": "this algorithm's local personalization stage runs in the ServerApp "
                               "process, not on the SuperNodes (a runner hook is needed to move it)"})
+        return t
 
-        def on_round_say(record):
-            on_round(record)
-            _say("[fedsplice] " + runner._round_line(record))
-
-        return simulation.run_rounds(exp, store, on_round_say, progress, transport=t, **kw)
-
-    with _Swap(runner, "run_rounds", rounds_on_grid):
-        results = runner.run_experiment(cfg, out, overwrite=True, quiet=True)
+    results = runner.run_experiment(cfg, out, overwrite=True, quiet=True, make_transport=make_transport,
+                                    echo=lambda line: _say("[fedsplice] " + line))
     t = made.get("t")
     if t is not None:
         tot = t.totals
