@@ -13,11 +13,13 @@ import re
 import warnings
 from contextlib import contextmanager, nullcontext
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedsplice.adapters import FeatureAdapter, PromptLearner
+from fedsplice.cache import FrozenCache, TokenCache, fingerprint
 from fedsplice.config import ExperimentConfig
 from fedsplice.errors import ConfigError
 from fedsplice.split import ParamInfo
@@ -32,6 +34,20 @@ ROLE_MAPS = {
     "clip": _CLIP, "clip_text_model": _CLIP, "clip_vision_model": _CLIP, "siglip": _CLIP,
 }
 _LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
+# (embeddings, layer stack) of the encoders whose frozen prefix can be cached: BERT-like, CLIP.
+_STACKS = (("embeddings", "encoder.layer"), ("text_model.embeddings", "text_model.encoder.layers"),
+           ("embeddings", "encoder.layers"))
+
+
+class _Const(nn.Module):
+    """Stands in for the embeddings: returns the cached hidden states of the frozen prefix."""
+
+    def __init__(self, h: torch.Tensor):
+        super().__init__()
+        self.h = h
+
+    def forward(self, *args, **kwargs):
+        return self.h
 
 
 def role_map(model_type: str) -> dict[str, str]:
@@ -117,6 +133,15 @@ class TaskModel(nn.Module):
             self._check_roles(pc.roles, mtype)
         self._frozen_class_emb: torch.Tensor | None = None
         self._zero_shot = False
+        rc = cfg.runtime
+        self.cache_on = rc.cache
+        self._tok = TokenCache(self.tokenizer, self.mcfg.max_length, rc.cache)
+        # prompt/adapter: the input side is frozen whole, so its pooled features are cached
+        frozen_inputs = rc.cache and pc.type in ("prompt", "adapter") and self.task != "causal_lm"
+        self._features = FrozenCache({"kind": "features"}, 1 << 62) if frozen_inputs else None
+        self._prefix, self._l0, self._paths = None, 0, None
+        if rc.cache and pc.type == "lora" and pc.layers and min(pc.layers) > 0 and self.task != "causal_lm":
+            self._init_prefix_cache(cfg, min(pc.layers))
 
     def _inject_lora(self, base, pc, seed: int, mtype: str):
         from peft import LoraConfig, get_peft_model
@@ -134,6 +159,84 @@ class TaskModel(nn.Module):
                 raise ConfigError(f"peft: no module of this {mtype} backbone matches roles {pc.roles}, "
                                   f"layers {pc.layers or 'all'}, tower {pc.tower or '(any)'} ({e}); "
                                   f"check peft.layers / peft.tower") from None
+
+    def train(self, mode: bool = True):
+        """The frozen backbone always runs as at inference (no dropout): its work is then a pure
+        function of the input, which makes caching it exact (DESIGN §7). The adapters' own
+        dropout (peft.dropout) and the trainable modules follow `mode`."""
+        super().train(mode)
+        self.backbone.eval()
+        for name, mod in self.backbone.named_modules():
+            if "lora_dropout" in name:
+                mod.train(mode)
+        return self
+
+    def _hf(self):
+        return self.backbone.get_base_model() if self.pcfg.type == "lora" else self.backbone
+
+    def _init_prefix_cache(self, cfg: ExperimentConfig, l0: int) -> None:
+        """Hidden states entering layer l0 (the first adapted one) depend on frozen weights only."""
+        hf = self._hf()
+        for emb, layers in _STACKS:
+            try:
+                frozen = [hf.get_submodule(emb)] + list(hf.get_submodule(layers))[:l0]
+            except AttributeError:
+                continue
+            ns = {"kind": "prefix", "model": cfg.model.name, "first_adapted_layer": l0,
+                  "max_length": self.mcfg.max_length, "tokenizer": self.tokenizer.name_or_path,
+                  "weights": fingerprint(p for m in frozen for p in m.parameters())}
+            self._prefix = FrozenCache(ns, cfg.runtime.cache_budget_mb << 20, cfg.runtime.cache_dir)
+            self._l0, self._paths = l0, (emb, layers)
+            return
+
+    @contextmanager
+    def _swapped(self, path: str, new: nn.Module):
+        parent_path, _, attr = path.rpartition(".")
+        parent = self._hf().get_submodule(parent_path) if parent_path else self._hf()
+        old = getattr(parent, attr)
+        setattr(parent, attr, new)
+        try:
+            yield
+        finally:
+            setattr(parent, attr, old)
+
+    def _prefix_states(self, texts: list[str], enc) -> torch.Tensor:
+        """[B, T, H] hidden states entering layer l0, from the cache or computed (and kept)."""
+        emb, layers_path = self._paths
+        rows = [self._prefix.get(t) for t in texts]
+        miss = [i for i, r in enumerate(rows) if r is None]
+        if miss:
+            sub = self._tok([texts[i] for i in miss])
+            layers = list(self._hf().get_submodule(layers_path))
+            got = {}
+            hook = layers[self._l0 - 1].register_forward_hook(
+                lambda m, a, o: got.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+            try:  # run the frozen prefix only: the stack cut after layer l0 - 1
+                with torch.no_grad(), self._swapped(layers_path, nn.ModuleList(layers[:self._l0])):
+                    self.backbone(**sub)
+            finally:
+                hook.remove()
+            sm = sub["attention_mask"].bool()
+            for j, i in enumerate(miss):
+                rows[i] = got["h"][j][sm[j]]
+                self._prefix.put(texts[i], rows[i])
+        mask = enc["attention_mask"].bool()
+        h = torch.zeros(*mask.shape, rows[0].shape[-1])
+        for i, r in enumerate(rows):
+            h[i][mask[i]] = r if torch.is_tensor(r) else torch.from_numpy(np.array(r))
+        return h
+
+    def _encode(self, enc, texts: list[str]) -> torch.Tensor:
+        if self._prefix is None:
+            return self.backbone(**enc).last_hidden_state
+        emb, layers_path = self._paths
+        h = self._prefix_states(texts, enc)
+        upper = nn.ModuleList(list(self._hf().get_submodule(layers_path))[self._l0:])
+        with self._swapped(emb, _Const(h)), self._swapped(layers_path, upper):
+            return self.backbone(**enc).last_hidden_state
+
+    def cache_stats(self) -> dict:
+        return {k: c.stats() for k, c in (("prefix", self._prefix), ("features", self._features)) if c is not None}
 
     @contextmanager
     def zero_shot(self):
@@ -185,18 +288,14 @@ class TaskModel(nn.Module):
             params[n].copy_(t)
 
     # ----------------------------------------------------------------- scoring
-    def _tokenize(self, texts: list[str]):
-        return self.tokenizer(texts, padding=True, truncation=True, max_length=self.mcfg.max_length,
-                              return_tensors="pt")
-
     def _embed(self, texts: list[str]) -> torch.Tensor:
-        enc = self._tokenize(texts)
-        out = self.backbone(**enc).last_hidden_state
+        enc = self._tok(texts)
+        out = self._encode(enc, texts)
         mask = enc["attention_mask"].unsqueeze(-1).to(out.dtype)
         return (out * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean pooling (sentence-transformers)
 
     def _frozen_class_embeddings(self) -> torch.Tensor:
-        if self._frozen_class_emb is None:  # frozen work, computed once
+        if self._frozen_class_emb is None or not self.cache_on:  # frozen work, computed once
             with torch.no_grad(), (self.backbone.disable_adapter() if self.pcfg.type == "lora" else nullcontext()):
                 self._frozen_class_emb = F.normalize(self._embed(self._prompts()), dim=-1)
         return self._frozen_class_emb
@@ -227,8 +326,19 @@ class TaskModel(nn.Module):
         if self.pcfg.type == "lora":
             return self._embed(texts)
         with torch.no_grad():  # the encoder is frozen on the input side for prompts and adapters
-            f = self._embed(texts)
+            f = self._frozen_features(texts)
         return f if (self.adapter is None or self._zero_shot) else self.adapter(f)
+
+    def _frozen_features(self, texts: list[str]) -> torch.Tensor:
+        if self._features is None:
+            return self._embed(texts)
+        rows = [self._features.get(t) for t in texts]
+        miss = [i for i, r in enumerate(rows) if r is None]
+        if miss:
+            for i, f in zip(miss, self._embed([texts[i] for i in miss])):
+                rows[i] = f
+                self._features.put(texts[i], f)
+        return torch.stack([r if torch.is_tensor(r) else torch.from_numpy(r) for r in rows])
 
     def forward(self, texts: list[str], class_emb: torch.Tensor | None = None) -> torch.Tensor:
         if self.task == "dual_encoder":

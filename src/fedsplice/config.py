@@ -137,6 +137,9 @@ class ClientConfig:
     weight_decay: float = 0.0
     optimizer: Literal["adamw", "sgd"] = "adamw"
     logit_adjustment: float = 0.0  # τ of logit-adjusted training (Menon et al. 2021); 0 = off
+    # Upload codec of the GLOBAL tensors: fp32 sends the tensors; fp16 / int8 send the round's
+    # update (trained - received) compressed, int8 with error feedback kept on the client.
+    upload: Literal["fp32", "fp16", "int8"] = "fp32"
 
     def check(self) -> None:
         if self.logit_adjustment < 0:
@@ -237,6 +240,12 @@ class RuntimeConfig:
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     checkpoint_every: int = 1  # rounds between checkpoints (the last round always); 0 = none
     keep_checkpoints: int = 2  # the newest k checkpoints are kept
+    # Frozen work computed once (DESIGN §7): tokenized inputs, frozen input features, hidden
+    # states below the first adapted layer. false = recompute everything every step (checks,
+    # benchmarks). The prefix cache holds at most cache_budget_mb; past that it computes afresh.
+    cache: bool = True
+    cache_budget_mb: int = 1024
+    cache_dir: str = ""  # "" = in memory; a folder = memory-mapped .npy files there
 
     def check(self) -> None:
         if self.threads < 0:
@@ -245,6 +254,8 @@ class RuntimeConfig:
         if self.checkpoint_every < 0:
             raise ConfigError(f"runtime.checkpoint_every must be >= 0 (0 = no checkpoints), got {self.checkpoint_every}")
         _positive("runtime.keep_checkpoints", self.keep_checkpoints)
+        if self.cache_budget_mb < 0:
+            raise ConfigError(f"runtime.cache_budget_mb must be >= 0 (0 = no prefix cache), got {self.cache_budget_mb}")
 
 
 @dataclass
@@ -295,6 +306,9 @@ class ExperimentConfig:
                 f"faults.straggler = {self.faults.straggler} needs 0 < server.round_deadline_s < "
                 f"faults.straggler_delay_s ({self.faults.straggler_delay_s}); without a deadline a "
                 f"slow client is simply waited for")
+        if self.client.upload != "fp32" and self.runtime.kind == "flower":
+            raise ConfigError(f"client.upload = {self.client.upload!r} is implemented by the simulation "
+                              f"runtime only; use client.upload = 'fp32' with runtime.kind = 'flower'")
         from fedsplice.algorithms import method_params  # validates `method` against the algorithm
         from fedsplice.server import make_server_optimizer  # validates the server hyperparameters
 

@@ -116,7 +116,7 @@ def zero_shot_caches(exp: Experiment) -> dict:
     bs = exp.cfg.eval.batch_size
     with exp.model.zero_shot():
         out = {"zero_shot_test": exp.model.predict(exp.data.test_texts, bs)}
-        if exp.recipe.needs_zero_shot:
+        if exp.recipe.needs_zero_shot and exp.cfg.runtime.cache:
             out["zero_shot"] = exp.model.predict(exp.data.train_texts, bs)
     out["train_counts"] = np.bincount(exp.data.train_labels, minlength=len(exp.data.class_names))
     return out

@@ -93,12 +93,25 @@ def purification(granularity: str = "tensor"):
     return transform
 
 
+@torch.no_grad()
+def zero_shot_logits(model, texts: list[str]) -> torch.Tensor:
+    was = model.training
+    model.eval()  # as the cached logits are computed (predict): no dropout
+    with model.zero_shot():
+        z = model(texts)
+    model.train(was)
+    return z
+
+
 def align_objective(aligned: bool = True):
     """Phase 1: from ONE forward, the task CE and the alignment loss toward zero-shot logits."""
 
     def objective(model, texts, y, ids, ctx):
         f = model(texts)
-        z = ctx["zero_shot"][torch.as_tensor(ids)]
+        if "zero_shot" in ctx:  # frozen work, cached once per run
+            z = ctx["zero_shot"][torch.as_tensor(ids)]
+        else:  # runtime.cache = false: an extra frozen forward every step, as the caches' reference
+            z = zero_shot_logits(model, texts)
         return {"task": F.cross_entropy(f + ctx.get("logit_offset", 0.0), y),
                 "align": tkl(f, z, aligned).mean()}
 

@@ -1,0 +1,163 @@
+"""Caches of frozen work: exact stand-ins for the computation they skip, never found stale."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedsplice import zoo
+from fedsplice.backbone import TaskModel
+from fedsplice.cache import FrozenCache, TokenCache
+from fedsplice.experiment import build
+from fedsplice.simulation import run_rounds
+from fedsplice.store import MemoryStore
+
+TEXTS = ["hello world game", "the moon is a plant 3", "sing a song", "a"]
+CLASSES = ["sports", "science", "music"]
+
+
+@pytest.fixture
+def cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
+    def make(**kw):
+        return cfg_factory(tiny_bert_dir, toy_jsonl, **kw)
+    return make
+
+
+def _randomize_lora(model: TaskModel, seed: int = 3) -> None:
+    """LoRA B starts at zero; give every trainable tensor values so the adapters matter."""
+    g = torch.Generator().manual_seed(seed)
+    model.load_params({n: torch.randn(p.shape, generator=g) * 0.3 for n, p in model.trainable().items()})
+
+
+@pytest.mark.parametrize("style", ["bert", "llama"])
+def test_token_cache_pads_to_the_tokenizers_own_batch(style):
+    tok = zoo.tiny_tokenizer(style=style)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    cache = TokenCache(tok, max_length=5)
+    for batch in (TEXTS, TEXTS[::-1], TEXTS[:1], TEXTS + TEXTS[:2]):
+        ref = tok(batch, padding=True, truncation=True, max_length=5, return_tensors="pt")
+        got = cache(batch)
+        assert set(got) == set(ref)
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), k
+
+
+def test_prefix_cache_gives_the_full_forward_and_its_gradients(cfg):
+    outs = {}
+    for on in (True, False):
+        m = TaskModel(cfg(peft__layers=[1], runtime__cache=on), CLASSES)
+        _randomize_lora(m)
+        assert m.param_infos() and all(".layer.1." in n for n in m.trainable())
+        m.train()
+        m.zero_grad()
+        logits = m(TEXTS)  # the class prompts and the texts both go through the prefix cache
+        logits.pow(2).sum().backward()
+        again = m(TEXTS[::-1])  # second call: every prefix now comes from the cache
+        outs[on] = (logits.detach(), again.detach(), {n: p.grad.clone() for n, p in m.trainable().items()})
+        if on:
+            st = m.cache_stats()["prefix"]
+            assert st["entries"] == len(TEXTS) + len(CLASSES) and st["hits"] >= len(TEXTS)
+        else:
+            assert m.cache_stats() == {}
+    (a1, a2, ga), (b1, b2, gb) = outs[True], outs[False]
+    assert (a1 - b1).abs().max() < 1e-5 and (a2 - b2).abs().max() < 1e-5
+    assert a1.abs().max() > 0.1  # the adapters changed the logits, so the check has teeth
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], atol=1e-5), n
+        assert ga[n].abs().max() > 0
+
+
+def test_prefix_cache_only_where_every_adapted_layer_is_above_it(cfg):
+    assert TaskModel(cfg(), CLASSES).cache_stats() == {}  # LoRA in layer 0: nothing is frozen below it
+    assert TaskModel(cfg(peft__layers=[0, 1]), CLASSES).cache_stats() == {}
+    assert "prefix" in TaskModel(cfg(peft__layers=[1]), CLASSES).cache_stats()
+
+
+def test_prefix_cache_on_disk_is_reused_and_keyed_by_what_computed_it(cfg, tmp_path):
+    c = cfg(peft__layers=[1], runtime__cache_dir=str(tmp_path / "pc"))
+    m1 = TaskModel(c, CLASSES)
+    _randomize_lora(m1)
+    ref = m1.predict(TEXTS, 2)
+    files = sorted((tmp_path / "pc").rglob("*.npy"))
+    assert len(files) == len(TEXTS) + len(CLASSES)
+    m2 = TaskModel(c, CLASSES)  # a new process would see the same: entries on disk are found
+    _randomize_lora(m2)
+    assert torch.allclose(m2.predict(TEXTS, 3), ref, atol=1e-5)
+    assert m2.cache_stats()["prefix"]["misses"] == 0
+    # other frozen weights or another placement: another namespace, never the stale entries
+    m3 = TaskModel(c, CLASSES)
+    with torch.no_grad():
+        m3._hf().embeddings.word_embeddings.weight.add_(0.01)
+    m3._init_prefix_cache(c, 1)
+    assert m3._prefix.key != m1._prefix.key
+    c_len = cfg(peft__layers=[1], model__max_length=16, runtime__cache_dir=str(tmp_path / "pc"))
+    assert TaskModel(c_len, CLASSES)._prefix.key != m1._prefix.key
+
+
+def test_prefix_cache_budget_bounds_its_bytes_and_changes_nothing(cfg):
+    m = TaskModel(cfg(peft__layers=[1], runtime__cache_budget_mb=0), CLASSES)
+    full = TaskModel(cfg(peft__layers=[1], runtime__cache=False), CLASSES)
+    for x in (m, full):
+        _randomize_lora(x)
+    assert torch.allclose(m.predict(TEXTS, 2), full.predict(TEXTS, 2), atol=1e-5)
+    assert m.cache_stats()["prefix"]["bytes"] == 0 and m.cache_stats()["prefix"]["entries"] == 0
+    fc = FrozenCache({"kind": "t"}, budget_bytes=100)
+    assert fc.put("a", torch.zeros(20)) and not fc.put("b", torch.zeros(20))  # 80 B fit, 160 B not
+    assert fc.get("b") is None and np.array_equal(fc.get("a"), np.zeros(20, np.float32))
+
+
+@pytest.mark.parametrize("kind,algo", [("prompt", "promptfl"), ("adapter", "fedclip")])
+def test_frozen_input_features_are_cached_for_prompts_and_adapters(cfg, kind, algo):
+    out = {}
+    for on in (True, False):
+        m = TaskModel(cfg(algorithm=algo, peft__type=kind, runtime__cache=on), CLASSES)
+        _randomize_lora(m)
+        out[on] = m.predict(TEXTS, 2)
+        out[on, 2] = m.predict(TEXTS, 4)
+        if on:
+            assert m.cache_stats()["features"]["entries"] == len(TEXTS)
+    assert torch.allclose(out[True], out[False], atol=1e-5)
+    assert torch.allclose(out[True, 2], out[False, 2], atol=1e-5)
+
+
+def _metrics(cfg, **kw):
+    exp = build(cfg(**kw))
+    records = []
+    final = run_rounds(exp, MemoryStore(), records.append)
+    return records, final
+
+
+@pytest.mark.parametrize("kw,same_params", [
+    (dict(peft__layers=[1]), True),  # PFAdapter, LoRA above a cached prefix
+    # + zero-shot logits: cached vs a frozen forward per step. They agree to ~6e-6 (another
+    # padding length), but at B = 0 the model IS zero-shot, so the TKL gradient is rounding
+    # noise and so is the purification's sign test: metrics agree, tensors only loosely.
+    (dict(algorithm="fedpurel", peft__layers=[1], client__optimizer="sgd", client__lr=0.05), False),
+    (dict(algorithm="promptfl", peft__type="prompt"), True),  # frozen input features
+    (dict(algorithm="fedclip", peft__type="adapter"), True),
+])
+def test_a_run_with_caches_equals_a_run_without(cfg, kw, same_params):
+    on, fon = _metrics(cfg, **kw)
+    off, foff = _metrics(cfg, runtime__cache=False, **kw)
+    assert len(on) == len(off) == 3
+    for a, b in zip(on, off):
+        for part in ("gm", "pm"):
+            if part in a:
+                for k in ("accuracy", "f1_macro", "tkl", "balancedness"):
+                    assert a[part][k] == pytest.approx(b[part][k], abs=1e-4), (a["round"], part, k)
+        if "train_loss" in a:
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+    for n, t in fon["global_params"].items():
+        assert torch.allclose(t, foff["global_params"][n], atol=1e-4 if same_params else 1e-3), n
+    assert any(not torch.equal(t, build(cfg(**kw)).init_params[n]) for n, t in fon["global_params"].items())
+
+
+def test_cached_zero_shot_logits_equal_a_frozen_forward(cfg):
+    from fedsplice.fedpurel import zero_shot_logits
+
+    exp = build(cfg(algorithm="fedpurel", peft__layers=[1]))
+    _randomize_lora(exp.model)  # the zero-shot forward must ignore the adapters
+    texts = exp.data.train_texts[:20]
+    fresh = torch.cat([zero_shot_logits(exp.model, texts[i:i + 8]) for i in range(0, 20, 8)])
+    assert (fresh - exp.caches["zero_shot"][:20]).abs().max() < 1e-4
+    assert not build(cfg(algorithm="fedpurel", runtime__cache=False)).caches.get("zero_shot")
