@@ -181,7 +181,7 @@ def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params,
                 event(cid, "late", "replied after the round deadline")
                 continue
             try:
-                tensors = wire.decode(r.payload)
+                tensors = wire.decode_update(r.payload, reference)
             except Exception as e:  # a hostile payload must not stop the round
                 reason = f"undecodable payload ({type(e).__name__})"
             else:

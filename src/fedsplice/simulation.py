@@ -66,9 +66,13 @@ def client_update(exp: Experiment, store, cid: int, rnd: int, down: bytes) -> tu
         ids=c.train_idx, keep_opt=set(exp.private_names), opt_state=opt_state,
         rng=rng(exp.cfg, STREAM_CLIENT, rnd, cid), ctx=train_context(exp, cid, received, round=rnd))
     params = exp.model.trainable()
+    codec = exp.cfg.client.upload
+    residual = {k[3:]: v for k, v in (store.get(cid) or {}).items() if k.startswith("ef/")} if codec == "int8" else {}
+    up, residual = wire.compress({n: params[n] for n in exp.global_names}, received, codec, residual)
     store.put(cid, {**{f"param/{n}": params[n] for n in exp.private_names},
-                    **{f"opt/{k}": v for k, v in new_opt.items()}})
-    return wire.encode({n: params[n] for n in exp.global_names}), stats
+                    **{f"opt/{k}": v for k, v in new_opt.items()},
+                    **{f"ef/{k}": v for k, v in residual.items()}})  # error feedback: never sent
+    return up, stats
 
 
 def score(exp: Experiment, labels: np.ndarray, logits: np.ndarray, test_idx: np.ndarray) -> dict:
