@@ -1,0 +1,77 @@
+"""Shared by the benchmark scripts: one measured run in a fresh process, tables, CSV.
+
+Every script prints a markdown table and writes it (with the date, commit and command that
+produced it) to benchmarks/results/<name>[-quick].{csv,md}. Runs that are compared happen in
+the same invocation, one after another, each in its own process so peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def in_subprocess(module: str, payload: dict, timeout: float = 3600) -> dict:
+    """Run `python -m benchmarks.<module>` with a JSON job on stdin; its last stdout line is JSON."""
+    p = subprocess.run([sys.executable, "-m", f"benchmarks.{module}"], input=json.dumps(payload), cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"benchmarks.{module} failed (exit {p.returncode}): " + " | ".join(tail))
+    return json.loads(lines[-1])
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def report(name: str, rows: list[dict], cols: list[str], quick: bool, notes: list[str]) -> str:
+    """Print the table and write <name>[-quick].csv / .md under benchmarks/results (atomically)."""
+    from fedsplice.assets import atomic_write_bytes
+
+    stem = name + ("-quick" if quick else "")
+    head = [f"# benchmarks/{name}.py{' --quick' if quick else ''}",
+            f"date {dt.datetime.now().isoformat(timespec='seconds')}, commit {commit()}, "
+            f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}",
+            f"command: python benchmarks/{name}.py {' '.join(sys.argv[1:])}".rstrip(), ""]
+    table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    table += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    md = "\n".join(head + table + [""] + [f"- {n}" for n in notes]) + "\n"
+    print(md)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(RESULTS / f"{stem}.csv", buf.getvalue().encode())
+    atomic_write_bytes(RESULTS / f"{stem}.md", md.encode())
+    return md

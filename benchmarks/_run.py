@@ -1,0 +1,50 @@
+"""One measured fedsplice run (a worker of the benchmark scripts, in its own process).
+
+stdin: {"config": path, "set": [k=v, ...]}; stdout, last line: JSON with the setup time, the
+wall time of every round (training + its evaluation, round 0's zero-shot evaluation excluded),
+the final GM/PM accuracy, bytes up per round and this process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import benchmarks._common  # noqa: F401  (offline environment)
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    from fedsplice.config import load_config
+    from fedsplice.experiment import build
+    from fedsplice.simulation import run_rounds
+    from fedsplice.store import make_store
+
+    cfg = load_config(Path(job["config"]), job.get("set", []))
+    t0 = time.perf_counter()
+    exp = build(cfg)
+    setup = time.perf_counter() - t0
+    stamps, records = [], []
+
+    def on_round(r: dict) -> None:
+        records.append(r)
+        stamps.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_rounds(exp, make_store(cfg.runtime.store, Path(tmp) / "store"), on_round)
+    last = records[-1]
+    per_round = [b - a for a, b in zip(stamps, stamps[1:])]
+    print(json.dumps({
+        "setup_s": setup, "round_s": per_round, "mean_round_s": sum(per_round) / max(len(per_round), 1),
+        "gm_accuracy": last.get("gm", {}).get("accuracy"), "pm_accuracy": last.get("pm", {}).get("accuracy"),
+        "up_bytes_per_round": sum(r.get("up_bytes", 0) for r in records[1:]) / max(len(records) - 1, 1),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "cache": exp.model.cache_stats()}))
+
+
+if __name__ == "__main__":
+    main()
