@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test unit install clean
+.PHONY: demo test unit install bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,15 @@ test: $(VENV)/.installed
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
+
+# Quick versions of the benchmarks (tables in benchmarks/results/*-quick.*); the full ones are
+# `python benchmarks/<name>.py` without --quick. Ray (Flower's simulation engine) comes with .[bench].
+$(VENV)/.bench: $(VENV)/.installed
+	$(VENV)/bin/pip install -q torch==2.13.0 -e '.[test,bench]'
+	touch $@
+
+bench: $(VENV)/.bench
+	for b in overheads comm scale round_time; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,0 +1,99 @@
+"""Seconds per round and peak RSS: fedsplice (caches on) vs fedsplice (caches off) vs the same
+algorithm written Flower-tutorial style (benchmarks/flower_tutorial.py, Flower's simulation
+engine), same data, model, rounds and seed, with the accuracy each reached.
+
+    python benchmarks/round_time.py [--quick] [--only NAME]
+
+Workloads: the shipped text configs (PFAdapter and FedPuReL-LoRA: LoRA in every layer, so no
+layer is frozen below the adapters), FedPuReL-prompt (the input side is frozen whole), and
+PFAdapter with LoRA in the last 2 of 6 layers (a frozen prefix of 4 layers to cache). A round's
+time is its training plus its evaluation when it has one (eval.every of the config), from the
+end of round 0's zero-shot evaluation to the end of the last round, averaged; setup (model
+load, the caches' first fill for fedsplice, starting Ray for Flower) is reported apart. Target
+(issue 8): fedsplice ≥ 5× faster per round than the tutorial style at the same accuracy
+(within 0.5 points).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import ROOT, in_subprocess, report  # noqa: E402
+
+WORKLOADS = {
+    "PFAdapter": ("pfadapter-minilm.toml", []),
+    "PFAdapter, LoRA in layers 4-5": ("pfadapter-minilm.toml", ["peft.layers=[4, 5]"]),
+    "FedPuReL-LoRA": ("fedpurel-lora-fortunes.toml", []),
+    "FedPuReL-prompt": ("fedpurel-prompt-fortunes.toml", []),
+}
+
+
+def tutorial(cfg: str, sets: list[str], rounds: int) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "flower_tutorial.py"), cfg, "--rounds", str(rounds)]
+    for s in sets:
+        cmd += ["--set", s]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=7200)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError("flower_tutorial.py failed: " + " | ".join((p.stderr or p.stdout).splitlines()[-5:]))
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 3 steps (a few minutes per workload)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds per run (default 3, quick 2)")
+    ap.add_argument("--only", action="append", default=[], help="run only these workloads (repeatable)")
+    args = ap.parse_args()
+    rounds = args.rounds or (2 if args.quick else 3)
+    rows = []
+    for name, (cfg_name, extra) in WORKLOADS.items():
+        if args.only and name not in args.only:
+            continue
+        cfg = str(ROOT / "configs" / cfg_name)
+        sets = extra + [f"server.rounds={rounds}", "eval.cold_start_epochs=0"]
+        if args.quick:
+            sets += ["client.max_steps=3", "data.test_per_class=10"]
+        runs = {"fedsplice (caches on)": in_subprocess("_run", {"config": cfg, "set": sets}),
+                "fedsplice (caches off)": in_subprocess("_run", {"config": cfg, "set": sets + ["runtime.cache=false"]})}
+        t = tutorial(cfg, sets, rounds)
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        runs["Flower tutorial style"] = {"mean_round_s": mean(t["seconds_per_round_with_eval"]),
+                                         "mean_train_s": mean(t["seconds_per_round"]), "setup_s": t["setup_s"],
+                                         "gm_accuracy": t["gm_accuracy"], "pm_accuracy": t["pm_accuracy"],
+                                         "peak_rss_mb": t["peak_rss_mb_main"] + t["peak_rss_mb_worker"]}
+        slow = runs["Flower tutorial style"]
+        for impl, r in runs.items():
+            rows.append({"workload": name, "implementation": impl, "round_s": r["mean_round_s"],
+                         "train_s": r["mean_train_s"], "setup_s": r["setup_s"],
+                         "speedup_vs_tutorial": slow["mean_round_s"] / r["mean_round_s"],
+                         "train_speedup": slow["mean_train_s"] / r["mean_train_s"],
+                         "gm_accuracy": r["gm_accuracy"], "pm_accuracy": r["pm_accuracy"],
+                         "gm_diff_pts": 100 * (r["gm_accuracy"] - slow["gm_accuracy"]), "peak_rss_mb": r["peak_rss_mb"]})
+            print(f"  {name} / {impl}: {r['mean_round_s']:.1f} s/round, GM {r['gm_accuracy']:.3f}", flush=True)
+    for r in rows:
+        if r["implementation"] == "fedsplice (caches on)":
+            same = abs(r["gm_diff_pts"]) <= 0.5
+            r["target ≥5× at ±0.5 pts"] = ("yes" if r["speedup_vs_tutorial"] >= 5 and same else
+                                          f"no ({r['speedup_vs_tutorial']:.1f}×{'' if same else ', accuracy differs'})")
+    report("round_time", rows, ["workload", "implementation", "round_s", "train_s", "setup_s",
+                                "speedup_vs_tutorial", "train_speedup",
+                                "gm_accuracy", "pm_accuracy", "gm_diff_pts", "peak_rss_mb", "target ≥5× at ±0.5 pts"],
+           args.quick, [
+        f"{rounds} rounds, 4 clients per round, the configs' local steps" + (" capped at 3" if args.quick else "")
+        + "; FedPuReL's phase 2 and cold start are off in all three (the tutorial style has neither).",
+        "Flower tutorial style: Flower's simulation engine (Ray), a fresh model per client call, no caches of "
+        "frozen work, GLOBAL tensors averaged by Flower's FedAvg; its peak RSS is the driver's peak plus one "
+        "Ray worker's (two workers run at once, so the true total is higher; Ray's own daemons are not counted).",
+        "round_s: training + that round's evaluation (speedup_vs_tutorial); train_s: training only (train_speedup).",
+        "gm_diff_pts: GM accuracy points against the tutorial-style run."])
+
+
+if __name__ == "__main__":
+    main()
