@@ -34,9 +34,10 @@ ROLE_MAPS = {
     "clip": _CLIP, "clip_text_model": _CLIP, "clip_vision_model": _CLIP, "siglip": _CLIP,
 }
 _LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
-# (embeddings, layer stack) of the encoders whose frozen prefix can be cached: BERT-like, CLIP.
-_STACKS = (("embeddings", "encoder.layer"), ("text_model.embeddings", "text_model.encoder.layers"),
-           ("embeddings", "encoder.layers"))
+# (embeddings, layer stack) of the encoders whose frozen prefix can be cached: BERT-like and the
+# CLIP text tower, where the embeddings feed layer 0 directly (CLIP's vision tower has a
+# pre-layernorm in between, so it is not listed). Others run the full forward.
+_STACKS = (("embeddings", "encoder.layer"), ("text_model.embeddings", "text_model.encoder.layers"))
 
 
 class _Const(nn.Module):

@@ -85,13 +85,24 @@ class Orthogonality:
         return OrthoPair(g["A"], g["B"], p["A"], p["B"], scalings[g["A"]], scalings[p["A"]], form)
 
     def __call__(self, params: dict[str, torch.Tensor], ctx: dict | None = None) -> torch.Tensor:
-        total = None
+        # Pairs of one form and shape are stacked and computed in a few batched products: one
+        # Python op per pair (24 pairs in MiniLM) cost more than the arithmetic.
+        groups: dict[tuple, list[OrthoPair]] = {}
         for pr in self.pairs:
-            f = ortho_column if pr.form == "column" else ortho_row
-            v = f(params[pr.a_g], params[pr.b_g], params[pr.a_p], params[pr.b_p], pr.s_g, pr.s_p)
-            total = v if total is None else total + v
-        if total is None:
-            return torch.zeros(())
+            key = (pr.form, *(tuple(params[n].shape) for n in (pr.a_g, pr.b_g, pr.a_p, pr.b_p)))
+            groups.setdefault(key, []).append(pr)
+        total = torch.zeros(())
+        for (form, *_), grp in groups.items():
+            a_g, b_g, a_p, b_p = (torch.stack([params[getattr(pr, f)] for pr in grp]) for f in ("a_g", "b_g", "a_p", "b_p"))
+            scale = torch.tensor([(pr.s_g * pr.s_p) ** 2 for pr in grp], dtype=a_g.dtype)
+            t = lambda x: x.transpose(1, 2)  # noqa: E731
+            if form == "column":  # as ortho_column, batched over pairs
+                m = t(b_g) @ b_p
+                prod = t(m) @ (a_g @ t(a_g)) @ m @ (a_p @ t(a_p))
+            else:  # as ortho_row
+                c = a_g @ t(a_p)
+                prod = (t(b_g) @ b_g) @ c @ (t(b_p) @ b_p) @ t(c)
+            total = total + (scale * prod.diagonal(dim1=1, dim2=2).sum(-1)).sum()
         return self.weight * total
 
 
