@@ -46,6 +46,9 @@ def in_subprocess(module: str, payload: dict, timeout: float = 3600) -> dict:
     return json.loads(lines[-1])
 
 
+COMMIT = commit()  # at start: the code that ran, even if the tree changes while it runs
+
+
 def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}" if abs(v) < 1000 else f"{v:,.0f}"
@@ -60,7 +63,7 @@ def report(name: str, rows: list[dict], cols: list[str], quick: bool, notes: lis
 
     stem = name + ("-quick" if quick else "")
     head = [f"# benchmarks/{name}.py{' --quick' if quick else ''}",
-            f"date {dt.datetime.now().isoformat(timespec='seconds')}, commit {commit()}, "
+            f"date {dt.datetime.now().isoformat(timespec='seconds')}, commit {COMMIT}, "
             f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}",
             f"command: python benchmarks/{name}.py {' '.join(sys.argv[1:])}".rstrip(), ""]
     table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
