@@ -1,4 +1,4 @@
-"""`fedsplice run | resume | validate | list`. User errors print one line and exit 2, never a traceback."""
+"""`fedsplice run | resume | compare | validate | list`. User errors print one line and exit 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -54,6 +54,17 @@ def cmd_resume(args) -> None:
         console.print(f"results: {Path(args.run_dir) / 'results.json'}")
 
 
+def cmd_compare(args) -> None:
+    from fedsplice.compare import compare
+    from fedsplice.runner import console
+
+    out = Path(args.out)
+    rows = compare(args.configs, args.seeds, args.set, out, quiet=args.quiet)
+    if not args.quiet:
+        console.print((out / "table.md").read_text())
+        console.print(f"{len(rows)} methods x {args.seeds} seeds: {out / 'table.md'}, {out / 'table.csv'}, plots in {out}")
+
+
 def cmd_validate(args) -> None:
     from fedsplice.config import load_config
 
@@ -97,6 +108,13 @@ def main(argv=None) -> int:
     rs.add_argument("run_dir", metavar="RUN_DIR", help="the --out of the run (its config.toml is used)")
     rs.add_argument("--quiet", action="store_true")
     rs.set_defaults(fn=cmd_resume)
+    c = sub.add_parser("compare", help="run configs x seeds on the same clients and sampling; table + plots")
+    c.add_argument("configs", nargs="+", type=Path, metavar="CONFIG")
+    c.add_argument("--seeds", type=int, default=1, help="seeds per config: seed, seed+1, ... (default 1)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of every config")
+    c.add_argument("--out", required=True, help="comparison directory; run again to finish an interrupted one")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(fn=cmd_compare)
     v = sub.add_parser("validate", help="check a config without running it")
     v.add_argument("config", nargs="?", type=Path)
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

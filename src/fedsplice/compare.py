@@ -1,0 +1,197 @@
+"""`fedsplice compare`: every config × seed, the same partition and sampling stream per seed,
+one table of mean ± std over seeds, and plots.
+
+Runs live in OUT/runs/<config stem>/seed-<s>. A run with a results.json is done and is not
+run again; a run with checkpoints resumes from its last one; so an interrupted comparison,
+started again with the same arguments, finishes only what was missing.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fedsplice.errors import ConfigError
+from fedsplice.assets import atomic_write_bytes
+from fedsplice.rundir import atomic_write_text
+
+# (column, path into results.json); "—" where a run has no such value (no long tail, no PM)
+METRICS = [("GM acc", ("gm", "accuracy")), ("GM F1", ("gm", "f1_macro")),
+           ("GM many", ("gm", "many")), ("GM medium", ("gm", "medium")), ("GM few", ("gm", "few")),
+           ("GM β", ("gm", "balancedness")),
+           ("PM acc", ("pm", "accuracy")), ("PM F1", ("pm", "f1_macro")),
+           ("PM many", ("pm", "many")), ("PM medium", ("pm", "medium")), ("PM few", ("pm", "few")),
+           ("PM β", ("pm", "balancedness")),
+           ("up B/round", ("communication", "up_bytes_per_round")), ("up B total", ("communication", "up_bytes"))]
+
+
+def plan(configs: list[Path], seeds: int, overrides: list[str], out: Path) -> list[tuple[str, int, object, Path]]:
+    """(label, seed, config, run dir) for every run; configs are validated before anything runs."""
+    from fedsplice.config import load_config
+
+    stems = [Path(c).stem for c in configs]
+    if len(set(stems)) != len(stems):
+        raise ConfigError("compare: two configs share a file name; their runs would share a folder — rename one")
+    if seeds < 1:
+        raise ConfigError(f"compare: --seeds must be >= 1, got {seeds}")
+    runs = []
+    for path, stem in zip(configs, stems):
+        base = load_config(Path(path), overrides)
+        for s in range(seeds):
+            cfg = load_config(Path(path), [*overrides, f"seed={base.seed + s}"])
+            runs.append((stem, cfg.seed, cfg, Path(out) / "runs" / stem / f"seed-{cfg.seed}"))
+    return runs
+
+
+def run_all(runs, quiet: bool = False, run=None) -> list[dict]:
+    """Run (or resume, or skip) every planned run; returns their results in plan order."""
+    from fedsplice.checkpoint import DIRNAME
+    from fedsplice.runner import console, resume_experiment, run_experiment
+
+    run = run or run_experiment
+    results, t_runs = [], []
+    for i, (label, seed, cfg, d) in enumerate(runs):
+        done = d / "results.json"
+        if done.exists():
+            results.append(json.loads(done.read_text()))
+            continue
+        t0 = time.perf_counter()
+        if not quiet:
+            eta = f", ~{np.mean(t_runs) * (len(runs) - i):.0f} s left" if t_runs else ""
+            console.print(f"[bold]run {i + 1}/{len(runs)}[/] {label} seed {seed}{eta}")
+        if (d / DIRNAME).exists():
+            results.append(resume_experiment(d, quiet=True))
+        else:
+            results.append(run(cfg, d, overwrite=d.exists(), quiet=True))
+        t_runs.append(time.perf_counter() - t0)
+        if not quiet:
+            console.print(f"  done in {t_runs[-1]:.0f} s: GM {results[-1]['gm']['accuracy']:.3f}, "
+                          f"PM {results[-1]['pm']['accuracy']:.3f}")
+    return results
+
+
+def _get(r: dict, path: tuple) -> float | None:
+    v = r
+    for k in path:
+        if not isinstance(v, dict) or k not in v or v[k] is None:
+            return None
+        v = v[k]
+    return float(v)
+
+
+def summarize(runs, results) -> list[dict]:
+    """One row per config: mean and std (over seeds, population std) of every metric."""
+    rows: dict[str, dict] = {}
+    for (label, *_), res in zip(runs, results):
+        rows.setdefault(label, {"method": label, "algorithm": res["algorithm"], "seeds": []})["seeds"].append(res)
+    out = []
+    for row in rows.values():
+        r = {"method": row["method"], "algorithm": row["algorithm"], "n_seeds": len(row["seeds"])}
+        for col, path in METRICS:
+            vals = [v for v in (_get(s, path) for s in row["seeds"]) if v is not None]
+            r[col] = (float(np.mean(vals)), float(np.std(vals))) if vals else None
+        out.append(r)
+    return out
+
+
+def write_tables(rows: list[dict], out: Path) -> None:
+    cols = [c for c, _ in METRICS if any(r[c] is not None for r in rows)]
+    def cell(v, col):  # noqa: E306
+        if v is None:
+            return "—"
+        return f"{v[0]:,.0f} ± {v[1]:,.0f}" if col.startswith("up") else f"{v[0]:.3f} ± {v[1]:.3f}"
+    md = ["| method | seeds | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    md += [f"| {r['method']} | {r['n_seeds']} | " + " | ".join(cell(r[c], c) for c in cols) + " |" for r in rows]
+    atomic_write_text(out / "table.md", "\n".join(md) + "\n\nmean ± std over seeds (population std).\n")
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["method", "algorithm", "n_seeds"] + [f"{c} {s}" for c in cols for s in ("mean", "std")])
+    for r in rows:
+        w.writerow([r["method"], r["algorithm"], r["n_seeds"]]
+                   + [x for c in cols for x in (r[c] if r[c] is not None else ("", ""))])
+    atomic_write_bytes(out / "table.csv", buf.getvalue().encode())
+
+
+def _curves(runs) -> dict[str, list[list[dict]]]:
+    """Per method, per seed: the evaluated rounds of metrics.jsonl with cumulative upload bytes."""
+    out: dict[str, list[list[dict]]] = {}
+    for label, _, _, d in runs:
+        recs, up = [], 0
+        for line in (d / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if "phase" in r:
+                continue
+            up += r.get("up_bytes", 0)
+            if "gm" in r:
+                recs.append({"round": r["round"], "up": up, "gm": r["gm"], "pm": r["pm"]})
+        out.setdefault(label, []).append(recs)
+    return out
+
+
+def write_plots(runs, out: Path) -> list[str]:
+    """accuracy vs round, accuracy vs cumulative upload bytes, GM balancedness vs round (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = _curves(runs)
+
+    def mean_curve(seeds, x, y):
+        n = min(len(s) for s in seeds)  # seeds of one config evaluate the same rounds
+        xs = [seeds[0][i][x] if x == "round" else np.mean([s[i][x] for s in seeds]) for i in range(n)]
+        ys = [np.mean([y(s[i]) for s in seeds]) for i in range(n)]
+        return xs, ys
+
+    specs = [("accuracy_vs_round.png", "round", "accuracy (solid GM, dashed PM)", True),
+             ("accuracy_vs_bytes.png", "up", "GM accuracy", False)]
+    written = []
+    for fname, x, ylabel, with_pm in specs:
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+        for label, seeds in curves.items():
+            xs, ys = mean_curve(seeds, x, lambda r: r["gm"]["accuracy"])
+            line, = ax.plot(xs, ys, "o-", label=label)
+            if with_pm:
+                xs, ys = mean_curve(seeds, x, lambda r: r["pm"]["accuracy"])
+                ax.plot(xs, ys, "s--", color=line.get_color())
+        ax.set_xlabel("round" if x == "round" else "cumulative upload bytes")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        written.append(_save(fig, out / fname))
+    if all("balancedness" in s[0][0]["gm"] for s in curves.values() if s and s[0]):
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+        for label, seeds in curves.items():
+            ax.plot(*mean_curve(seeds, "round", lambda r: r["gm"]["balancedness"]), "o-", label=label)
+        ax.set_xlabel("round")
+        ax.set_ylabel("GM balancedness β")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        written.append(_save(fig, out / "balancedness_vs_round.png"))
+    return written
+
+
+def _save(fig, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return path.name
+
+
+def compare(configs: list[Path], seeds: int, overrides: list[str], out: Path, quiet: bool = False) -> list[dict]:
+    runs = plan(configs, seeds, overrides, out)
+    results = run_all(runs, quiet)
+    rows = summarize(runs, results)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tables(rows, out)
+    write_plots(runs, out)
+    return rows
