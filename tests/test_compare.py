@@ -45,12 +45,17 @@ def test_compare_tables_plots_and_resume(configs, tmp_path, monkeypatch):
         up = [r["communication"]["up_bytes_per_round"] for r in res[m]]
         assert by[m]["up B/round"] == pytest.approx((np.mean(up), np.std(up)))
     assert by["pfadapter"]["up B/round"][0] < by["lora"]["up B/round"][0]
+    gm = res["lora"][0]["gm"]
+    # per-class accuracy on the balanced global test set (6 texts a class): k/6 each, mean = accuracy
+    assert np.mean(gm["class_accuracy"]) == pytest.approx(gm["accuracy"])
+    assert all(abs(a * 6 - round(a * 6)) < 1e-9 for a in gm["class_accuracy"])
     md = (out / "table.md").read_text()
     assert "| pfadapter | 2 |" in md and "±" in md
     table = list(csv.DictReader((out / "table.csv").open()))
     assert [r["method"] for r in table] == ["pfadapter", "lora"]
     assert float(table[0]["GM acc mean"]) == pytest.approx(by["pfadapter"]["GM acc"][0])
-    for png in ("accuracy_vs_round.png", "accuracy_vs_bytes.png", "balancedness_vs_round.png"):
+    for png in ("accuracy_vs_round.png", "accuracy_vs_bytes.png", "balancedness_vs_round.png",
+                "class_accuracy_head_to_tail.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
     # interrupted: one run lost entirely, one killed after its checkpoints but before results
@@ -87,3 +92,4 @@ def test_compare_bad_input(configs, tmp_path, capsys):
     assert main(["compare", str(configs[0]), "--set", "server.roundz=1", "--out", str(tmp_path / "x")]) == 2
     assert "server.roundz" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # nothing written before the plan is valid
+

@@ -1,5 +1,6 @@
 """`fedsplice compare`: every config × seed, the same partition and sampling stream per seed,
-one table of mean ± std over seeds, and plots.
+one table of mean ± std over seeds, and plots (accuracy vs round and vs cumulative upload
+bytes, GM balancedness vs round, per-class accuracy from head to tail classes).
 
 Runs live in OUT/runs/<config stem>/seed-<s>. A run with a results.json is done and is not
 run again; a run with checkpoints resumes from its last one; so an interrupted comparison,
@@ -176,6 +177,30 @@ def write_plots(runs, out: Path) -> list[str]:
     return written
 
 
+def write_class_plot(runs, results, out: Path) -> str | None:
+    """Final GM accuracy per class, classes ordered head to tail by global training count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per: dict[str, list] = {}
+    for (label, *_), res in zip(runs, results):
+        acc = res["gm"].get("class_accuracy")
+        if acc is None:
+            return None
+        per.setdefault(label, []).append([np.nan if a is None else a for a in acc])
+    order = np.argsort(-np.asarray(results[0]["train_counts"]), kind="stable")
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    for label, accs in per.items():
+        ax.plot(range(len(order)), np.nanmean(np.asarray(accs), axis=0)[order], "o-", ms=3, label=label)
+    ax.set_xlabel("class, head (most training samples) to tail")
+    ax.set_ylabel("GM accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, out / "class_accuracy_head_to_tail.png")
+
+
 def _save(fig, path: Path) -> str:
     import matplotlib.pyplot as plt
 
@@ -194,4 +219,5 @@ def compare(configs: list[Path], seeds: int, overrides: list[str], out: Path, qu
     out.mkdir(parents=True, exist_ok=True)
     write_tables(rows, out)
     write_plots(runs, out)
+    write_class_plot(runs, results, out)
     return rows

@@ -72,7 +72,8 @@ def flat(results: dict) -> dict:
     row = {"algorithm": results["algorithm"], "rounds": results["rounds"]}
     for group in ("gm", "pm", "communication"):
         for k, v in results.get(group, {}).items():
-            row[f"{group}.{k}"] = v
+            if not isinstance(v, list):  # per-class lists stay in results.json
+                row[f"{group}.{k}"] = v
     return row
 
 

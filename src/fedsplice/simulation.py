@@ -93,6 +93,8 @@ def with_longtail(exp: Experiment, m: dict, correct, total, zs_correct) -> dict:
     out = {k: v for k, v in m.items() if not isinstance(v, list)}
     out.update(longtail_metrics(correct, total, zs_correct, exp.caches["train_counts"],
                                 many=e.many_threshold, few=e.few_threshold, sigma=e.balancedness_sigma))
+    # per class, in class order (None: no test sample of that class): the head-to-tail plots
+    out["class_accuracy"] = [float(c / t) if t else None for c, t in zip(correct, total)]
     return out
 
 
