@@ -13,7 +13,6 @@ import re
 import warnings
 from contextlib import contextmanager, nullcontext
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -204,10 +203,9 @@ class TaskModel(nn.Module):
     def _prefix_states(self, texts: list[str], enc) -> torch.Tensor:
         """[B, T, H] hidden states entering layer l0, from the cache or computed (and kept)."""
         emb, layers_path = self._paths
-        rows = [self._prefix.get(t) for t in texts]
-        miss = [i for i, r in enumerate(rows) if r is None]
-        if miss:
-            sub = self._tok([texts[i] for i in miss])
+
+        def compute(missing: list[str]) -> list[torch.Tensor]:
+            sub = self._tok(missing)
             layers = list(self._hf().get_submodule(layers_path))
             got = {}
             hook = layers[self._l0 - 1].register_forward_hook(
@@ -218,13 +216,13 @@ class TaskModel(nn.Module):
             finally:
                 hook.remove()
             sm = sub["attention_mask"].bool()
-            for j, i in enumerate(miss):
-                rows[i] = got["h"][j][sm[j]]
-                self._prefix.put(texts[i], rows[i])
+            return [got["h"][j][sm[j]] for j in range(len(missing))]  # unpadded
+
+        rows = self._prefix.rows(texts, compute)
         mask = enc["attention_mask"].bool()
         h = torch.zeros(*mask.shape, rows[0].shape[-1])
         for i, r in enumerate(rows):
-            h[i][mask[i]] = r if torch.is_tensor(r) else torch.from_numpy(np.array(r))
+            h[i][mask[i]] = r
         return h
 
     def _encode(self, enc, texts: list[str]) -> torch.Tensor:
@@ -333,13 +331,7 @@ class TaskModel(nn.Module):
     def _frozen_features(self, texts: list[str]) -> torch.Tensor:
         if self._features is None:
             return self._embed(texts)
-        rows = [self._features.get(t) for t in texts]
-        miss = [i for i, r in enumerate(rows) if r is None]
-        if miss:
-            for i, f in zip(miss, self._embed([texts[i] for i in miss])):
-                rows[i] = f
-                self._features.put(texts[i], f)
-        return torch.stack([r if torch.is_tensor(r) else torch.from_numpy(r) for r in rows])
+        return torch.stack(self._features.rows(texts, self._embed))
 
     def forward(self, texts: list[str], class_emb: torch.Tensor | None = None) -> torch.Tensor:
         if self.task == "dual_encoder":

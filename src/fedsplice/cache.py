@@ -72,6 +72,17 @@ class FrozenCache:
             self._mem[text] = np.load(self._path(text), mmap_mode="r")
         return True
 
+    def rows(self, texts: list[str], compute) -> list[torch.Tensor]:
+        """One tensor per text: cached, or from `compute(missing texts)` (one row per text) and
+        kept if the budget allows."""
+        rows = [self.get(t) for t in texts]
+        miss = [i for i, r in enumerate(rows) if r is None]
+        if miss:
+            for i, v in zip(miss, compute([texts[i] for i in miss])):
+                rows[i] = v
+                self.put(texts[i], v)
+        return [r if torch.is_tensor(r) else torch.from_numpy(np.array(r)) for r in rows]
+
     def stats(self) -> dict:
         return {"entries": len(self._mem), "bytes": self.used, "hits": self.hits, "misses": self.misses}
 

@@ -49,12 +49,11 @@ def plan(configs: list[Path], seeds: int, overrides: list[str], out: Path) -> li
     return runs
 
 
-def run_all(runs, quiet: bool = False, run=None) -> list[dict]:
+def run_all(runs, quiet: bool = False) -> list[dict]:
     """Run (or resume, or skip) every planned run; returns their results in plan order."""
     from fedsplice.checkpoint import DIRNAME
     from fedsplice.runner import console, resume_experiment, run_experiment
 
-    run = run or run_experiment
     results, t_runs = [], []
     for i, (label, seed, cfg, d) in enumerate(runs):
         done = d / "results.json"
@@ -68,7 +67,7 @@ def run_all(runs, quiet: bool = False, run=None) -> list[dict]:
         if (d / DIRNAME).exists():
             results.append(resume_experiment(d, quiet=True))
         else:
-            results.append(run(cfg, d, overwrite=d.exists(), quiet=True))
+            results.append(run_experiment(cfg, d, overwrite=d.exists(), quiet=True))
         t_runs.append(time.perf_counter() - t0)
         if not quiet:
             console.print(f"  done in {t_runs[-1]:.0f} s: GM {results[-1]['gm']['accuracy']:.3f}, "

@@ -69,6 +69,14 @@ class Orthogonality:
             for g in sorted(r for r in roles if r in g_roles):
                 for p in sorted(r for r in roles if r not in g_roles):
                     self.pairs.append(self._pair(roles[g], roles[p], shapes, scalings, layer, g, p))
+        # Pairs of one form and shape are stacked and computed in a few batched products: one
+        # Python op per pair (24 pairs in MiniLM) cost more than the arithmetic. Grouped once here.
+        groups: dict[tuple, list[OrthoPair]] = {}
+        for pr in self.pairs:
+            key = (pr.form, *(tuple(shapes[n]) for n in (pr.a_g, pr.b_g, pr.a_p, pr.b_p)))
+            groups.setdefault(key, []).append(pr)
+        self._groups = [(key[0], grp, torch.tensor([(pr.s_g * pr.s_p) ** 2 for pr in grp]))
+                        for key, grp in groups.items()]
 
     @staticmethod
     def _pair(g, p, shapes, scalings, layer, rg, rp) -> OrthoPair:
@@ -85,16 +93,10 @@ class Orthogonality:
         return OrthoPair(g["A"], g["B"], p["A"], p["B"], scalings[g["A"]], scalings[p["A"]], form)
 
     def __call__(self, params: dict[str, torch.Tensor], ctx: dict | None = None) -> torch.Tensor:
-        # Pairs of one form and shape are stacked and computed in a few batched products: one
-        # Python op per pair (24 pairs in MiniLM) cost more than the arithmetic.
-        groups: dict[tuple, list[OrthoPair]] = {}
-        for pr in self.pairs:
-            key = (pr.form, *(tuple(params[n].shape) for n in (pr.a_g, pr.b_g, pr.a_p, pr.b_p)))
-            groups.setdefault(key, []).append(pr)
         total = torch.zeros(())
-        for (form, *_), grp in groups.items():
+        for form, grp, scale in self._groups:
             a_g, b_g, a_p, b_p = (torch.stack([params[getattr(pr, f)] for pr in grp]) for f in ("a_g", "b_g", "a_p", "b_p"))
-            scale = torch.tensor([(pr.s_g * pr.s_p) ** 2 for pr in grp], dtype=a_g.dtype)
+            scale = scale.to(a_g.dtype)
             t = lambda x: x.transpose(1, 2)  # noqa: E731
             if form == "column":  # as ortho_column, batched over pairs
                 m = t(b_g) @ b_p

@@ -33,7 +33,11 @@ def _client_seed(exp: Experiment, rnd: int, cid: int) -> None:
 
 def private_state(exp: Experiment, store, cid: int) -> tuple[dict, dict]:
     """(PRIVATE tensors, their optimizer state) of a client; fresh ones if it never trained."""
-    st = store.get(cid)
+    return split_state(exp, store.get(cid))
+
+
+def split_state(exp: Experiment, st: dict | None) -> tuple[dict, dict]:
+    """(PRIVATE tensors, their optimizer state) from a client's stored state (None: fresh)."""
     if st is None:
         return {n: exp.init_params[n].clone() for n in exp.private_names}, {}
     params = {k[len("param/"):]: v for k, v in st.items() if k.startswith("param/")}
@@ -55,7 +59,8 @@ def train_context(exp: Experiment, cid: int, received: dict, **extra) -> dict:
 def client_update(exp: Experiment, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     """One client's round: decode the GLOBAL tensors, train, keep PRIVATE state, encode the upload."""
     received = wire.decode(down)
-    priv, opt_state = private_state(exp, store, cid)
+    stored = store.get(cid)  # read once: PRIVATE tensors, optimizer state, error-feedback residual
+    priv, opt_state = split_state(exp, stored)
     exp.model.load_params({**received, **priv})
     c = exp.clients[cid]
     _client_seed(exp, rnd, cid)
@@ -67,7 +72,7 @@ def client_update(exp: Experiment, store, cid: int, rnd: int, down: bytes) -> tu
         rng=rng(exp.cfg, STREAM_CLIENT, rnd, cid), ctx=train_context(exp, cid, received, round=rnd))
     params = exp.model.trainable()
     codec = exp.cfg.client.upload
-    residual = {k[3:]: v for k, v in (store.get(cid) or {}).items() if k.startswith("ef/")} if codec == "int8" else {}
+    residual = {k[3:]: v for k, v in (stored or {}).items() if k.startswith("ef/")} if codec == "int8" else {}
     up, residual = wire.compress({n: params[n] for n in exp.global_names}, received, codec, residual)
     store.put(cid, {**{f"param/{n}": params[n] for n in exp.private_names},
                     **{f"opt/{k}": v for k, v in new_opt.items()},

@@ -67,14 +67,15 @@ def decode_update(payload: bytes, reference: dict[str, torch.Tensor]) -> dict[st
     """The tensors an upload stands for: coded updates are added back onto `reference` (the
     GLOBAL tensors the server sent this round). Raises on a malformed payload."""
     tensors = decode(payload)
-    codec = metadata(payload).get(CODEC_KEY) if payload else None
+    meta = metadata(payload) if payload else {}
+    codec = meta.get(CODEC_KEY)
     if codec is None:
         return tensors
     if codec not in ("fp16-delta", "int8-delta"):
         raise ValueError(f"unknown upload codec {codec!r}")
     names = sorted(tensors)
     if codec == "int8-delta":
-        raw = base64.b64decode(metadata(payload)[SCALES_KEY])
+        raw = base64.b64decode(meta[SCALES_KEY])
         scales = dict(zip(names, struct.unpack(f"<{len(names)}f", raw)))
     out = {}
     for n in names:
