@@ -1,4 +1,4 @@
-"""`fedsplice run | resume | compare | validate | list`. User errors print one line and exit 2, never a traceback."""
+"""`fedsplice run | resume | compare | report | results | validate | list`. User errors print one line and exit 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -59,10 +59,20 @@ def cmd_compare(args) -> None:
     from fedsplice.runner import console
 
     out = Path(args.out)
-    rows = compare(args.configs, args.seeds, args.set, out, quiet=args.quiet)
+    rows = compare(args.configs, args.seeds, args.set, out, quiet=args.quiet, jobs=args.jobs)
     if not args.quiet:
         console.print((out / "table.md").read_text())
         console.print(f"{len(rows)} methods x {args.seeds} seeds: {out / 'table.md'}, {out / 'table.csv'}, plots in {out}")
+
+
+def cmd_report(args) -> None:
+    from fedsplice.report import ink, screenshot, write_report
+
+    page = write_report(Path(args.dir), args.out)
+    print(f"report: {page}")
+    if args.screenshot:
+        png = screenshot(page, Path(args.screenshot))
+        print(f"screenshot: {png} ({ink(png):.1%} of the pixels not white)")
 
 
 def cmd_validate(args) -> None:
@@ -113,8 +123,15 @@ def main(argv=None) -> int:
     c.add_argument("--seeds", type=int, default=1, help="seeds per config: seed, seed+1, ... (default 1)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of every config")
     c.add_argument("--out", required=True, help="comparison directory; run again to finish an interrupted one")
+    c.add_argument("--jobs", type=int, default=1,
+                   help="runs at once, each in its own process with cores/jobs torch threads (default 1)")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(fn=cmd_compare)
+    rp = sub.add_parser("report", help="one self-contained HTML page (tables, plots) of a run or comparison")
+    rp.add_argument("dir", metavar="RUN_OR_COMPARE_DIR")
+    rp.add_argument("--out", type=Path, help="HTML file (default DIR/report.html)")
+    rp.add_argument("--screenshot", metavar="PNG", help="also render the page with headless Chromium into PNG")
+    rp.set_defaults(fn=cmd_report)
     v = sub.add_parser("validate", help="check a config without running it")
     v.add_argument("config", nargs="?", type=Path)
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

@@ -33,45 +33,92 @@ METRICS = [("GM acc", ("gm", "accuracy")), ("GM F1", ("gm", "f1_macro")),
 
 def plan(configs: list[Path], seeds: int, overrides: list[str], out: Path) -> list[tuple[str, int, object, Path]]:
     """(label, seed, config, run dir) for every run; configs are validated before anything runs."""
-    from fedsplice.config import load_config
-
     stems = [Path(c).stem for c in configs]
     if len(set(stems)) != len(stems):
         raise ConfigError("compare: two configs share a file name; their runs would share a folder — rename one")
+    return plan_entries([(stem, Path(c), list(overrides)) for c, stem in zip(configs, stems)], seeds, out)
+
+
+def plan_entries(entries: list[tuple[str, Path, list[str]]], seeds: int, out: Path) -> list[tuple[str, int, object, Path]]:
+    """Like `plan`, for (label, config path, overrides) entries: one config file can appear
+    under several labels with different overrides (the variants of a results suite)."""
+    from fedsplice.config import load_config
+
     if seeds < 1:
         raise ConfigError(f"compare: --seeds must be >= 1, got {seeds}")
     runs = []
-    for path, stem in zip(configs, stems):
+    for label, path, overrides in entries:
         base = load_config(Path(path), overrides)
         for s in range(seeds):
             cfg = load_config(Path(path), [*overrides, f"seed={base.seed + s}"])
-            runs.append((stem, cfg.seed, cfg, Path(out) / "runs" / stem / f"seed-{cfg.seed}"))
+            runs.append((label, cfg.seed, cfg, Path(out) / "runs" / label / f"seed-{cfg.seed}"))
     return runs
 
 
-def run_all(runs, quiet: bool = False) -> list[dict]:
-    """Run (or resume, or skip) every planned run; returns their results in plan order."""
+def _one(cfg, d: Path, threads: int) -> dict:
+    """One run, resumed from its checkpoints when it has any (also the body of a --jobs worker)."""
     from fedsplice.checkpoint import DIRNAME
-    from fedsplice.runner import console, resume_experiment, run_experiment
+    from fedsplice.runner import resume_experiment, run_experiment
 
-    results, t_runs = [], []
-    for i, (label, seed, cfg, d) in enumerate(runs):
-        done = d / "results.json"
-        if done.exists():
-            results.append(json.loads(done.read_text()))
-            continue
-        t0 = time.perf_counter()
-        if not quiet:
-            eta = f", ~{np.mean(t_runs) * (len(runs) - i):.0f} s left" if t_runs else ""
-            console.print(f"[bold]run {i + 1}/{len(runs)}[/] {label} seed {seed}{eta}")
-        if (d / DIRNAME).exists():
-            results.append(resume_experiment(d, quiet=True))
+    if threads:  # a worker process: its share of the cores (runtime.threads, if set, wins)
+        import torch
+
+        torch.set_num_threads(threads)
+    if (d / DIRNAME).exists():
+        return resume_experiment(d, quiet=True)
+    return run_experiment(cfg, d, overwrite=d.exists(), quiet=True)
+
+
+def run_all(runs, quiet: bool = False, jobs: int = 1) -> list[dict]:
+    """Run (or resume, or skip) every planned run; returns their results in plan order.
+    jobs > 1 runs that many at once, each in its own process with cores / jobs torch threads."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    from fedsplice.runner import console
+
+    if jobs < 1:
+        raise ConfigError(f"compare: --jobs must be >= 1, got {jobs}")
+    results: list[dict | None] = [None] * len(runs)
+    todo = []
+    for i, (_, _, _, d) in enumerate(runs):
+        if (d / "results.json").exists():
+            results[i] = json.loads((d / "results.json").read_text())
         else:
-            results.append(run_experiment(cfg, d, overwrite=d.exists(), quiet=True))
-        t_runs.append(time.perf_counter() - t0)
-        if not quiet:
-            console.print(f"  done in {t_runs[-1]:.0f} s: GM {results[-1]['gm']['accuracy']:.3f}, "
-                          f"PM {results[-1]['pm']['accuracy']:.3f}")
+            todo.append(i)
+    t_start, done = time.perf_counter(), 0
+
+    def report(i: int) -> None:
+        if quiet:
+            return
+        label, seed = runs[i][:2]
+        left = len(todo) - done
+        eta = (time.perf_counter() - t_start) / done * left
+        console.print(f"run {done}/{len(todo)} done: {label} seed {seed} in {results[i]['time_s']:.0f} s "
+                      f"(GM {results[i]['gm']['accuracy']:.3f}, PM {results[i]['pm']['accuracy']:.3f})"
+                      + (f", {left} left, ~{eta / 60:.1f} min" if left else ""))
+
+    if not quiet and len(todo) < len(runs):
+        console.print(f"{len(runs) - len(todo)} of {len(runs)} runs already done; running the other {len(todo)}")
+    if jobs == 1 or len(todo) <= 1:
+        for i in todo:
+            results[i] = _one(runs[i][2], runs[i][3], 0)
+            done += 1
+            report(i)
+        return results
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        futs = {pool.submit(_one, runs[i][2], runs[i][3], threads): i for i in todo}
+        try:
+            for f in as_completed(futs):
+                i = futs[f]
+                results[i] = f.result()
+                done += 1
+                report(i)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     return results
 
 
@@ -160,6 +207,8 @@ def write_plots(runs, out: Path) -> list[str]:
                 xs, ys = mean_curve(seeds, x, lambda r: r["pm"]["accuracy"])
                 ax.plot(xs, ys, "s--", color=line.get_color())
         ax.set_xlabel("round" if x == "round" else "cumulative upload bytes")
+        if x == "round":
+            ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -169,6 +218,7 @@ def write_plots(runs, out: Path) -> list[str]:
         for label, seeds in curves.items():
             ax.plot(*mean_curve(seeds, "round", lambda r: r["gm"]["balancedness"]), "o-", label=label)
         ax.set_xlabel("round")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylabel("GM balancedness β")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -194,6 +244,7 @@ def write_class_plot(runs, results, out: Path) -> str | None:
     for label, accs in per.items():
         ax.plot(range(len(order)), np.nanmean(np.asarray(accs), axis=0)[order], "o-", ms=3, label=label)
     ax.set_xlabel("class, head (most training samples) to tail")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("GM accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -211,9 +262,10 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
-def compare(configs: list[Path], seeds: int, overrides: list[str], out: Path, quiet: bool = False) -> list[dict]:
+def compare(configs: list[Path], seeds: int, overrides: list[str], out: Path, quiet: bool = False,
+            jobs: int = 1) -> list[dict]:
     runs = plan(configs, seeds, overrides, out)
-    results = run_all(runs, quiet)
+    results = run_all(runs, quiet, jobs)
     rows = summarize(runs, results)
     out.mkdir(parents=True, exist_ok=True)
     write_tables(rows, out)
