@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test unit install bench clean
+.PHONY: demo test unit install bench results clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -33,6 +33,14 @@ $(VENV)/.bench: $(VENV)/.installed
 
 bench: $(VENV)/.bench
 	for b in overheads comm scale round_time; do $(PY) benchmarks/$$b.py --quick || exit 1; done
+
+# The papers' tables on the offline zoo (configs/results/suite.toml, 3 seeds, under 60 min on 2
+# cores) -> docs/results.md + docs/results/; resumable (runs/results). The HTML rendering of the
+# page is checked with a headless-Chromium screenshot (docs/results/report.png).
+results: $(VENV)/.installed
+	$(VENV)/bin/fedsplice results configs/results/suite.toml --out runs/results --doc docs/results.md --command "make results"
+	command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+	$(VENV)/bin/fedsplice report docs/results.md --out runs/results/report.html --screenshot docs/results/report.png
 
 clean:
 	rm -rf $(VENV) runs

@@ -75,6 +75,14 @@ def cmd_report(args) -> None:
         print(f"screenshot: {png} ({ink(png):.1%} of the pixels not white)")
 
 
+def cmd_results(args) -> None:
+    from fedsplice.results import run_suite
+
+    doc = run_suite(args.suite, Path(args.out), Path(args.doc), seeds=args.seeds, jobs=args.jobs, quiet=args.quiet,
+                    command=args.command or "")
+    print(f"results: {doc} (tables and plots in {doc.with_suffix('')})")
+
+
 def cmd_validate(args) -> None:
     from fedsplice.config import load_config
 
@@ -132,6 +140,15 @@ def main(argv=None) -> int:
     rp.add_argument("--out", type=Path, help="HTML file (default DIR/report.html)")
     rp.add_argument("--screenshot", metavar="PNG", help="also render the page with headless Chromium into PNG")
     rp.set_defaults(fn=cmd_report)
+    rr = sub.add_parser("results", help="run a results suite (the papers' tables) and write its markdown page")
+    rr.add_argument("suite", type=Path, metavar="SUITE", help="e.g. configs/results/suite.toml")
+    rr.add_argument("--out", default="runs/results", help="where the runs go (default runs/results); resumable")
+    rr.add_argument("--doc", default="docs/results.md", help="the page to write (default docs/results.md)")
+    rr.add_argument("--seeds", type=int, help="override the suite's seeds")
+    rr.add_argument("--jobs", type=int, help="override the suite's runs at once")
+    rr.add_argument("--command", help=argparse.SUPPRESS)  # how the page says it was made (make results)
+    rr.add_argument("--quiet", action="store_true")
+    rr.set_defaults(fn=cmd_results)
     v = sub.add_parser("validate", help="check a config without running it")
     v.add_argument("config", nargs="?", type=Path)
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

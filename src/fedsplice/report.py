@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,14 +25,23 @@ img{max-width:100%;border:1px solid #ddd;margin:.5em .5em 0 0}figure{display:inl
 figcaption{font-size:12px;color:#555}pre{background:#f6f6f6;padding:.7em;overflow:auto;font-size:12px}"""
 
 
-def md_to_html(text: str) -> str:
-    """The markdown our own tables and notes use: headings, pipe tables, paragraphs, images."""
+def _inline(s: str) -> str:
+    s = html.escape(s)
+    s = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", s)
+    s = re.sub(r"\*(.+?)\*", r"<i>\1</i>", s)
+    s = re.sub(r"`(.+?)`", r"<code>\1</code>", s)
+    return re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"\1", s)  # links: their text (targets are local files)
+
+
+def md_to_html(text: str, base: Path | None = None) -> str:
+    """The markdown our own tables and pages use: headings, pipe tables, lists, paragraphs and,
+    with `base` (the folder image paths are relative to), images embedded as data URIs."""
     out, rows = [], []
 
     def flush():
         if rows:
             head, *body = [r for r in rows if not set(r.replace("|", "").strip()) <= set("-: ")]
-            cells = lambda r: [html.escape(c.strip()) for c in r.strip().strip("|").split("|")]  # noqa: E731
+            cells = lambda r: [_inline(c.strip()) for c in r.strip().strip("|").split("|")]  # noqa: E731
             out.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in cells(head)) + "</tr>"
                        + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in cells(r)) + "</tr>" for r in body)
                        + "</table>")
@@ -43,15 +53,21 @@ def md_to_html(text: str) -> str:
             continue
         flush()
         s = line.strip()
-        if not s or s.startswith("!["):  # images are embedded separately, from the folder's PNGs
+        if not s:
             continue
-        if s.startswith("#"):
-            level = min(len(s) - len(s.lstrip("#")) + 1, 4)
-            out.append(f"<h{level}>{html.escape(s.lstrip('#').strip())}</h{level}>")
+        if s.startswith("!["):
+            if base is not None:  # else a folder's PNGs are embedded by the caller
+                for src in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", s):
+                    if not (base / src).is_file():
+                        raise ConfigError(f"report: the page shows {src}, which is not in {base}")
+                    out.append(_img(base / src))
+        elif s.startswith("#"):
+            level = min(len(s) - len(s.lstrip("#")), 4)
+            out.append(f"<h{level}>{_inline(s.lstrip('#').strip())}</h{level}>")
         elif s.startswith(("- ", "* ")):
-            out.append(f"<ul><li>{html.escape(s[2:])}</li></ul>")
+            out.append(f"<ul><li>{_inline(s[2:])}</li></ul>")
         else:
-            out.append(f"<p>{html.escape(s)}</p>")
+            out.append(f"<p>{_inline(s)}</p>")
     flush()
     return "\n".join(out)
 
@@ -95,28 +111,33 @@ def _section(d: Path, title: str) -> str:
     return "\n".join(parts)
 
 
+def _page(title: str, body: str) -> str:
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>fedsplice report: "
+            f"{html.escape(title)}</title><style>{CSS}</style></head><body>\n{body}</body></html>\n")
+
+
 def render(d: Path) -> str:
     d = Path(d)
+    if d.is_file() and d.suffix == ".md":  # a results page (docs/results.md) and the plots it shows
+        return _page(d.stem, md_to_html(d.read_text(), base=d.parent))
     if not d.is_dir():
-        raise ConfigError(f"report: {d} is not a directory; give a run, compare or results folder")
+        raise ConfigError(f"report: {d} is neither a folder nor a .md page; give a run, compare or "
+                          f"results folder, or docs/results.md")
     own = (d / "table.md").is_file() or (d / "results.json").is_file()
     subs = sorted(p for p in d.iterdir() if p.is_dir() and (p / "table.md").is_file())
     if not own and not subs:
         raise ConfigError(f"report: {d} holds no results.json or table.md (nor a folder with one); "
                           f"give the --out of `fedsplice run` or `fedsplice compare`")
-    body = []
-    if (d / "README.md").is_file():  # a results suite: its generated text first
-        body.append(md_to_html((d / "README.md").read_text()))
+    body = [f"<h1>fedsplice report: {html.escape(d.name)}</h1>"]
     if own:
         body.append(_section(d, d.name))
     body += [_section(p, p.name) for p in subs]
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>fedsplice report: "
-            f"{html.escape(d.name)}</title><style>{CSS}</style></head><body>"
-            f"<h1>fedsplice report: {html.escape(d.name)}</h1>\n" + "\n".join(body) + "</body></html>\n")
+    return _page(d.name, "\n".join(body))
 
 
 def write_report(d: Path, out: Path | None = None) -> Path:
-    out = Path(out) if out else Path(d) / "report.html"
+    d = Path(d)
+    out = Path(out) if out else (d.with_suffix(".html") if d.suffix == ".md" else d / "report.html")
     atomic_write_text(out, render(d))
     return out
 

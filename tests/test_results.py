@@ -1,0 +1,233 @@
+"""`fedsplice results` (suite -> docs page with claim verdicts), `fedsplice report` (one
+self-contained HTML page) and `compare --jobs` (runs in worker processes)."""
+
+import base64
+import json
+import re
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from fedsplice import compare as C
+from fedsplice import results as R
+from fedsplice.cli import main
+from fedsplice.errors import ConfigError
+from fedsplice.report import md_to_html, render, write_report
+from fedsplice.rundir import write_config
+
+
+def res(pm, up=100.0, gm=0.5, cold=None):
+    r = {"gm": {"accuracy": gm}, "pm": {"accuracy": pm}, "communication": {"up_bytes_per_round": up}}
+    if cold is not None:
+        r["cold_start"] = {"epochs": [0, 1], "accuracy": cold}
+    return r
+
+
+def test_verdicts_against_hand_computed_cases():
+    results = {"a": [res(0.6), res(0.7), res(0.5)], "b": [res(0.5), res(0.6), res(0.55)],
+               "c": [res(0.4, up=50), res(0.4, up=50), res(0.4, up=50)], "d": [res(0.9), res(0.1), res(0.2)]}
+    # a beats b in seeds 0 and 1 (+0.1 each), not in seed 2 (−0.05): mean Δ = +0.05 -> inconclusive
+    v, ev = R.verdict({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"}, results, [])
+    assert v == "inconclusive" and "ahead in 2/3 seeds" in ev and "Δ +0.050" in ev
+    assert R.verdict({"kind": "greater", "a": "a", "b": "c", "metric": "PM acc"}, results, [])[0] == "held"
+    assert R.verdict({"kind": "greater", "a": "c", "b": "a", "metric": "PM acc"}, results, [])[0] == "did not hold"
+    # best by mean: a 0.600, b 0.550, d 0.400
+    assert R.verdict({"kind": "best", "a": "a", "metric": "PM acc"}, results, ["a", "b", "d"])[0] == "held"
+    v, ev = R.verdict({"kind": "best", "a": "b", "metric": "PM acc"}, results, ["a", "b", "d"])
+    assert v == "did not hold" and "(a)" in ev
+    # bytes ratio c / a = 50 / 100
+    ratio = {"kind": "ratio", "a": "c", "b": "a", "metric": "up B/round", "low": 0.45, "high": 0.55}
+    assert R.verdict(ratio, results, [])[0] == "held"
+    assert R.verdict({**ratio, "low": 0.55, "high": 0.6}, results, [])[0] == "did not hold"
+    # gap a - c (0.2, 0.3, 0.1) vs b - c (0.1, 0.2, 0.15): larger in 2/3 seeds, mean larger
+    gap = {"kind": "gap_greater", "a1": "a", "b1": "c", "a2": "b", "b2": "c", "metric": "PM acc"}
+    assert R.verdict(gap, results, []) == ("inconclusive", "PM acc: gap +0.200 vs +0.150 (larger in 2/3 seeds)")
+    cold = {"x": [res(0.5, cold=[0.3, 0.5])], "y": [res(0.5, cold=[0.2, 0.6])]}
+    assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e0"}, cold, [])[0] == "held"
+    assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e1"}, cold, [])[0] == "did not hold"
+    assert R.verdict({"kind": "untestable", "reason": "no images"}, results, []) == ("could not be tested", "no images")
+
+
+SUITE = """
+seeds = 2
+jobs = 1
+[groups.g]
+title = "tiny"
+setting = "tiny BERT"
+paper = "big model"
+set = ["server.rounds=2"]
+[[experiment]]
+name = "pf"
+label = "PFAdapter"
+group = "g"
+config = "{pf}"
+[[experiment]]
+name = "fl"
+group = "g"
+config = "{fl}"
+set = ["server.optimizer=fedavgm"]
+[[table]]
+id = "t1"
+title = "Table one"
+rows = ["pf", "fl"]
+columns = ["PM acc", "up B/round"]
+plots = true
+[[table.claim]]
+kind = "ratio"
+a = "pf"
+b = "fl"
+metric = "up B/round"
+low = 0.45
+high = 0.55
+text = "half the bytes"
+[[table.claim]]
+kind = "greater"
+a = "pf"
+b = "fl"
+metric = "PM acc"
+text = "pf beats fl"
+[[table.claim]]
+kind = "untestable"
+text = "images"
+reason = "none offline"
+[[table]]
+id = "sweep"
+title = "A sweep"
+rows = ["fl", "pf"]
+sweep = "x"
+xs = [0.0, 1.0]
+"""
+
+
+@pytest.fixture
+def suite(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
+    paths = {}
+    for algo in ("pfadapter", "lora"):
+        d = tmp_path / "cfg" / algo
+        d.mkdir(parents=True)
+        write_config(d, cfg_factory(tiny_bert_dir, toy_jsonl, algorithm=algo, data__holdout_clients=0))
+        paths[algo] = d / "config.toml"
+    path = tmp_path / "suite.toml"
+    path.write_text(SUITE.format(pf=paths["pfadapter"], fl=paths["lora"]))
+    return path
+
+
+def test_suite_page_claims_and_resume(suite, tmp_path, monkeypatch):
+    doc = tmp_path / "docs" / "results.md"
+    R.run_suite(suite, tmp_path / "out", doc, quiet=True, command="make results")
+    text = doc.read_text()
+    runs = {(m, s): json.loads((tmp_path / "out" / "runs" / m / f"seed-{s}" / "results.json").read_text())
+            for m in ("pf", "fl") for s in (0, 1)}
+    for m in ("pf", "fl"):  # the fl runs used their own override on top of the group's
+        assert all(runs[(m, s)]["rounds"] == 2 for s in (0, 1))
+    assert all(runs[("fl", s)]["server_optimizer"] == "fedavgm" for s in (0, 1))
+    pm = {m: np.array([runs[(m, s)]["pm"]["accuracy"] for s in (0, 1)]) for m in ("pf", "fl")}
+    up = {m: np.mean([runs[(m, s)]["communication"]["up_bytes_per_round"] for s in (0, 1)]) for m in ("pf", "fl")}
+    row = f"| PFAdapter | {pm['pf'].mean():.3f} ± {pm['pf'].std():.3f} | {up['pf']:,.0f} ± 0 |"
+    assert row in text
+    ratio = up["pf"] / up["fl"]
+    assert f"ratio {ratio:.3f}" in text
+    assert (f"**{'held' if 0.45 <= ratio <= 0.55 else 'did not hold'}** — half the bytes") in text
+    d = pm["pf"] - pm["fl"]
+    want = "did not hold" if d.mean() <= 0 else ("held" if (d > 0).all() else "inconclusive")
+    assert f"**{want}** — pf beats fl" in text
+    assert "**could not be tested** — images *Measured:* none offline" in text
+    assert "at commit" in text and "`make results`" in text and "2 run(s) at once" not in text
+    assert "4 runs (4 run by this invocation" in text
+    for png in ("t1/accuracy_vs_round.png", "t1/accuracy_vs_bytes.png", "sweep/sweep.png"):
+        assert (doc.parent / "results" / png).read_bytes()[:4] == b"\x89PNG"
+        assert f"(results/{png})" in text
+    # a second invocation runs nothing and gives the same page apart from its own timing line
+    calls = []
+    monkeypatch.setattr(C, "_one", lambda *a: calls.append(a))
+    R.run_suite(suite, tmp_path / "out", doc, quiet=True, command="make results")
+    assert calls == [] and "4 runs (0 run by this invocation, 4 found finished" in doc.read_text()
+    strip = lambda t: re.sub(r"Generated by .*\n", "", t)  # noqa: E731
+    assert strip(doc.read_text()) == strip(text)
+
+    # the page as one self-contained HTML file: every image inline, nothing fetched
+    page = write_report(doc, tmp_path / "page.html").read_text()
+    srcs = re.findall(r'src="([^"]+)"', page)
+    assert len(srcs) == text.count("![") and all(s.startswith("data:image/png;base64,") for s in srcs)
+    first = base64.b64decode(srcs[0].split(",", 1)[1])
+    assert first == (doc.parent / "results" / "t1" / "accuracy_vs_round.png").read_bytes()
+    assert "<b>could not be tested</b>" in page
+    _well_formed(page)
+
+
+class _Tags(HTMLParser):
+    VOID = {"meta", "img", "br", "hr", "link", "input"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack.pop() == tag, f"unbalanced </{tag}>"
+
+
+def _well_formed(page: str) -> None:
+    p = _Tags()
+    p.feed(page)
+    assert p.stack == []
+
+
+def test_report_of_run_and_compare_dirs(suite, tmp_path, capsys):
+    runs = R.plan_suite(R.load_suite(suite), tmp_path / "cmp", seeds=1)
+    results = C.run_all(runs, quiet=True)
+    C.write_tables(C.summarize(runs, results), tmp_path / "cmp")
+    C.write_plots(runs, tmp_path / "cmp")
+    assert main(["report", str(tmp_path / "cmp")]) == 0
+    page = (tmp_path / "cmp" / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3 and "<th>method</th>" in page and "| pf |" not in page
+    assert "http://" not in page and "https://" not in page
+    _well_formed(page)
+    run = tmp_path / "cmp" / "runs" / "pf" / "seed-0"
+    page = render(run)
+    r = json.loads((run / "results.json").read_text())
+    assert f"<td>GM</td><td>{r['gm']['accuracy']:.4f}</td>" in page
+    assert page.count("data:image/png;base64,") == 1  # the run's accuracy.png
+    _well_formed(page)
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "neither a folder nor a .md page" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "holds no results.json or table.md" in capsys.readouterr().err
+    (tmp_path / "p.md").write_text("# t\n\n![x](missing.png)\n")
+    with pytest.raises(ConfigError, match="missing.png"):
+        render(tmp_path / "p.md")
+
+
+def test_md_to_html_tables_and_escaping():
+    h = md_to_html("## Title <x>\n\n| a | b |\n|---|---|\n| **1** | `2` |\n\ntext & more\n- item")
+    assert h == ("<h2>Title &lt;x&gt;</h2>\n<table><tr><th>a</th><th>b</th></tr><tr><td><b>1</b></td>"
+                 "<td><code>2</code></td></tr></table>\n<p>text &amp; more</p>\n<ul><li>item</li></ul>")
+
+
+@pytest.mark.parametrize("edit, field", [
+    (("rows = [\"pf\", \"fl\"]\ncolumns", "rows = [\"pf\", \"nope\"]\ncolumns"), "'nope', which is no experiment"),
+    (("columns = [\"PM acc\"", "columns = [\"PM accuracy\""), "column 'PM accuracy' is unknown"),
+    (("kind = \"ratio\"", "kind = \"better\""), "claim kind 'better' is unknown"),
+    (("xs = [0.0, 1.0]", "xs = [0.0]"), "xs needs one value per row"),
+    (("group = \"g\"\nconfig", "group = \"h\"\nconfig"), "group 'h' is not in [groups]"),
+])
+def test_suite_bad_input(suite, tmp_path, edit, field, capsys):
+    suite.write_text(suite.read_text().replace(*edit, 1))
+    assert main(["results", str(suite), "--out", str(tmp_path / "o"), "--doc", str(tmp_path / "d.md")]) == 2
+    assert field in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "d.md").exists()
+
+
+def test_compare_jobs_matches_serial(suite, tmp_path):
+    runs = R.plan_suite(R.load_suite(suite), tmp_path / "serial", seeds=1)
+    serial = C.run_all(runs, quiet=True)
+    par = C.run_all(R.plan_suite(R.load_suite(suite), tmp_path / "par", seeds=1), quiet=True, jobs=2)
+    for a, b in zip(serial, par):  # one torch thread in either case: the same numbers
+        assert (a["gm"], a["pm"], a["communication"]) == (b["gm"], b["pm"], b["communication"])
+    with pytest.raises(ConfigError, match="--jobs"):
+        C.run_all(runs, jobs=0)
