@@ -29,7 +29,7 @@ def test_verdicts_against_hand_computed_cases():
                "c": [res(0.4, up=50), res(0.4, up=50), res(0.4, up=50)], "d": [res(0.9), res(0.1), res(0.2)]}
     # a beats b in seeds 0 and 1 (+0.1 each), not in seed 2 (−0.05): mean Δ = +0.05 -> inconclusive
     v, ev = R.verdict({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"}, results, [])
-    assert v == "inconclusive" and "ahead in 2/3 seeds" in ev and "Δ +0.050" in ev
+    assert v == "inconclusive" and "ahead in 2/3 seeds" in ev and "Δ +0.0500" in ev
     assert R.verdict({"kind": "greater", "a": "a", "b": "c", "metric": "PM acc"}, results, [])[0] == "held"
     assert R.verdict({"kind": "greater", "a": "c", "b": "a", "metric": "PM acc"}, results, [])[0] == "did not hold"
     # best by mean: a 0.600, b 0.550, d 0.400
@@ -42,7 +42,7 @@ def test_verdicts_against_hand_computed_cases():
     assert R.verdict({**ratio, "low": 0.55, "high": 0.6}, results, [])[0] == "did not hold"
     # gap a - c (0.2, 0.3, 0.1) vs b - c (0.1, 0.2, 0.15): larger in 2/3 seeds, mean larger
     gap = {"kind": "gap_greater", "a1": "a", "b1": "c", "a2": "b", "b2": "c", "metric": "PM acc"}
-    assert R.verdict(gap, results, []) == ("inconclusive", "PM acc: gap +0.200 vs +0.150 (larger in 2/3 seeds)")
+    assert R.verdict(gap, results, []) == ("inconclusive", "PM acc: gap +0.2000 vs +0.1500 (larger in 2/3 seeds)")
     cold = {"x": [res(0.5, cold=[0.3, 0.5])], "y": [res(0.5, cold=[0.2, 0.6])]}
     assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e0"}, cold, [])[0] == "held"
     assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e1"}, cold, [])[0] == "did not hold"
@@ -190,7 +190,7 @@ def test_report_of_run_and_compare_dirs(suite, tmp_path, capsys):
     run = tmp_path / "cmp" / "runs" / "pf" / "seed-0"
     page = render(run)
     r = json.loads((run / "results.json").read_text())
-    assert f"<td>GM</td><td>{r['gm']['accuracy']:.4f}</td>" in page
+    assert f'<td>GM</td><td class="n">{r["gm"]["accuracy"]:.4f}</td>' in page
     assert page.count("data:image/png;base64,") == 1  # the run's accuracy.png
     _well_formed(page)
     assert main(["report", str(tmp_path / "nothing")]) == 2
@@ -207,6 +207,8 @@ def test_md_to_html_tables_and_escaping():
     h = md_to_html("## Title <x>\n\n| a | b |\n|---|---|\n| **1** | `2` |\n\ntext & more\n- item")
     assert h == ("<h2>Title &lt;x&gt;</h2>\n<table><tr><th>a</th><th>b</th></tr><tr><td><b>1</b></td>"
                  "<td><code>2</code></td></tr></table>\n<p>text &amp; more</p>\n<ul><li>item</li></ul>")
+    assert md_to_html("| m | acc |\n|---|---|\n| x | 0.5 ± 0.1 |") == (
+        '<table><tr><th>m</th><th>acc</th></tr><tr><td>x</td><td class="n">0.5 ± 0.1</td></tr></table>')
 
 
 @pytest.mark.parametrize("edit, field", [

@@ -20,9 +20,12 @@ from fedsplice.rundir import atomic_write_text
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #bbb;padding:3px 7px;
-text-align:right}th{background:#eee}td:first-child,th:first-child{text-align:left}
+text-align:left}th{background:#eee}td.n{text-align:right;white-space:nowrap}
 img{max-width:100%;border:1px solid #ddd;margin:.5em .5em 0 0}figure{display:inline-block;margin:0}
 figcaption{font-size:12px;color:#555}pre{background:#f6f6f6;padding:.7em;overflow:auto;font-size:12px}"""
+
+
+NUM = re.compile(r"^[-−+]?[\d.,]+( ± [\d.,]+)?$|^—$")  # table cells set right-aligned
 
 
 def _inline(s: str) -> str:
@@ -42,8 +45,9 @@ def md_to_html(text: str, base: Path | None = None) -> str:
         if rows:
             head, *body = [r for r in rows if not set(r.replace("|", "").strip()) <= set("-: ")]
             cells = lambda r: [_inline(c.strip()) for c in r.strip().strip("|").split("|")]  # noqa: E731
+            td = lambda c: f'<td class="n">{c}</td>' if NUM.match(c) else f"<td>{c}</td>"  # noqa: E731
             out.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in cells(head)) + "</tr>"
-                       + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in cells(r)) + "</tr>" for r in body)
+                       + "".join("<tr>" + "".join(map(td, cells(r))) + "</tr>" for r in body)
                        + "</table>")
             rows.clear()
 

@@ -127,7 +127,7 @@ def verdict(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> tup
         a, b = per_seed(results, claim["a"], metric), per_seed(results, claim["b"], metric)
         d = a - b
         wins = int(np.sum(d > 0))
-        ev = f"{metric}: {np.mean(a):.3f} vs {np.mean(b):.3f} (Δ {np.mean(d):+.3f}; ahead in {wins}/{len(d)} seeds)"
+        ev = f"{metric}: {np.mean(a):.4f} vs {np.mean(b):.4f} (Δ {np.mean(d):+.4f}; ahead in {wins}/{len(d)} seeds)"
         if np.mean(d) <= 0:
             return "did not hold", ev
         return ("held", ev) if wins == len(d) else ("inconclusive", ev)
@@ -135,7 +135,7 @@ def verdict(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> tup
         means = {n: float(np.nanmean(per_seed(results, n, metric))) for n in rows}
         best = max(means, key=means.get)
         runner_up = max((v for n, v in means.items() if n != claim["a"]), default=float("nan"))
-        ev = f"{metric}: {claim['a']} {means[claim['a']]:.3f}, best other {runner_up:.3f}" + (
+        ev = f"{metric}: {claim['a']} {means[claim['a']]:.4f}, best other {runner_up:.4f}" + (
             "" if best == claim["a"] else f" ({best})")
         return ("held" if best == claim["a"] else "did not hold"), ev
     if kind == "ratio":
@@ -144,7 +144,7 @@ def verdict(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> tup
         return ("held" if ok else "did not hold"), f"{metric}: ratio {q:.3f} (claimed {claim['low']}–{claim['high']})"
     g1 = per_seed(results, claim["a1"], metric) - per_seed(results, claim["b1"], metric)
     g2 = per_seed(results, claim["a2"], metric) - per_seed(results, claim["b2"], metric)
-    ev = f"{metric}: gap {np.mean(g1):+.3f} vs {np.mean(g2):+.3f} (larger in {int(np.sum(g1 > g2))}/{len(g1)} seeds)"
+    ev = f"{metric}: gap {np.mean(g1):+.4f} vs {np.mean(g2):+.4f} (larger in {int(np.sum(g1 > g2))}/{len(g1)} seeds)"
     if np.mean(g1) <= np.mean(g2):
         return "did not hold", ev
     return ("held", ev) if np.all(g1 > g2) else ("inconclusive", ev)
@@ -238,8 +238,9 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
                + " |" for n in rows]
         md += ["", f"![cold start]({rel}/{tb['id']}/{_cold_plot(tb, suite, results, d / 'cold_start.png', epochs)})", ""]
     if tb.get("plots"):
-        pngs = C.write_plots(sub, d)
-        if (cls := C.write_class_plot(sub, sub_res, d)):
+        shown = [(lab(r[0]), *r[1:]) for r in sub]  # plot legends show the labels
+        pngs = C.write_plots(shown, d)
+        if (cls := C.write_class_plot(shown, sub_res, d)):
             pngs.append(cls)
         md += [" ".join(f"![{p}]({rel}/{tb['id']}/{p})" for p in pngs), ""]
     if "sweep" in tb:
