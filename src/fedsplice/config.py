@@ -25,8 +25,15 @@ ROLES = ("q", "k", "v", "o")
 @dataclass
 class ModelConfig:
     name: str = "zoo:minilm"  # zoo:minilm, zoo:smollm2, a hub id or a local path
-    task: Literal["dual_encoder", "encoder_head", "causal_lm"] = "dual_encoder"
+    # dual_encoder: MiniLM (text) or CLIP (images; text prompts per class); vlm: a LLaVA-style
+    # vision tower (model.vision) + projector + causal LM (model.name), verbalizer scoring
+    task: Literal["dual_encoder", "encoder_head", "causal_lm", "vlm"] = "dual_encoder"
     class_prompt: str = "a quote about {label}."  # dual encoder: the text side of each class
+    # prompt ensemble: more templates; the class embedding is the mean of the normalized
+    # embeddings of class_prompt and these (CLIP's "a photo of a {label}." family)
+    class_prompts: list[str] = field(default_factory=list)
+    vision: str = ""  # vlm: the vision tower, zoo:tiny-vit, a hub id or a local path
+    projector: Literal["linear", "mlp"] = "mlp"  # vlm: vision -> LM embeddings (trainable, GLOBAL)
     input_template: str = "{text}"  # causal LM: e.g. "Text: {text}\nTopic:"
     # Dual encoder with one shared encoder (MiniLM): do the adapters also encode the class
     # prompts? False = the class side stays frozen (as CLIP-LoRA on the input tower), so class
@@ -46,6 +53,14 @@ class ModelConfig:
                                   f"{', '.join('zoo:' + k for k in ZOO)}, a local folder or a hub id")
         if "{label}" not in self.class_prompt:
             raise ConfigError("model.class_prompt must contain '{label}', e.g. 'a quote about {label}.'")
+        for i, t in enumerate(self.class_prompts):
+            if "{label}" not in t:
+                raise ConfigError(f"model.class_prompts[{i}] must contain '{{label}}', e.g. 'a photo of a {{label}}.'")
+        if self.task == "vlm" and not self.vision:
+            raise ConfigError("model.vision: model.task = 'vlm' needs a vision tower, e.g. "
+                              "'zoo:tiny-vit', 'openai/clip-vit-base-patch32' or a local folder")
+        if self.vision and self.task != "vlm":
+            raise ConfigError("model.vision is only used with model.task = 'vlm'; remove it or set the task")
         if "{text}" not in self.input_template:
             raise ConfigError("model.input_template must contain '{text}', e.g. 'Text: {text}\\nTopic:'")
 
@@ -101,6 +116,12 @@ class DataConfig:
     # class before partitioning; imbalance = 1 keeps the data as it is.
     imbalance: float = 1.0
     n_max: int = 0  # 0: the largest class's size
+    # Users' image data (images:DIR, csv/jsonl with an `image` column): a file that fails to
+    # decode is an error naming it; true reports each one and skips it instead.
+    skip_bad_images: bool = False
+    # Readable names for the labels of a user's data set, in label order (sorted labels): for
+    # prompts such as "a photo of a {label}."; must list exactly one name per label.
+    class_names: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         from fedsplice.data import DATASETS
@@ -126,6 +147,52 @@ class DataConfig:
         if not 0 <= self.holdout_clients < self.num_clients:
             raise ConfigError(f"data.holdout_clients must be in [0, data.num_clients) = "
                               f"[0, {self.num_clients}), got {self.holdout_clients}")
+
+
+@dataclass
+class ScenarioConfig:
+    """Multimodal heterogeneity (PFAdapter §V), applied to the clients' data (train and local
+    test) after partitioning, from its own seeded stream; the global test set stays aligned.
+
+    missing modality   a share `missing_rate` (β) of the clients (`missing_level = "client"`)
+                       or of every client's samples ("sample") lose the `missing` modality
+                       ("either": image or text, drawn per client / per sample)
+    hybrid             `aligned_share` p of the clients stay aligned; the others lose the
+                       modality on a share β of their samples (needs missing_level = "sample")
+    modality-dominant  `image_dominant` clients lose the text and `text_dominant` clients the
+                       image on a share `dominant_rate` of their samples (I-5:T-5 = 5 and 5)
+    Gaussian noise     images of a share `noise_clients` of the clients get N(0, σ²) noise,
+                       σ = noise_std × 255, clipped to [0, 255]
+    """
+
+    missing_rate: float = 0.0
+    missing_level: Literal["client", "sample"] = "client"
+    missing: Literal["image", "text", "either"] = "either"
+    aligned_share: float = 0.0
+    image_dominant: int = 0
+    text_dominant: int = 0
+    dominant_rate: float = 0.8
+    noise_std: float = 0.0
+    noise_clients: float = 1.0
+
+    def check(self) -> None:
+        for name in ("missing_rate", "aligned_share", "dominant_rate", "noise_clients"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"scenario.{name} must be a share in [0, 1], got {v}")
+        if self.noise_std < 0:
+            raise ConfigError(f"scenario.noise_std must be >= 0 (a fraction of the pixel range), got {self.noise_std}")
+        if self.image_dominant < 0 or self.text_dominant < 0:
+            raise ConfigError("scenario.image_dominant and scenario.text_dominant must be >= 0 client counts")
+        if self.aligned_share > 0 and self.missing_level != "sample":
+            raise ConfigError("scenario.aligned_share (hybrid) needs scenario.missing_level = 'sample': "
+                              "the non-aligned clients lose the modality on a share missing_rate of their samples")
+        if self.missing_rate > 0 and (self.image_dominant or self.text_dominant):
+            raise ConfigError("scenario: choose missing modality (missing_rate) or modality-dominant clients "
+                              "(image_dominant / text_dominant), not both")
+
+    def active(self) -> bool:
+        return bool(self.missing_rate or self.image_dominant or self.text_dominant or self.noise_std)
 
 
 @dataclass
@@ -283,6 +350,7 @@ class ExperimentConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)
     method: dict = field(default_factory=dict)  # the algorithm's own hyperparameters, validated by it
     data: DataConfig = field(default_factory=DataConfig)
+    scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -297,6 +365,10 @@ class ExperimentConfig:
             if dataclasses.is_dataclass(sub):
                 sub.check()
         trainable = self.data.num_clients - self.data.holdout_clients
+        if self.scenario.image_dominant + self.scenario.text_dominant > self.data.num_clients:
+            raise ConfigError(f"scenario.image_dominant + scenario.text_dominant "
+                              f"({self.scenario.image_dominant} + {self.scenario.text_dominant}) exceeds "
+                              f"data.num_clients ({self.data.num_clients})")
         if self.server.clients_per_round > trainable:
             raise ConfigError(
                 f"server.clients_per_round ({self.server.clients_per_round}) exceeds the "
