@@ -43,6 +43,13 @@ class TextDataset:
     test_texts: list[str]
     test_labels: np.ndarray  # int64; balanced: the same count per class
     source: str  # one line: where it came from (package name + version)
+    # test_texts[:global_test_size] is the balanced global test set; scenarios (fedsplice.scenarios)
+    # append clients' transformed local test copies after it. None: all of test_texts.
+    n_global_test: int | None = None
+
+    @property
+    def global_test_size(self) -> int:
+        return len(self.test_texts) if self.n_global_test is None else self.n_global_test
 
     @property
     def num_classes(self) -> int:
