@@ -1,10 +1,14 @@
 """Backbones: a frozen Hugging Face model, LoRA by role (through HF peft), and a task head.
 
 Roles name attention projections across architectures (q, k, v, o), so a split written in
-roles fits every backbone. Three tasks score a batch of texts into class logits [B, C]:
-  dual_encoder  s·cos(E(x), E(prompt(c)))  — zero-shot before any training (MiniLM, CLIP text)
+roles fits every backbone. Four tasks score a batch of inputs (texts, or `Sample`s holding an
+image and/or a text) into class logits [B, C]:
+  dual_encoder  s·cos(E(x), T(prompt(c)))  — zero-shot before any training (MiniLM; CLIP, whose
+                E is the image tower and T the text tower: fedsplice.vision)
   encoder_head  Linear(meanpool(E(x)))      — a trainable head (FedPer keeps it private)
   causal_lm     Σ log p(answer_c | prompt(x)) — verbalizer scoring (SmolLM2, Llama)
+  vlm           the same with projected image tokens before the prompt (LLaVA-style); LoRA
+                roles refer to the LM's attention
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from fedsplice.adapters import FeatureAdapter, PromptLearner
 from fedsplice.cache import FrozenCache, TokenCache, fingerprint
 from fedsplice.config import ExperimentConfig
 from fedsplice.errors import ConfigError
+from fedsplice.samples import Sample
 from fedsplice.split import ParamInfo
 
 _BERT = {"q": "attention.self.query", "k": "attention.self.key",
@@ -77,14 +82,14 @@ def _load(cfg: ExperimentConfig):
     path = resolve_model(cfg.model.name)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        cls = AutoModelForCausalLM if cfg.model.task == "causal_lm" else AutoModel
+        cls = AutoModelForCausalLM if cfg.model.task in ("causal_lm", "vlm") else AutoModel
         model = cls.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.name: cannot load {cfg.model.name!r} ({str(e).splitlines()[0]}); "
                           f"use zoo:minilm, zoo:smollm2, a local folder or a hub id") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return model, tok
+    return model, tok, path
 
 
 class TaskModel(nn.Module):
@@ -94,19 +99,26 @@ class TaskModel(nn.Module):
         self.mcfg = cfg.model
         self.pcfg = cfg.peft
         self.class_names = list(class_names)
-        base, self.tokenizer = _load(cfg)
+        base, self.tokenizer, path = _load(cfg)
         for p in base.parameters():
             p.requires_grad_(False)
         mtype = getattr(base.config, "model_type", "?")
         self.rmap = role_map(mtype)
         pc = cfg.peft
-        if pc.type in ("prompt", "adapter") and self.task == "causal_lm":
+        # CLIP: images on the input side (E), class prompts through the text tower (T)
+        self.is_clip = mtype == "clip"
+        self.image_processor = self.vision = self.projector = self._clip_inputs = None
+        if self.is_clip:
+            from fedsplice.vision import load_image_processor
+
+            self.image_processor = load_image_processor(path, "model.name")
+        if pc.type in ("prompt", "adapter") and self.task in ("causal_lm", "vlm"):
             raise ConfigError(f"peft.type = {pc.type!r} needs a dual encoder or encoder + head; "
                               f"use peft.type = 'lora' with model.task = 'causal_lm'")
         if pc.type == "prompt" and self.task != "dual_encoder":
             raise ConfigError("peft.type = 'prompt' learns the class prompts of a dual encoder: "
                               "set model.task = 'dual_encoder'")
-        hidden = base.config.hidden_size
+        hidden = base.config.projection_dim if self.is_clip else base.config.hidden_size
         # Every random init draws from generators seeded by cfg.seed, never the global stream.
         gen = torch.Generator().manual_seed(cfg.seed)
         self.prompt = self.prompt_local = self.adapter = None
@@ -115,7 +127,7 @@ class TaskModel(nn.Module):
         else:
             self.backbone = base
         if pc.type == "prompt":
-            we = base.get_input_embeddings()
+            we = base.text_model.embeddings.token_embedding if self.is_clip else base.get_input_embeddings()
             mk = lambda: PromptLearner(self.tokenizer, we, self.mcfg.class_prompt, self.class_names,  # noqa: E731
                                        pc.n_ctx, pc.class_specific, gen)
             self.prompt = mk()
@@ -131,16 +143,32 @@ class TaskModel(nn.Module):
                 self.head.bias.zero_()
         if pc.type == "lora":
             self._check_roles(pc.roles, mtype)
+        if self.task == "vlm":
+            from fedsplice.vision import Projector, load_vision_tower
+
+            self.vision, self.image_processor, vh = load_vision_tower(cfg.model.vision)
+            pgen = torch.Generator().manual_seed(cfg.seed + 7919)  # its own stream: text inits unchanged
+            self.projector = Projector(vh, hidden, cfg.model.projector, pgen)
+        # CLIP with LoRA in its text tower: the class side changes as it trains
+        self._class_side = cfg.model.class_side_adapters or (
+            self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
         self._frozen_class_emb: torch.Tensor | None = None
         self._zero_shot = False
         rc = cfg.runtime
         self.cache_on = rc.cache
-        self._tok = TokenCache(self.tokenizer, self.mcfg.max_length, rc.cache)
+        max_len = self.mcfg.max_length
+        if self.is_clip:  # CLIP's text tower has a fixed number of positions (77)
+            max_len = min(max_len, base.config.text_config.max_position_embeddings)
+        self._tok = TokenCache(self.tokenizer, max_len, rc.cache)
         # prompt/adapter: the input side is frozen whole, so its pooled features are cached
-        frozen_inputs = rc.cache and pc.type in ("prompt", "adapter") and self.task != "causal_lm"
+        frozen_inputs = rc.cache and pc.type in ("prompt", "adapter") and self.task not in ("causal_lm", "vlm")
         self._features = FrozenCache({"kind": "features"}, 1 << 62) if frozen_inputs else None
+        # vlm: the frozen vision tower's tokens, per image (the sample key names the image)
+        self._vis = (FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20)
+                     if rc.cache and self.task == "vlm" else None)
         self._prefix, self._l0, self._paths = None, 0, None
-        if rc.cache and pc.type == "lora" and pc.layers and min(pc.layers) > 0 and self.task != "causal_lm":
+        if (rc.cache and pc.type == "lora" and pc.layers and min(pc.layers) > 0
+                and self.task not in ("causal_lm", "vlm") and not self.is_clip):
             self._init_prefix_cache(cfg, min(pc.layers))
 
     def _inject_lora(self, base, pc, seed: int, mtype: str):
@@ -166,6 +194,8 @@ class TaskModel(nn.Module):
         dropout (peft.dropout) and the trainable modules follow `mode`."""
         super().train(mode)
         self.backbone.eval()
+        if self.vision is not None:
+            self.vision.eval()
         for name, mod in self.backbone.named_modules():
             if "lora_dropout" in name:
                 mod.train(mode)
@@ -235,7 +265,8 @@ class TaskModel(nn.Module):
             return self.backbone(**enc).last_hidden_state
 
     def cache_stats(self) -> dict:
-        return {k: c.stats() for k, c in (("prefix", self._prefix), ("features", self._features)) if c is not None}
+        caches = (("prefix", self._prefix), ("features", self._features), ("vision", self._vis))
+        return {k: c.stats() for k, c in caches if c is not None}
 
     @contextmanager
     def zero_shot(self):
@@ -260,7 +291,7 @@ class TaskModel(nn.Module):
                 role = next((r for r, s in self.rmap.items() if module.endswith("." + s)), None)
                 m = _LAYER.match(module)
                 infos[name] = ParamInfo(role, factor, m.group(1) if m else module, "lora")
-            else:  # head, prompt, prompt_local, adapter: named by their module
+            else:  # head, prompt, prompt_local, adapter, projector: named by their module
                 infos[name] = ParamInfo(None, None, None, name.split(".")[0])
         return infos
 
@@ -284,6 +315,11 @@ class TaskModel(nn.Module):
     def load_params(self, tensors: dict[str, torch.Tensor]) -> None:
         params = dict(self.named_parameters())
         for n, t in tensors.items():
+            if params[n].shape != t.shape:
+                hint = (" (model.vision: a projector built for another vision tower's hidden size)"
+                        if n.startswith("projector.") else "")
+                raise ConfigError(f"{n}: tensor of shape {tuple(t.shape)} does not fit the model's "
+                                  f"{tuple(params[n].shape)}{hint}; load it into the model it came from")
             params[n].copy_(t)
 
     # ----------------------------------------------------------------- scoring
@@ -293,14 +329,32 @@ class TaskModel(nn.Module):
         mask = enc["attention_mask"].unsqueeze(-1).to(out.dtype)
         return (out * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean pooling (sentence-transformers)
 
+    def _embed_text(self, texts: list[str]) -> torch.Tensor:
+        """T(texts): CLIP's projected text features, else mean-pooled hidden states."""
+        if self.is_clip:
+            return self._hf().get_text_features(**self._tok(list(texts))).pooler_output
+        return self._embed(texts)
+
+    def _class_text(self) -> torch.Tensor:
+        """Normalized class embeddings; a prompt ensemble averages its templates' (CLIP)."""
+        es = [F.normalize(self._embed_text(self._prompts(t)), dim=-1) for t in self._templates()]
+        return es[0] if len(es) == 1 else F.normalize(torch.stack(es).mean(0), dim=-1)
+
     def _frozen_class_embeddings(self) -> torch.Tensor:
         if self._frozen_class_emb is None or not self.cache_on:  # frozen work, computed once
             with torch.no_grad(), (self.backbone.disable_adapter() if self.pcfg.type == "lora" else nullcontext()):
-                self._frozen_class_emb = F.normalize(self._embed(self._prompts()), dim=-1)
+                self._frozen_class_emb = self._class_text()
         return self._frozen_class_emb
 
+    def _word_embeddings(self) -> nn.Embedding:
+        return self._hf().text_model.embeddings.token_embedding if self.is_clip else self.backbone.get_input_embeddings()
+
     def _prompt_embeddings(self, learner: PromptLearner) -> torch.Tensor:
-        embeds, mask = learner.inputs(self.backbone.get_input_embeddings())
+        embeds, mask = learner.inputs(self._word_embeddings())
+        if self.is_clip:
+            from fedsplice.vision import clip_text_from_embeds
+
+            return F.normalize(clip_text_from_embeds(self._hf(), embeds, mask), dim=-1)
         out = self.backbone(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
         m = mask.unsqueeze(-1).to(out.dtype)
         return F.normalize((out * m).sum(1) / m.sum(1), dim=-1)
@@ -314,24 +368,40 @@ class TaskModel(nn.Module):
                 th = self.pcfg.portfolio
                 e = F.normalize((1 - th) * e + th * self._prompt_embeddings(self.prompt_local), dim=-1)
             return e
-        if not self.mcfg.class_side_adapters:
+        if not self._class_side:
             return self._frozen_class_embeddings()
-        return F.normalize(self._embed(self._prompts()), dim=-1)
+        return self._class_text()
 
-    def _prompts(self) -> list[str]:
-        return [self.mcfg.class_prompt.format(label=c) for c in self.class_names]
+    def _templates(self) -> list[str]:
+        return [self.mcfg.class_prompt, *self.mcfg.class_prompts]
+
+    def _prompts(self, template: str | None = None) -> list[str]:
+        return [(template or self.mcfg.class_prompt).format(label=c) for c in self.class_names]
+
+    def _embed_inputs(self, items: list) -> torch.Tensor:
+        """E(x): text encoder for texts; CLIP's image (and caption) features for samples."""
+        if not self.is_clip:
+            if any(isinstance(s, Sample) for s in items):
+                raise ConfigError("data.dataset holds images but model.name is a text encoder; use a CLIP "
+                                  "checkpoint (dual_encoder) or model.task = 'vlm'")
+            return self._embed(items)
+        if self._clip_inputs is None:
+            from fedsplice.vision import ClipInputs
+
+            self._clip_inputs = ClipInputs(self._hf(), self.image_processor, self._embed_text)
+        return self._clip_inputs(items)
 
     def _input_features(self, texts: list[str]) -> torch.Tensor:
         if self.pcfg.type == "lora":
-            return self._embed(texts)
+            return self._embed_inputs(texts)
         with torch.no_grad():  # the encoder is frozen on the input side for prompts and adapters
             f = self._frozen_features(texts)
         return f if (self.adapter is None or self._zero_shot) else self.adapter(f)
 
     def _frozen_features(self, texts: list[str]) -> torch.Tensor:
         if self._features is None:
-            return self._embed(texts)
-        return torch.stack(self._features.rows(texts, self._embed))
+            return self._embed_inputs(texts)
+        return torch.stack(self._features.rows(texts, self._embed_inputs))
 
     def forward(self, texts: list[str], class_emb: torch.Tensor | None = None) -> torch.Tensor:
         if self.task == "dual_encoder":
@@ -343,8 +413,30 @@ class TaskModel(nn.Module):
             return self.head(self._input_features(texts))
         from fedsplice.verbalizer import verbalizer_logits
 
+        if self.task == "vlm":
+            return verbalizer_logits(self.backbone, self.tokenizer, self._vlm_prompts(texts),
+                                     [" " + c for c in self.class_names], prefix=self._image_tokens(texts))
         prompts = [self.mcfg.input_template.format(text=t) for t in texts]
         return verbalizer_logits(self.backbone, self.tokenizer, prompts, [" " + c for c in self.class_names])
+
+    def _vlm_prompts(self, items: list) -> list[str]:
+        text = [(s.text if isinstance(s, Sample) else s) for s in items]
+        return [self.mcfg.input_template.format(text=t if t is not None else "") for t in text]
+
+    def _image_tokens(self, items: list) -> list[torch.Tensor | None]:
+        """Projected image tokens per sample (None without an image); the tower's work is cached."""
+        from fedsplice.vision import vision_tokens
+
+        has = [i for i, s in enumerate(items) if isinstance(s, Sample) and s.has_image]
+        out: list[torch.Tensor | None] = [None] * len(items)
+        if not has:
+            return out
+        imgs = [items[i] for i in has]
+        compute = lambda xs: vision_tokens(self.vision, self.image_processor, xs)  # noqa: E731
+        feats = self._vis.rows(imgs, compute) if self._vis is not None else compute(imgs)
+        for i, f in zip(has, feats):
+            out[i] = self.projector(f)
+        return out
 
     @torch.no_grad()
     def predict(self, texts: list[str], batch_size: int) -> torch.Tensor:

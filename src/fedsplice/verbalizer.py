@@ -103,12 +103,14 @@ def _forward(model, **kw):
 
 
 def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequence[str],
-                      *, method: str = "cache") -> torch.Tensor:
+                      *, method: str = "cache", prefix: Sequence | None = None) -> torch.Tensor:
     """[B, C] summed answer log-likelihoods (differentiable). See the module docstring.
 
     ``method="cache"`` (default) runs prompts once and continuations on a shared KV cache;
     ``method="full"`` runs all B·C full sequences in one padded batch (no cache; used
     automatically when the model returns no cache, e.g. under gradient checkpointing).
+    ``prefix`` (vision-language LMs): per prompt, input embeddings [n_b, d] placed before the
+    prompt's tokens (projected image tokens), or None for a prompt without an image.
     """
     if len(prompts) == 0 or len(answers) == 0:
         raise ValueError("verbalizer: need at least one prompt and one answer")
@@ -120,19 +122,26 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     if any(len(s) == 0 for s in p_ids):
         raise ValueError("verbalizer: a prompt tokenizes to nothing (and the tokenizer adds no BOS)")
     a_ids = tokenize_answers(tokenizer, answers)
+    if prefix is not None and all(x is None for x in prefix):
+        prefix = None
     if method == "full" or _checkpointing(model):
-        return _full(model, p_ids, a_ids, pad, device)
+        return _full(model, p_ids, a_ids, pad, device, prefix)
 
     B, C = len(p_ids), len(a_ids)
-    ids, mask = _left_pad(p_ids, pad, device)
+    if prefix is None:
+        ids, mask = _left_pad(p_ids, pad, device)
+        inputs = {"input_ids": ids}
+    else:
+        embeds, mask = _left_pad_embeds(model, p_ids, prefix, device)
+        inputs = {"inputs_embeds": embeds}
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = _forward(model, input_ids=ids, attention_mask=mask, position_ids=pos,
+    out = _forward(model, **inputs, attention_mask=mask, position_ids=pos,
                    use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None)
     if cache is None:
         cache = getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
-        return _full(model, p_ids, a_ids, pad, device)
+        return _full(model, p_ids, a_ids, pad, device, prefix)
     last = out.logits[:, -1, :].float()                                   # [B, V]
     last_lp = last - torch.logsumexp(last, dim=-1, keepdim=True)
     first = torch.tensor([a[0] for a in a_ids], device=device)
@@ -169,8 +178,33 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     return scores + add
 
 
-def _full(model, p_ids, a_ids, pad, device) -> torch.Tensor:
+def _left_pad_embeds(model, p_ids, prefix, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded [prefix_b ; embed(prompt_b)] rows (pads are zero vectors, masked out)."""
+    emb = model.get_input_embeddings()
+    rows = [emb(torch.tensor(p, device=device)) for p in p_ids]
+    rows = [r if x is None else torch.cat([x.to(r.dtype), r]) for x, r in zip(prefix, rows)]
+    n = max(len(r) for r in rows)
+    out = rows[0].new_zeros(len(rows), n, rows[0].shape[-1])
+    mask = torch.zeros((len(rows), n), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        out[i, n - len(r):] = r
+        mask[i, n - len(r):] = 1
+    return out, mask
+
+
+def _full(model, p_ids, a_ids, pad, device, prefix=None) -> torch.Tensor:
     """All B·C (prompt + answer) sequences in one batch: prompts left-, answers right-padded."""
+    if prefix is not None:  # image tokens: one padded row per (prompt, answer) pair of embeddings
+        B, C = len(p_ids), len(a_ids)
+        seqs = [(p + a, x) for p, x in zip(p_ids, prefix) for a in a_ids]
+        embeds, mask = _left_pad_embeds(model, [s for s, _ in seqs], [x for _, x in seqs], device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = _forward(model, inputs_embeds=embeds, attention_mask=mask, position_ids=pos,
+                          use_cache=False).logits
+        T = logits.shape[1]  # left padding: each row ends with its answer's tokens
+        lp = [_token_logprobs(logits[b * C + c, T - len(a) - 1:T - 1], torch.tensor(a, device=device)).sum()
+              for b in range(B) for c, a in enumerate(a_ids)]
+        return torch.stack(lp).view(B, C)
     B, C = len(p_ids), len(a_ids)
     P = max(len(s) for s in p_ids)
     A = max(len(a) for a in a_ids)

