@@ -1,0 +1,214 @@
+"""CLIP dual encoder and LLaVA-style VLM on tiny random models (fedsplice.vision, backbone)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedsplice import zoo
+from fedsplice.backbone import TaskModel
+from fedsplice.config import ExperimentConfig, ModelConfig, PeftConfig
+from fedsplice.errors import ConfigError
+from fedsplice.samples import Sample
+from fedsplice.split import GLOBAL, PRIVATE, by_roles
+
+CLASSES = ["circle", "square", "triangle"]
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    return str(zoo.tiny_clip(tmp_path_factory.mktemp("m") / "clip"))
+
+
+@pytest.fixture(scope="module")
+def vit_dir(tmp_path_factory):
+    return str(zoo.tiny_vit(tmp_path_factory.mktemp("m") / "vit"))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return str(zoo.tiny_llama(tmp_path_factory.mktemp("m") / "llama"))
+
+
+def samples(n=6, seed=0, text=True):
+    g = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        img = g.integers(0, 256, (28, 28), dtype=np.uint8) if i % 2 else g.integers(0, 256, (20, 24, 3), dtype=np.uint8)
+        out.append(Sample(f"toy/{seed}/{i}", img, ("is it a circle" if text else None)))
+    return out
+
+
+def clip_model(clip_dir, **peft):
+    cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, class_prompt="a photo of a {label}.",
+                                             class_prompts=["a drawing of a {label}."], logit_scale=100.0),
+                           peft=PeftConfig(**peft))
+    return TaskModel(cfg, CLASSES)
+
+
+def test_clip_lora_by_tower_layer_and_role_split(clip_dir):
+    m = clip_model(clip_dir, tower="vision_model", layers=[1])
+    infos = m.param_infos()
+    assert len(infos) == 8  # 4 roles x (A, B) in one layer
+    assert all(".vision_model.encoder.layers.1.self_attn." in n for n in infos)
+    split = by_roles(infos, ["q", "k"])
+    glob = sorted(n for n, g in split.items() if g == GLOBAL)
+    priv = sorted(n for n, g in split.items() if g == PRIVATE)
+    assert [n.split("self_attn.")[1].split(".")[0] for n in glob] == ["k_proj"] * 2 + ["q_proj"] * 2
+    assert [n.split("self_attn.")[1].split(".")[0] for n in priv] == ["out_proj"] * 2 + ["v_proj"] * 2
+    assert not m._class_side  # LoRA only in the image tower: class embeddings stay frozen
+
+    t = clip_model(clip_dir, tower="text_model", roles=["v"])
+    assert all(".text_model.encoder.layers." in n and ".v_proj." in n for n in t.param_infos())
+    assert t._class_side  # text-tower LoRA changes the class side: recomputed every step
+    before = t.class_embeddings().detach().clone()
+    with torch.no_grad():
+        for n, p in t.trainable().items():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    assert not torch.allclose(before, t.class_embeddings())
+
+
+def test_clip_zero_shot_logits_equal_cosine_formula(clip_dir):
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    m = clip_model(clip_dir, tower="vision_model")
+    items = samples(text=False) + [Sample("toy/both", samples()[0].image, "a red circle"), "just a caption"]
+    with m.zero_shot():
+        got = m.predict(items, batch_size=4)
+
+    ref = CLIPModel.from_pretrained(clip_dir).eval()
+    tok = AutoTokenizer.from_pretrained(clip_dir)
+    proc = AutoImageProcessor.from_pretrained(clip_dir, backend="pil")
+
+    def text(ts):
+        return F.normalize(ref.get_text_features(**tok(ts, padding=True, return_tensors="pt")).pooler_output, dim=-1)
+
+    with torch.no_grad():
+        cls = F.normalize(text([f"a photo of a {c}." for c in CLASSES]) + text([f"a drawing of a {c}." for c in CLASSES]), dim=-1)
+        imgs = [np.repeat(s.image[:, :, None], 3, 2) if s.image.ndim == 2 else s.image for s in items[:-1]]
+        img = F.normalize(ref.get_image_features(**proc(images=imgs, return_tensors="pt")).pooler_output, dim=-1)
+        both = F.normalize(img[-1] + text(["a red circle"])[0], dim=-1)  # mean of the two, normalized
+        x = torch.cat([img[:-1], both[None], text(["just a caption"])])
+        want = 100.0 * x @ cls.T
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("class_specific", [False, True])
+def test_prompt_learner_gradients_reach_only_the_context(clip_dir, class_specific):
+    m = clip_model(clip_dir, type="prompt", class_specific=class_specific)
+    items = samples(text=False)
+    assert list(m.trainable()) == ["prompt.ctx"]
+    with m.zero_shot():
+        zs = m.predict(items, 8)
+    # n_ctx = 0: the context starts as the template's own word embeddings -> zero-shot exactly
+    # (the ensemble only applies to the fixed templates, so compare to a single-template model)
+    single = TaskModel(ExperimentConfig(model=ModelConfig(name=clip_dir, class_prompt="a photo of a {label}.",
+                                                          logit_scale=100.0), peft=PeftConfig(type="prompt")), CLASSES)
+    with single.zero_shot():
+        zs1 = single.predict(items, 8)
+    assert torch.allclose(single.predict(items, 8), zs1, atol=1e-4)
+    assert not torch.allclose(zs, zs1)  # the ensemble does change the zero-shot class side
+    m.train()
+    for p in m.parameters():
+        p.grad = None
+    F.cross_entropy(m(items), torch.tensor([0, 1, 2, 0, 1, 2])).backward()
+    grads = {n for n, p in m.named_parameters() if p.grad is not None}
+    assert grads == {"prompt.ctx"}
+    assert m.prompt.ctx.grad.abs().sum() > 0
+    n = len(m.tokenizer("a photo of a", add_special_tokens=False)["input_ids"])  # 8 word pieces here
+    assert n == 8 and m.prompt.ctx.shape == ((3, n, 32) if class_specific else (n, 32))
+
+
+def test_clip_feature_adapter_starts_at_zero_shot(clip_dir):
+    m = clip_model(clip_dir, type="adapter")
+    items = samples(text=False)
+    assert sorted(m.trainable()) == ["adapter.fc1.bias", "adapter.fc1.weight", "adapter.fc2.bias", "adapter.fc2.weight"]
+    assert m.adapter.fc1.in_features == 16  # CLIP's projection width
+    with m.zero_shot():
+        zs = m.predict(items, 8)
+    assert torch.allclose(m.predict(items, 8), zs, atol=1e-5)
+
+
+def vlm(llama_dir, vit_dir, **peft):
+    cfg = ExperimentConfig(model=ModelConfig(name=llama_dir, task="vlm", vision=vit_dir,
+                                             input_template="question: {text} answer:"),
+                           peft=PeftConfig(**peft))
+    return TaskModel(cfg, ["yes", "no", "circle"])
+
+
+def test_vlm_roles_are_the_lm_attention_and_projector_is_global(llama_dir, vit_dir):
+    m = vlm(llama_dir, vit_dir)
+    infos = m.param_infos()
+    lora = [n for n, i in infos.items() if i.kind == "lora"]
+    assert len(lora) == 2 * 4 * 2  # 2 LM layers x q,k,v,o x (A, B)
+    assert all(".model.layers." in n for n in lora) and not any("vision" in n for n in infos)
+    assert sorted(n for n, i in infos.items() if i.kind == "projector") == [
+        "projector.net.0.bias", "projector.net.0.weight", "projector.net.2.bias", "projector.net.2.weight"]
+    assert all(not p.requires_grad for p in m.vision.parameters())
+    split = by_roles(infos, ["q", "k"])
+    glob = {n for n, g in split.items() if g == GLOBAL}
+    priv = {n for n, g in split.items() if g == PRIVATE}
+    assert priv == {n for n in lora if ".v_proj." in n or ".o_proj." in n}
+    assert glob == {n for n in lora if ".q_proj." in n or ".k_proj." in n} | {
+        n for n, i in infos.items() if i.kind == "projector"}
+
+
+def test_vlm_scores_image_tokens_and_text_only_samples(llama_dir, vit_dir):
+    from fedsplice.verbalizer import verbalizer_logits
+
+    m = vlm(llama_dir, vit_dir, roles=["q", "v"])
+    items = samples(4)
+    got = m.predict(items, 4)
+    pre = m._image_tokens(items)
+    assert [p.shape for p in pre] == [(17, 32)] * 4  # CLS + 16 patches of 8x8 in a 32x32 image
+    with torch.no_grad():
+        full = verbalizer_logits(m.backbone, m.tokenizer, m._vlm_prompts(items), [" yes", " no", " circle"],
+                                 prefix=pre, method="full")
+    assert torch.allclose(got, full, atol=1e-4)  # KV-cache path == one full forward per pair
+    other = m.predict([s.derive("white", image=np.full((28, 28), 255, np.uint8)) for s in items], 4)
+    assert not torch.allclose(got, other, atol=1e-3)  # the image matters
+    no_img = m.predict([Sample("q", None, "is it a circle")], 1)
+    with torch.no_grad():
+        text_only = verbalizer_logits(m.backbone, m.tokenizer, ["question: is it a circle answer:"],
+                                      [" yes", " no", " circle"])
+    assert torch.allclose(no_img, text_only, atol=1e-5)
+    assert m.cache_stats()["vision"]["entries"] == 8  # 4 images + their 4 white variants
+
+
+def test_vlm_projector_of_another_tower_is_refused(llama_dir, vit_dir):
+    m = vlm(llama_dir, vit_dir)
+    with pytest.raises(ConfigError, match=r"projector\.net\.0\.weight.*model\.vision"):
+        m.load_params({"projector.net.0.weight": torch.zeros(32, 48)})
+    with pytest.raises(ConfigError, match="width 48.*takes 32"):
+        m.projector(torch.zeros(3, 48))
+
+
+def test_vision_tower_loads_from_a_clip_checkpoint_and_errors(clip_dir, tmp_path):
+    from fedsplice.vision import load_vision_tower
+
+    tower, proc, hidden = load_vision_tower(clip_dir)
+    assert type(tower).__name__ == "CLIPVisionModel" and hidden == 32
+    assert proc.crop_size == {"height": 32, "width": 32}
+    with pytest.raises(ConfigError, match="model.vision"):
+        load_vision_tower(str(tmp_path))  # an empty folder
+    with pytest.raises(ConfigError, match="model.vision"):
+        ModelConfig(task="vlm", name="zoo:smollm2").check()
+    with pytest.raises(ConfigError, match="class_prompts\\[0\\]"):
+        ModelConfig(class_prompts=["no label here"]).check()
+
+
+def test_text_encoder_refuses_images(tiny_bert_dir):
+    m = TaskModel(ExperimentConfig(model=ModelConfig(name=str(tiny_bert_dir))), CLASSES)
+    with pytest.raises(ConfigError, match="holds images"):
+        m(samples(2))
+
+
+def test_random_zoo_models_build_once_and_are_labelled():
+    from fedsplice.zoo import is_random, resolve_model
+
+    a = resolve_model("zoo:tiny-vit")
+    assert resolve_model("zoo:tiny-vit") == a and (zoo.Path(a) / "model.safetensors").is_file()
+    assert is_random("zoo:tiny-clip") and is_random("zoo:tiny-vit") and not is_random("zoo:minilm")
