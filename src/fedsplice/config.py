@@ -128,11 +128,15 @@ class DataConfig:
 
         kind, _, path = self.dataset.partition(":")
         if kind in ("csv", "jsonl") and path:
-            if not Path(path).is_file():
+            if not Path(path).expanduser().is_file():
                 raise ConfigError(f"data.dataset: file {path!r} not found; give an existing {kind} file")
+        elif kind == "images" and path:
+            if not Path(path).expanduser().is_dir():
+                raise ConfigError(f"data.dataset: folder {path!r} not found; give a folder with one "
+                                  f"subfolder of images per class (images:DIR)")
         elif self.dataset not in DATASETS:
             raise ConfigError(f"data.dataset: unknown {self.dataset!r}; choose one of "
-                              f"{', '.join(DATASETS)}, or csv:PATH / jsonl:PATH")
+                              f"{', '.join(DATASETS)}, or csv:PATH / jsonl:PATH / images:DIR")
         _positive("data.num_clients", self.num_clients)
         _positive("data.alpha", self.alpha)
         _positive("data.shards_per_client", self.shards_per_client)

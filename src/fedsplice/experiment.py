@@ -16,11 +16,13 @@ from fedsplice.algorithms import Recipe, build_recipe, clone
 from fedsplice.backbone import TaskModel
 from fedsplice.config import ExperimentConfig
 from fedsplice.data import TextDataset, load_dataset
+from fedsplice.scenarios import apply_scenario
 from fedsplice.server import ServerOptimizer, make_server_optimizer
 from fedsplice.split import GLOBAL, PRIVATE, names_in
 
 # Streams of the one seed: each use gets its own generator (numpy SeedSequence entropy pairs).
 STREAM_PARTITION, STREAM_SAMPLING, STREAM_CLIENT, STREAM_LOCAL_TEST, STREAM_LONG_TAIL = 0, 1, 2, 3, 5
+STREAM_SCENARIO = 6  # multimodal heterogeneity (fedsplice.scenarios)
 # (4 is the simulated-fault stream of simulation.InProcess)
 
 
@@ -46,6 +48,7 @@ class Experiment:
     server_opt: ServerOptimizer
     sampling: list[list[int]]  # pre-generated: round r trains clients sampling[r]
     caches: dict = field(default_factory=dict)  # frozen work: e.g. "zero_shot" train logits
+    scenario: dict = field(default_factory=dict)  # realised scenario statistics; {}: none
 
 
 def rng(cfg: ExperimentConfig, *stream: int) -> np.random.Generator:
@@ -63,7 +66,8 @@ def make_clients(cfg: ExperimentConfig, data: TextDataset) -> list[Client]:
         parts = P.dirichlet_partition(data.train_labels, dc.num_clients, dc.alpha, g)
     gt = rng(cfg, STREAM_LOCAL_TEST)
     c = len(data.class_names)
-    return [Client(k, idx, P.local_test_indices(data.train_labels[idx], data.test_labels,
+    global_labels = data.test_labels[:data.global_test_size]  # never a scenario's local copies
+    return [Client(k, idx, P.local_test_indices(data.train_labels[idx], global_labels,
                                                  dc.local_test_size, c, gt))
             for k, idx in enumerate(parts)]
 
@@ -96,6 +100,7 @@ def build(cfg: ExperimentConfig) -> Experiment:
                         max_per_class=cfg.data.max_per_class or None)
     data = apply_long_tail(cfg, data)
     clients = make_clients(cfg, data)
+    scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, STREAM_SCENARIO), seed=cfg.seed)
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     train_ids, holdout_ids = list(range(n_train)), list(range(n_train, cfg.data.num_clients))
     model = TaskModel(cfg, data.class_names)
@@ -105,7 +110,7 @@ def build(cfg: ExperimentConfig) -> Experiment:
     server_opt = make_server_optimizer(cfg.server.optimizer, **cfg.server.optimizer_kwargs())
     exp = Experiment(cfg, data, clients, train_ids, holdout_ids, model, recipe,
                      names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE),
-                     clone(params), server_opt, sampling_stream(cfg, train_ids))
+                     clone(params), server_opt, sampling_stream(cfg, train_ids), scenario=scenario)
     exp.caches.update(zero_shot_caches(exp))
     return exp
 

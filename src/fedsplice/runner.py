@@ -15,6 +15,7 @@ from fedsplice.algorithms import display_name
 from fedsplice.config import ExperimentConfig, load_config
 from fedsplice.errors import ConfigError
 from fedsplice.experiment import build
+from fedsplice.scenarios import summary_line
 from fedsplice.simulation import cold_start, evaluate_only, run_rounds, summarize_pm
 from fedsplice.store import make_store
 
@@ -90,6 +91,12 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         shutil.rmtree(out / "client_state", ignore_errors=True)  # may hold state of later rounds
         for stale in ("results.json", "results.csv", "accuracy.png"):
             (out / stale).unlink(missing_ok=True)
+    if exp.scenario:  # the realised scenario (who lost what); rebuilt identically on resume
+        rundir.atomic_write_json(out / "scenario.json", exp.scenario)
+        if not quiet:
+            console.print(summary_line(exp.scenario), soft_wrap=True, markup=False)
+    else:
+        (out / "scenario.json").unlink(missing_ok=True)  # from an earlier run in this folder
     store = make_store(cfg.runtime.store, out / "client_state")
     log = rundir.MetricsLog(out / "metrics.jsonl")
     checkpointer = ckpt.Checkpointer(out, cfg, exp.sampling, cfg.runtime.keep_checkpoints)

@@ -112,12 +112,14 @@ def summarize_pm(exp: Experiment, per_client: list[dict]) -> dict:
 
 
 def evaluate_global(exp: Experiment, global_params: dict) -> dict:
-    """GM: GLOBAL tensors + fresh PRIVATE ones on the balanced global test set."""
+    """GM: GLOBAL tensors + fresh PRIVATE ones on the balanced global test set (the first
+    global_test_size test samples; a scenario's transformed local test copies follow it)."""
     d = exp.data
+    size = d.global_test_size
     fresh = {n: exp.init_params[n] for n in exp.private_names}
     exp.model.load_params({**global_params, **fresh})
-    logits = exp.model.predict(d.test_texts, exp.cfg.eval.batch_size).numpy()
-    m = score(exp, d.test_labels, logits, np.arange(len(d.test_labels)))
+    logits = exp.model.predict(d.test_texts[:size], exp.cfg.eval.batch_size).numpy()
+    m = score(exp, d.test_labels[:size], logits, np.arange(size))
     return with_longtail(exp, m, m["class_correct"], m["class_total"], m["zs_class_correct"])
 
 
