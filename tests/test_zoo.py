@@ -116,7 +116,7 @@ def test_resolve_model_unknown_zoo_name():
     with pytest.raises(ConfigError) as e:
         zoo.resolve_model("zoo:clip")
     assert str(e.value) == ("model.name: unknown zoo model 'clip'; "
-                            "choose one of zoo:minilm, zoo:smollm2")
+                            "choose one of zoo:minilm, zoo:smollm2, zoo:tiny-clip, zoo:tiny-vit")
     with pytest.raises(ConfigError):
         zoo.resolve_model("")
 
