@@ -18,6 +18,7 @@ from fedsplice.experiment import build
 from fedsplice.scenarios import summary_line
 from fedsplice.simulation import cold_start, evaluate_only, run_rounds, summarize_pm
 from fedsplice.store import make_store
+from fedsplice.zoo import random_label, random_weights
 
 console = Console(stderr=True)
 
@@ -78,6 +79,8 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     name = display_name(cfg)
     if not quiet:
         console.print(f"[bold]{name}[/] on {cfg.data.dataset} with {cfg.model.name} -> {out}")
+        if random_label(cfg):
+            console.print(f"[bold red]{random_label(cfg)}[/]")
     exp = build(cfg)  # a missing or broken asset (model, data set) fails here, before training
     ckpt.check_space(out, _space_needed(cfg, exp))
     loaded = ckpt.load(last_ckpt, cfg, exp.sampling) if last_ckpt is not None else None
@@ -149,6 +152,8 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         "rounds": rounds,
         "seed": cfg.seed,
         "model": cfg.model.name,
+        **({"vision": cfg.model.vision} if cfg.model.vision else {}),
+        "random_weights": random_weights(cfg),  # non-empty: results of random models, not of the method
         "dataset": cfg.data.dataset,
         "num_classes": len(exp.data.class_names),
         "train_counts": exp.caches["train_counts"].tolist(),

@@ -204,6 +204,18 @@ def is_random(spec: str) -> bool:
     return isinstance(spec, str) and spec.startswith("zoo:") and spec[4:] in RANDOM_WEIGHTS
 
 
+def random_weights(cfg) -> list[str]:
+    """The config fields that name random-weight models, e.g. ["model.vision = zoo:tiny-vit"]."""
+    fields = (("model.name", cfg.model.name), ("model.vision", cfg.model.vision))
+    return [f"{f} = {v}" for f, v in fields if is_random(v)]
+
+
+def random_label(cfg) -> str:
+    """A warning to print beside every result of a config with random weights ('' if none)."""
+    r = random_weights(cfg)
+    return f"RANDOM WEIGHTS ({', '.join(r)}): these numbers test the code path, not the method" if r else ""
+
+
 def describe_models() -> list[dict]:
     """ZOO entries with a ``fetched`` flag (looks at the cache only, never the network)."""
     return [{"name": name, **info, "fetched": _is_fetched(name)} for name, info in ZOO.items()]
