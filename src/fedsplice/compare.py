@@ -138,7 +138,8 @@ def summarize(runs, results) -> list[dict]:
         rows.setdefault(label, {"method": label, "algorithm": res["algorithm"], "seeds": []})["seeds"].append(res)
     out = []
     for row in rows.values():
-        r = {"method": row["method"], "algorithm": row["algorithm"], "n_seeds": len(row["seeds"])}
+        r = {"method": row["method"], "algorithm": row["algorithm"], "n_seeds": len(row["seeds"]),
+             "random_weights": sorted({w for s in row["seeds"] for w in s.get("random_weights", [])})}
         for col, path in METRICS:
             vals = [v for v in (_get(s, path) for s in row["seeds"]) if v is not None]
             r[col] = (float(np.mean(vals)), float(np.std(vals))) if vals else None
@@ -153,8 +154,14 @@ def write_tables(rows: list[dict], out: Path) -> None:
             return "—"
         return f"{v[0]:,.0f} ± {v[1]:,.0f}" if col.startswith("up") else f"{v[0]:.3f} ± {v[1]:.3f}"
     md = ["| method | seeds | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
-    md += [f"| {r['method']} | {r['n_seeds']} | " + " | ".join(cell(r[c], c) for c in cols) + " |" for r in rows]
-    atomic_write_text(out / "table.md", "\n".join(md) + "\n\nmean ± std over seeds (population std).\n")
+    rnd = sorted({w for r in rows for w in r.get("random_weights", [])})
+    mark = lambda r: " (random weights)" if r.get("random_weights") else ""  # noqa: E731
+    md += [f"| {r['method']}{mark(r)} | {r['n_seeds']} | " + " | ".join(cell(r[c], c) for c in cols) + " |"
+           for r in rows]
+    note = "\n\nmean ± std over seeds (population std).\n"
+    if rnd:
+        note += f"\n**RANDOM WEIGHTS** ({', '.join(rnd)}): these numbers test the code path, not the methods.\n"
+    atomic_write_text(out / "table.md", "\n".join(md) + note)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["method", "algorithm", "n_seeds"] + [f"{c} {s}" for c in cols for s in ("mean", "std")])
