@@ -25,6 +25,9 @@ def _table(results: dict) -> None:
     t.caption = (f"upload {c['up_bytes'] / 1e6:.2f} MB total, {c['up_bytes_per_round'] / 1e3:.1f} kB/round; "
                  f"download {c['down_bytes'] / 1e6:.2f} MB")
     Console().print(t)
+    if results.get("random_weights"):
+        Console().print(f"[bold red]RANDOM WEIGHTS ({', '.join(results['random_weights'])}): these numbers "
+                        f"test the code path, not the method[/]")
 
 
 def cmd_run(args) -> None:
@@ -100,10 +103,14 @@ def cmd_list(args) -> None:
     elif args.what == "datasets":
         from fedsplice.data import describe_datasets
 
+        # Sizes are the measured sample counts: an official train/test split, or all samples
+        # (the balanced test set is then drawn from them). Listing downloads nothing.
         for d in describe_datasets():
-            size = f"{d['train']} train / {d['test']} test" if d.get("train") is not None else "size known once fetched"
-            print(f"{d['name']:14s} {d['classes']:>3} classes  {size:28s} "
-                  f"{'fetched' if d['fetched'] else 'not fetched'}  ({d['source']})")
+            size = (f"{d['n_train']:,} train / {d['n_test']:,} test" if d["n_test"]
+                    else f"{d['n_train']:,} samples")
+            print(f"{d['name']:14s} {d['modality']:10s} {d['classes']:>3} classes  {size:26s} "
+                  f"{d['download_mb']:6.1f} MB  {'fetched' if d['fetched'] else 'not fetched':11s}"
+                  f"  ({d['source']})")
     else:
         from fedsplice.zoo import describe_models
 

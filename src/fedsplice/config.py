@@ -455,7 +455,8 @@ def from_dict(cls, table: dict, where: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - names)
     if unknown:
-        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        name = unknown[0] if unknown[0].isprintable() else ascii(unknown[0])  # one line, always
+        key = f"{where}.{name}" if where else name
         known = f"known fields here: {', '.join(sorted(names))}" if names else "this table takes no fields"
         raise ConfigError(f"{key}: unknown config field; {known}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in table.items()}

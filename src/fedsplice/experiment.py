@@ -97,7 +97,8 @@ def build(cfg: ExperimentConfig) -> Experiment:
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
-                        max_per_class=cfg.data.max_per_class or None)
+                        max_per_class=cfg.data.max_per_class or None,
+                        skip_bad_images=cfg.data.skip_bad_images, class_names=cfg.data.class_names)
     data = apply_long_tail(cfg, data)
     clients = make_clients(cfg, data)
     scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, STREAM_SCENARIO), seed=cfg.seed)
