@@ -1,0 +1,105 @@
+"""End-to-end multimodal runs through the CLI: a user's image+text JSONL on tiny random models
+(fast), and the shipped easy-VQA / Fashion-MNIST configs on the offline zoo (slow, in CI)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedsplice import wire, zoo
+from fedsplice.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ["circle", "square", "triangle"]
+
+
+@pytest.fixture(scope="module")
+def vqa_jsonl(tmp_path_factory) -> Path:
+    """A toy closed-set VQA file: 3 answers x 16 coloured images with a question each."""
+    d = tmp_path_factory.mktemp("vqa")
+    g = np.random.default_rng(3)
+    with open(d / "data.jsonl", "w") as f:
+        for c, name in enumerate(SHAPES):
+            for i in range(16):
+                img = np.full((12, 12, 3), 40 * c, np.uint8) + g.integers(0, 40, (12, 12, 3), dtype=np.uint8)
+                Image.fromarray(img).save(d / f"{name}{i}.png")
+                f.write(json.dumps({"image": f"{name}{i}.png", "text": f"what shape is it {i}", "label": name}) + "\n")
+    return d / "data.jsonl"
+
+
+def run(args: list[str], out: Path) -> dict:
+    assert main(["run", *args, "--out", str(out), "--quiet"]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+TINY = ["server.rounds=1", "server.clients_per_round=2", "data.num_clients=4", "data.test_per_class=4",
+        "data.local_test_size=6", "data.holdout_clients=1", "eval.cold_start_epochs=1", "client.max_steps=2",
+        "client.batch_size=8"]
+
+
+def sets(xs):
+    return [a for x in xs for a in ("--set", x)]
+
+
+def test_vlm_pfadapter_sends_only_q_k_lora_and_the_projector(tmp_path, vqa_jsonl, monkeypatch):
+    llama = zoo.tiny_llama(tmp_path / "llama")
+    vit = zoo.tiny_vit(tmp_path / "vit")
+    sent = []
+    encode = wire.encode
+    monkeypatch.setattr(wire, "encode", lambda t, *a, **k: sent.append(sorted(t)) or encode(t, *a, **k))
+    common = [f"model.name='{llama}'", "model.task='vlm'", f"model.vision='{vit}'", "model.projector='linear'",
+              "model.input_template='question: {text} answer:'", f"data.dataset='jsonl:{vqa_jsonl}'", *TINY]
+    pf = run(["configs/pfadapter-easyvqa.toml", *sets(common)], tmp_path / "pf")
+    names = {n for payload in sent for n in payload}
+    assert names and all(".q_proj." in n or ".k_proj." in n or n.startswith("projector.") for n in names)
+    assert any(n.startswith("projector.") for n in names)
+    fa = run(["configs/fedavg-lora-easyvqa.toml", *sets(common)], tmp_path / "fa")
+    # tiny Llama: q,o 32 wide, k,v 16 (GQA); r = 8 -> q,k LoRA 8·(32+32) + 8·(32+16) per layer
+    lora_qk, lora_vo, proj = 2 * (8 * 64 + 8 * 48), 2 * (8 * 48 + 8 * 64), 32 * 32 + 32
+    assert pf["params"] == {"global": lora_qk + proj, "private": lora_vo}
+    assert fa["params"] == {"global": lora_qk + lora_vo + proj, "private": 0}
+    ratio = pf["communication"]["up_bytes"] / fa["communication"]["up_bytes"]
+    assert ratio == pytest.approx((lora_qk + proj) / (lora_qk + lora_vo + proj), abs=0.02)
+    assert pf["random_weights"] == [] and pf["vision"] == str(vit)
+
+
+def test_clip_fedpurel_on_user_images_with_a_missing_modality_scenario(tmp_path, vqa_jsonl):
+    clip = zoo.tiny_clip(tmp_path / "clip")
+    r = run(["configs/fedpurel-lora-fmnist.toml", *sets([
+        f"model.name='{clip}'", f"data.dataset='jsonl:{vqa_jsonl}'", "data.imbalance=1.0", "data.n_max=0",
+        "method.personal_steps=1", "scenario.missing_rate=0.5", "scenario.missing='either'", *TINY])],
+        tmp_path / "fp")
+    assert r["zero_shot_gm"]["accuracy"] >= 0 and "tkl" in r["gm"] and r["purified_fraction"] >= 0
+    sc = json.loads((tmp_path / "fp" / "scenario.json").read_text())
+    assert sc["totals"]["missing_clients"] == 2  # round(0.5 x 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["pfadapter-easyvqa.toml", "fedavg-lora-easyvqa.toml"])
+def test_easyvqa_configs_run_on_smollm2_and_are_labelled_random(tmp_path, config, capsys):
+    small = ["server.rounds=1", "client.max_steps=2", "client.batch_size=8", "data.test_per_class=3",
+             "data.local_test_size=6", "data.holdout_clients=1", "eval.cold_start_epochs=1"]
+    assert main(["run", str(ROOT / "configs" / config), "--out", str(tmp_path / "r"), *sets(small)]) == 0
+    r = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert r["random_weights"] == ["model.vision = zoo:tiny-vit"] and r["num_classes"] == 13
+    assert "RANDOM WEIGHTS (model.vision = zoo:tiny-vit)" in capsys.readouterr().out
+    # 30 SmolLM2 layers; LoRA r=8 on q,k (576/192 wide outputs), a linear 32 -> 576 projector
+    qk, vo, proj = 30 * (8 * (576 + 576) + 8 * (576 + 192)), 30 * (8 * (576 + 192) + 8 * (576 + 576)), 32 * 576 + 576
+    want = {"global": qk + proj, "private": vo} if config.startswith("pfadapter") else {"global": qk + vo + proj, "private": 0}
+    assert r["params"] == want
+    assert 0 <= r["gm"]["accuracy"] <= 1 and r["cold_start"]["epochs"] == [0, 1]
+
+
+@pytest.mark.slow
+def test_fedpurel_clip_config_on_fashion_mnist(tmp_path):
+    small = ["server.rounds=1", "client.max_steps=2", "data.test_per_class=5", "data.local_test_size=10",
+             "method.personal_steps=1", "data.n_max=40"]
+    assert main(["run", str(ROOT / "configs" / "fedpurel-lora-fmnist.toml"), "--out", str(tmp_path / "r"),
+                 "--quiet", *sets(small)]) == 0
+    r = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert r["random_weights"] == ["model.name = zoo:tiny-clip"] and r["num_classes"] == 10
+    assert r["train_counts"][0] == 40 and min(r["train_counts"]) == 1  # n_max 40, IF 100 -> 40 … 0.4 -> 1
