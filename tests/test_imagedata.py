@@ -473,3 +473,21 @@ def test_real_image_datasets():
     assert ds.train_texts[0].image.shape == (64, 64, 3) and ds.train_texts[0].text.endswith("?")
     for name in imagedata.BUILDERS:
         assert DATASETS[name].is_fetched()
+
+
+def test_exif_rotation_is_applied(tmp_path):
+    from fedsplice.imagedata import decode_image
+
+    im = Image.fromarray(np.zeros((2, 6, 3), np.uint8))  # 6 wide, 2 high
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90° clockwise to display
+    im.save(tmp_path / "phone.jpg", exif=exif)
+    rgb, _ = decode_image(tmp_path / "phone.jpg")
+    assert rgb.shape == (6, 2, 3)  # shown upright: 2 wide, 6 high
+
+
+def test_non_utf8_records_file_is_a_one_line_error(tmp_path, tmp_cache):
+    f = tmp_path / "latin.csv"
+    f.write_bytes("text,label\ncaf\xe9 au lait,drink\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin\.csv: not UTF-8 text .* save the file as UTF-8"):
+        load_dataset(f"csv:{f}")

@@ -41,10 +41,12 @@ def samples(n=6, seed=0, text=True):
     return out
 
 
-def clip_model(clip_dir, **peft):
+def clip_model(clip_dir, ensemble=True, **peft):
     cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, class_prompt="a photo of a {label}.",
-                                             class_prompts=["a drawing of a {label}."], logit_scale=100.0),
+                                             class_prompts=["a drawing of a {label}."] if ensemble else [],
+                                             logit_scale=100.0),
                            peft=PeftConfig(**peft))
+    cfg.check()
     return TaskModel(cfg, CLASSES)
 
 
@@ -98,19 +100,15 @@ def test_clip_zero_shot_logits_equal_cosine_formula(clip_dir):
 
 @pytest.mark.parametrize("class_specific", [False, True])
 def test_prompt_learner_gradients_reach_only_the_context(clip_dir, class_specific):
-    m = clip_model(clip_dir, type="prompt", class_specific=class_specific)
+    m = clip_model(clip_dir, ensemble=False, type="prompt", class_specific=class_specific)
     items = samples(text=False)
     assert list(m.trainable()) == ["prompt.ctx"]
     with m.zero_shot():
         zs = m.predict(items, 8)
     # n_ctx = 0: the context starts as the template's own word embeddings -> zero-shot exactly
-    # (the ensemble only applies to the fixed templates, so compare to a single-template model)
-    single = TaskModel(ExperimentConfig(model=ModelConfig(name=clip_dir, class_prompt="a photo of a {label}.",
-                                                          logit_scale=100.0), peft=PeftConfig(type="prompt")), CLASSES)
-    with single.zero_shot():
-        zs1 = single.predict(items, 8)
-    assert torch.allclose(single.predict(items, 8), zs1, atol=1e-4)
-    assert not torch.allclose(zs, zs1)  # the ensemble does change the zero-shot class side
+    assert torch.allclose(m.predict(items, 8), zs, atol=1e-4)
+    with pytest.raises(ConfigError, match="class_prompts.*peft.type = 'prompt'"):
+        clip_model(clip_dir, type="prompt")  # an ensemble the learned context could not start from
     m.train()
     for p in m.parameters():
         p.grad = None
@@ -175,7 +173,8 @@ def test_vlm_scores_image_tokens_and_text_only_samples(llama_dir, vit_dir):
         text_only = verbalizer_logits(m.backbone, m.tokenizer, ["question: is it a circle answer:"],
                                       [" yes", " no", " circle"])
     assert torch.allclose(no_img, text_only, atol=1e-5)
-    assert m.cache_stats()["vision"]["entries"] == 8  # 4 images + their 4 white variants
+    # keyed by pixels: 4 images + 1 (the 4 white variants are the same image)
+    assert m.cache_stats()["vision"]["entries"] == 5
 
 
 def test_vlm_projector_of_another_tower_is_refused(llama_dir, vit_dir):
@@ -198,12 +197,24 @@ def test_vision_tower_loads_from_a_clip_checkpoint_and_errors(clip_dir, tmp_path
         ModelConfig(task="vlm", name="zoo:smollm2").check()
     with pytest.raises(ConfigError, match="class_prompts\\[0\\]"):
         ModelConfig(class_prompts=["no label here"]).check()
+    with pytest.raises(ConfigError, match=r"model.class_prompts\[0\]: only \{label\}.*KeyError: 'kind'"):
+        ModelConfig(class_prompts=["a {label} of {kind}"]).check()
 
 
-def test_text_encoder_refuses_images(tiny_bert_dir):
+def test_text_models_refuse_images_and_causal_lm_reads_the_text(tiny_bert_dir, llama_dir):
+    from fedsplice.verbalizer import verbalizer_logits
+
     m = TaskModel(ExperimentConfig(model=ModelConfig(name=str(tiny_bert_dir))), CLASSES)
     with pytest.raises(ConfigError, match="holds images"):
         m(samples(2))
+    lm = TaskModel(ExperimentConfig(model=ModelConfig(name=llama_dir, task="causal_lm",
+                                                      input_template="q: {text} a:")), CLASSES)
+    with pytest.raises(ConfigError, match="model.task = 'vlm'"):
+        lm(samples(2))
+    got = lm.predict([Sample("some/key/7", None, "is it round")], 1)  # the text, never the key
+    with torch.no_grad():
+        want = verbalizer_logits(lm.backbone, lm.tokenizer, ["q: is it round a:"], [" " + c for c in CLASSES])
+    assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_random_zoo_models_build_once_and_are_labelled():
@@ -212,3 +223,39 @@ def test_random_zoo_models_build_once_and_are_labelled():
     a = resolve_model("zoo:tiny-vit")
     assert resolve_model("zoo:tiny-vit") == a and (zoo.Path(a) / "model.safetensors").is_file()
     assert is_random("zoo:tiny-clip") and is_random("zoo:tiny-vit") and not is_random("zoo:minilm")
+
+
+def test_image_tokens_follow_bos(llama_dir, vit_dir):
+    """With a tokenizer that adds BOS, the image tokens go after it: [BOS, image, prompt]."""
+    from fedsplice.verbalizer import _left_pad_embeds
+
+    m = vlm(llama_dir, vit_dir)
+    bos = m.tokenizer.bos_token_id
+    ids = m.tokenizer("question: hi answer:")["input_ids"]
+    assert ids[0] == bos
+    x = torch.randn(3, 32)
+    emb, mask = _left_pad_embeds(m.backbone, [ids, ids[1:]], [x, None], "cpu", bos)
+    we = m.backbone.get_input_embeddings().weight
+    n = len(ids) + 3
+    assert mask[0].sum() == n and mask[1].sum() == len(ids) - 1
+    assert torch.equal(emb[0, 0], we[bos]) and torch.equal(emb[0, 1:4], x)
+    assert torch.equal(emb[0, 4], we[ids[1]])
+
+
+def test_clip_prompt_longer_than_the_text_tower_is_a_config_error(clip_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(clip_dir)
+    longest = max(len(tok(f"{c}.", add_special_tokens=False)["input_ids"]) for c in CLASSES)
+    n = 2 + 80 + longest  # BOS + context + "label." + EOS
+    with pytest.raises(ConfigError, match=f"peft.n_ctx: the longest class sequence has {n} tokens.*takes 77"):
+        clip_model(clip_dir, ensemble=False, type="prompt", n_ctx=80)
+
+
+def test_random_models_are_recognised_by_their_cache_folder():
+    from fedsplice.zoo import is_random, random_weights, resolve_model
+
+    path = resolve_model("zoo:tiny-clip")
+    assert is_random(path) and not is_random(str(zoo.Path(path).parent))
+    cfg = ExperimentConfig(model=ModelConfig(name="zoo:smollm2", task="vlm", vision=path))
+    assert random_weights(cfg) == [f"model.vision = {path}"]

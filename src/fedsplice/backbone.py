@@ -132,6 +132,11 @@ class TaskModel(nn.Module):
                                        pc.n_ctx, pc.class_specific, gen)
             self.prompt = mk()
             self.prompt_local = mk() if pc.portfolio > 0 else None
+            limit = base.config.text_config.max_position_embeddings if self.is_clip else None
+            if limit and self.prompt.mask.shape[1] > limit:
+                raise ConfigError(f"peft.n_ctx: the longest class sequence has {self.prompt.mask.shape[1]} "
+                                  f"tokens, CLIP's text tower takes {limit}; lower peft.n_ctx or shorten "
+                                  f"model.class_prompt / the class names")
         if pc.type == "adapter":
             self.adapter = FeatureAdapter(hidden, pc.adapter_hidden or hidden, gen)
         self.head = None
@@ -416,24 +421,32 @@ class TaskModel(nn.Module):
         if self.task == "vlm":
             return verbalizer_logits(self.backbone, self.tokenizer, self._vlm_prompts(texts),
                                      [" " + c for c in self.class_names], prefix=self._image_tokens(texts))
-        prompts = [self.mcfg.input_template.format(text=t) for t in texts]
-        return verbalizer_logits(self.backbone, self.tokenizer, prompts, [" " + c for c in self.class_names])
+        if any(isinstance(s, Sample) and s.has_image for s in texts):
+            raise ConfigError("data.dataset holds images but model.task = 'causal_lm' reads text only; "
+                              "set model.task = 'vlm' and model.vision")
+        return verbalizer_logits(self.backbone, self.tokenizer, self._vlm_prompts(texts),
+                                 [" " + c for c in self.class_names])
 
     def _vlm_prompts(self, items: list) -> list[str]:
+        """The prompt of each input: a sample's text (never its key), "" when it has none."""
         text = [(s.text if isinstance(s, Sample) else s) for s in items]
         return [self.mcfg.input_template.format(text=t if t is not None else "") for t in text]
 
     def _image_tokens(self, items: list) -> list[torch.Tensor | None]:
         """Projected image tokens per sample (None without an image); the tower's work is cached."""
-        from fedsplice.vision import vision_tokens
+        from fedsplice.vision import image_key, vision_tokens
 
         has = [i for i, s in enumerate(items) if isinstance(s, Sample) and s.has_image]
         out: list[torch.Tensor | None] = [None] * len(items)
         if not has:
             return out
         imgs = [items[i] for i in has]
-        compute = lambda xs: vision_tokens(self.vision, self.image_processor, xs)  # noqa: E731
-        feats = self._vis.rows(imgs, compute) if self._vis is not None else compute(imgs)
+        if self._vis is None:
+            feats = vision_tokens(self.vision, self.image_processor, imgs)
+        else:  # keyed by the pixels: easy-VQA asks ~10 questions per image, |notext copies share it
+            by_key = {image_key(s): s for s in imgs}
+            feats = self._vis.rows([image_key(s) for s in imgs],
+                                   lambda ks: vision_tokens(self.vision, self.image_processor, [by_key[k] for k in ks]))
         for i, f in zip(has, feats):
             out[i] = self.projector(f)
         return out

@@ -164,9 +164,9 @@ def write_tables(rows: list[dict], out: Path) -> None:
     atomic_write_text(out / "table.md", "\n".join(md) + note)
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["method", "algorithm", "n_seeds"] + [f"{c} {s}" for c in cols for s in ("mean", "std")])
+    w.writerow(["method", "algorithm", "n_seeds", "random_weights"] + [f"{c} {s}" for c in cols for s in ("mean", "std")])
     for r in rows:
-        w.writerow([r["method"], r["algorithm"], r["n_seeds"]]
+        w.writerow([r["method"], r["algorithm"], r["n_seeds"], "; ".join(r.get("random_weights", []))]
                    + [x for c in cols for x in (r[c] if r[c] is not None else ("", ""))])
     atomic_write_bytes(out / "table.csv", buf.getvalue().encode())
 

@@ -56,6 +56,14 @@ class ModelConfig:
         for i, t in enumerate(self.class_prompts):
             if "{label}" not in t:
                 raise ConfigError(f"model.class_prompts[{i}] must contain '{{label}}', e.g. 'a photo of a {{label}}.'")
+        for name, t, key in [("model.class_prompt", self.class_prompt, "label"),
+                             ("model.input_template", self.input_template, "text"),
+                             *((f"model.class_prompts[{i}]", t, "label") for i, t in enumerate(self.class_prompts))]:
+            try:
+                t.format(**{key: "x"})
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(f"{name}: only {{{key}}} may be filled in ({type(e).__name__}: {e}); "
+                                  f"write a literal brace as {{{{ or }}}}") from None
         if self.task == "vlm" and not self.vision:
             raise ConfigError("model.vision: model.task = 'vlm' needs a vision tower, e.g. "
                               "'zoo:tiny-vit', 'openai/clip-vit-base-patch32' or a local folder")
@@ -188,6 +196,9 @@ class ScenarioConfig:
             raise ConfigError(f"scenario.noise_std must be >= 0 (a fraction of the pixel range), got {self.noise_std}")
         if self.image_dominant < 0 or self.text_dominant < 0:
             raise ConfigError("scenario.image_dominant and scenario.text_dominant must be >= 0 client counts")
+        if self.aligned_share > 0 and self.missing_rate == 0:
+            raise ConfigError("scenario.aligned_share (hybrid) needs scenario.missing_rate > 0: the share "
+                              "of samples the non-aligned clients lose")
         if self.aligned_share > 0 and self.missing_level != "sample":
             raise ConfigError("scenario.aligned_share (hybrid) needs scenario.missing_level = 'sample': "
                               "the non-aligned clients lose the modality on a share missing_rate of their samples")
@@ -369,6 +380,10 @@ class ExperimentConfig:
             if dataclasses.is_dataclass(sub):
                 sub.check()
         trainable = self.data.num_clients - self.data.holdout_clients
+        if self.model.class_prompts and self.peft.type == "prompt":
+            raise ConfigError("model.class_prompts (an ensemble of fixed templates) cannot be used with "
+                              "peft.type = 'prompt', which learns one context from model.class_prompt; "
+                              "remove class_prompts")
         if self.scenario.image_dominant + self.scenario.text_dominant > self.data.num_clients:
             raise ConfigError(f"scenario.image_dominant + scenario.text_dominant "
                               f"({self.scenario.image_dominant} + {self.scenario.text_dominant}) exceeds "

@@ -538,28 +538,32 @@ def read_records(path: str | Path, kind: str) -> list[tuple[int, str, str | None
                               f"record needs a non-empty `text` and/or an `image`")
         records.append((line, str(row["label"]).strip(), text, image))
 
-    with open(path, encoding="utf-8", newline="") as f:
-        if kind == "csv":
-            reader = csv.DictReader(f)
-            fields = reader.fieldnames or []
-            if "label" not in fields or not {"text", "image"} & set(fields):
-                missing = "label" if "label" not in fields else "text"
-                raise ConfigError(f"{path}: missing column `{missing}` in the header row "
-                                  f"(found {fields}); the CSV needs columns `label` and `text` "
-                                  f"and/or `image`")
-            for i, row in enumerate(reader, start=2):
-                take(row, i)
-        else:
-            for i, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line must "
-                                      f"be one object with `label` and `text` and/or "
-                                      f"`image`") from None
-                take(row, i)
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            if kind == "csv":
+                reader = csv.DictReader(f)
+                fields = reader.fieldnames or []
+                if "label" not in fields or not {"text", "image"} & set(fields):
+                    missing = "label" if "label" not in fields else "text"
+                    raise ConfigError(f"{path}: missing column `{missing}` in the header row "
+                                      f"(found {fields}); the CSV needs columns `label` and `text` "
+                                      f"and/or `image`")
+                for i, row in enumerate(reader, start=2):
+                    take(row, i)
+            else:
+                for i, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line must "
+                                          f"be one object with `label` and `text` and/or "
+                                          f"`image`") from None
+                    take(row, i)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
+                          f"as UTF-8") from None
     if not records:
         raise ConfigError(f"{path}: no records; add rows with fields `label` and `text` and/or "
                           f"`image`")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from fedsplice.assets import (atomic_write_bytes, atomic_write_json, cache_dir, fetch_deb,
                               fetch_npm, fetch_pypi, sha256_file)
@@ -502,10 +502,14 @@ class BadImage(Exception):
 def decode_image(path: Path) -> tuple[np.ndarray, bytes]:
     """(RGB uint8 [H, W, 3], the file's bytes) of a user's image; raises BadImage. GIFs give
     their first frame."""
-    raw = Path(path).read_bytes()
     try:
-        with Image.open(io.BytesIO(raw)) as im:
-            im.load()  # decode now: truncated files fail here, not later in training
+        raw = Path(path).read_bytes()
+    except OSError as e:  # unreadable (permissions, a folder named like an image)
+        raise BadImage(f"cannot read ({e.strerror or e}); check the file's permissions") from None
+    try:
+        with Image.open(io.BytesIO(raw)) as opened:
+            opened.load()  # decode now: truncated files fail here, not later in training
+            im = ImageOps.exif_transpose(opened)  # phone photos: apply the EXIF rotation
             if im.mode not in CONVERTIBLE_MODES:
                 raise BadImage(f"pixel mode {im.mode} has no 8-bit RGB mapping; save it as 8-bit "
                                f"RGB or grey")

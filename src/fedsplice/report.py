@@ -100,6 +100,9 @@ def _section(d: Path, title: str) -> str:
                      f"{html.escape(r['model'])}, {r['rounds']} rounds, seed {r['seed']}; upload "
                      f"{c['up_bytes']:,} B in total, {c['up_bytes_per_round']:,.0f} B per round.</p>")
         parts.append(md_to_html("\n".join(rows)))
+        if r.get("random_weights"):
+            parts.append(f"<p><strong>RANDOM WEIGHTS ({html.escape(', '.join(r['random_weights']))}): "
+                         f"these numbers test the code path, not the method.</strong></p>")
         recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] \
             if (d / "metrics.jsonl").is_file() else []
         ev = [x for x in recs if "gm" in x and "phase" not in x]

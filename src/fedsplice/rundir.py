@@ -74,6 +74,7 @@ def flat(results: dict) -> dict:
         for k, v in results.get(group, {}).items():
             if not isinstance(v, list):  # per-class lists stay in results.json
                 row[f"{group}.{k}"] = v
+    row["random_weights"] = "; ".join(results.get("random_weights", []))  # non-empty: not a result
     return row
 
 

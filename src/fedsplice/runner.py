@@ -182,5 +182,5 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         results["cold_start"] = cold_start(exp, final["global_params"])
     results["time_s"] = round(time.perf_counter() - t0, 1)
     rundir.write_results(out, results)
-    rundir.plot_accuracy(out, records, name)
+    rundir.plot_accuracy(out, records, name + (" (RANDOM WEIGHTS)" if results["random_weights"] else ""))
     return results

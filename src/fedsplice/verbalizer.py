@@ -125,14 +125,14 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     if prefix is not None and all(x is None for x in prefix):
         prefix = None
     if method == "full" or _checkpointing(model):
-        return _full(model, p_ids, a_ids, pad, device, prefix)
+        return _full(model, p_ids, a_ids, pad, device, prefix, tokenizer.bos_token_id)
 
     B, C = len(p_ids), len(a_ids)
     if prefix is None:
         ids, mask = _left_pad(p_ids, pad, device)
         inputs = {"input_ids": ids}
     else:
-        embeds, mask = _left_pad_embeds(model, p_ids, prefix, device)
+        embeds, mask = _left_pad_embeds(model, p_ids, prefix, device, tokenizer.bos_token_id)
         inputs = {"inputs_embeds": embeds}
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = _forward(model, **inputs, attention_mask=mask, position_ids=pos,
@@ -141,7 +141,7 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     if cache is None:
         cache = getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
-        return _full(model, p_ids, a_ids, pad, device, prefix)
+        return _full(model, p_ids, a_ids, pad, device, prefix, tokenizer.bos_token_id)
     last = out.logits[:, -1, :].float()                                   # [B, V]
     last_lp = last - torch.logsumexp(last, dim=-1, keepdim=True)
     first = torch.tensor([a[0] for a in a_ids], device=device)
@@ -178,11 +178,13 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     return scores + add
 
 
-def _left_pad_embeds(model, p_ids, prefix, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded [prefix_b ; embed(prompt_b)] rows (pads are zero vectors, masked out)."""
+def _left_pad_embeds(model, p_ids, prefix, device, bos=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded [prefix_b ; embed(prompt_b)] rows (pads are zero vectors, masked out); a
+    prompt that starts with BOS keeps it first, before the prefix (as LLaVA does)."""
     emb = model.get_input_embeddings()
     rows = [emb(torch.tensor(p, device=device)) for p in p_ids]
-    rows = [r if x is None else torch.cat([x.to(r.dtype), r]) for x, r in zip(prefix, rows)]
+    cut = [1 if (bos is not None and p and p[0] == bos) else 0 for p in p_ids]
+    rows = [r if x is None else torch.cat([r[:k], x.to(r.dtype), r[k:]]) for x, r, k in zip(prefix, rows, cut)]
     n = max(len(r) for r in rows)
     out = rows[0].new_zeros(len(rows), n, rows[0].shape[-1])
     mask = torch.zeros((len(rows), n), dtype=torch.long, device=device)
@@ -192,12 +194,12 @@ def _left_pad_embeds(model, p_ids, prefix, device) -> tuple[torch.Tensor, torch.
     return out, mask
 
 
-def _full(model, p_ids, a_ids, pad, device, prefix=None) -> torch.Tensor:
+def _full(model, p_ids, a_ids, pad, device, prefix=None, bos=None) -> torch.Tensor:
     """All B·C (prompt + answer) sequences in one batch: prompts left-, answers right-padded."""
     if prefix is not None:  # image tokens: one padded row per (prompt, answer) pair of embeddings
         B, C = len(p_ids), len(a_ids)
         seqs = [(p + a, x) for p, x in zip(p_ids, prefix) for a in a_ids]
-        embeds, mask = _left_pad_embeds(model, [s for s, _ in seqs], [x for _, x in seqs], device)
+        embeds, mask = _left_pad_embeds(model, [s for s, _ in seqs], [x for _, x in seqs], device, bos)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = _forward(model, inputs_embeds=embeds, attention_mask=mask, position_ids=pos,
                           use_cache=False).logits

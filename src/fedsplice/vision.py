@@ -13,6 +13,9 @@ processor on its PIL backend.
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,6 +93,16 @@ class Projector(nn.Module):
             raise ConfigError(f"model.vision: the vision tower gives features of width {feats.shape[-1]}, "
                               f"the projector takes {self.vision_hidden}; use the tower it was built for")
         return self.net(feats)
+
+
+def image_key(s: Sample) -> str:
+    """sha256 of an image's shape and pixels (memoized on the sample): the vision cache's key."""
+    key = getattr(s, "_image_key", None)
+    if key is None:
+        h = hashlib.sha256(str(s.image.shape).encode())
+        h.update(np.ascontiguousarray(s.image).tobytes())
+        key = s._image_key = "img:" + h.hexdigest()
+    return key
 
 
 def vision_tokens(tower, processor, items: list) -> list[torch.Tensor]:

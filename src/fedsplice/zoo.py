@@ -200,8 +200,15 @@ def _is_fetched(name: str) -> bool:
 
 
 def is_random(spec: str) -> bool:
-    """True for the zoo's random-weight models (results with them are labelled)."""
-    return isinstance(spec, str) and spec.startswith("zoo:") and spec[4:] in RANDOM_WEIGHTS
+    """True for the zoo's random-weight models, by zoo name or by their folder in the cache
+    (results with them are labelled)."""
+    if not isinstance(spec, str) or not spec:
+        return False
+    if spec.startswith("zoo:"):
+        return spec[4:] in RANDOM_WEIGHTS
+    models = (cache_dir() / "models").resolve()
+    p = Path(spec).expanduser().resolve()
+    return p.parent == models and p.name in RANDOM_WEIGHTS
 
 
 def random_weights(cfg) -> list[str]:
