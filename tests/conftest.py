@@ -46,6 +46,19 @@ def _user_cache_for_slow_tests(request, monkeypatch):
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    """An empty asset cache; any attempt to download fails loudly."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FEDSPLICE_CACHE", str(cache))
+
+    def no_network(*a, **k):
+        raise AssertionError("this test must not fetch anything")
+
+    monkeypatch.setattr("fedsplice.assets._run", no_network)
+    return cache
+
+
 # ----------------------------------------------------------------------------- models
 
 

@@ -24,19 +24,6 @@ from fedsplice.data import (
 from fedsplice.errors import AssetError, ConfigError
 
 
-@pytest.fixture
-def tmp_cache(tmp_path, monkeypatch):
-    """An empty asset cache; any attempt to download fails loudly."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("FEDSPLICE_CACHE", str(cache))
-
-    def no_network(*a, **k):
-        raise AssertionError("this test must not fetch anything")
-
-    monkeypatch.setattr("fedsplice.assets._run", no_network)
-    return cache
-
-
 # ----------------------------------------------------------------------------- fortunes parser
 
 FORTUNE_RAW = """\

@@ -21,19 +21,6 @@ from fedsplice.imagedata import (load_parsed, parse_easyvqa, parse_emoji, parse_
 from fedsplice.samples import Sample
 
 
-@pytest.fixture
-def tmp_cache(tmp_path, monkeypatch):
-    """An empty asset cache; any attempt to download fails loudly."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("FEDSPLICE_CACHE", str(cache))
-
-    def no_network(*a, **k):
-        raise AssertionError("this test must not fetch anything")
-
-    monkeypatch.setattr("fedsplice.assets._run", no_network)
-    return cache
-
-
 def save_png(path: Path, array) -> Path:
     """[H, W] grey, [H, W, 2] LA, [H, W, 3] RGB or [H, W, 4] RGBA uint8 as a PNG."""
     path.parent.mkdir(parents=True, exist_ok=True)
