@@ -252,7 +252,7 @@ def test_same_seed_same_keys_and_pixels_other_seed_differs():
     a = run(seed=3, **kw)
     b = run(seed=3, **kw)
     c = run(seed=4, data=synthetic(), **kw)
-    (ka, ia), (kb, ib), (kc, ic) = _snapshot(a[1]), _snapshot(b[1]), _snapshot(c[1])
+    (ka, ia), (kb, ib), (kc, _) = _snapshot(a[1]), _snapshot(b[1]), _snapshot(c[1])
     assert ka == kb and len(ia) == len(ib) and all(np.array_equal(x, y) for x, y in zip(ia, ib))
     assert a[0] == b[0]
     assert [list(x.test_idx) for x in a[2]] == [list(x.test_idx) for x in b[2]]
