@@ -7,20 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsplice import data
+from fedsplice import data, textdata
 from fedsplice.assets import sha256_file
-from fedsplice.data import (
-    DATASETS,
-    TextDataset,
-    describe_datasets,
-    detokenize,
-    load_dataset,
-    parse_brown_text,
-    parse_email,
-    parse_fortune_file,
-    parse_fortune_text,
-    split_classes,
-)
+from fedsplice.data import DATASETS, TextDataset, describe_datasets, load_dataset, split_classes
+from fedsplice.textdata import detokenize, parse_brown_text, parse_email, parse_fortune_file, parse_fortune_text
 from fedsplice.errors import AssetError, ConfigError
 
 
@@ -65,14 +55,14 @@ def test_parse_fortune_file(tmp_path):
 
 
 def test_drop_ambiguous_across_classes():
-    assert data._drop_ambiguous([["a", "b", "b"], ["b", "c"], ["d"]]) == [["a"], ["c"], ["d"]]
+    assert textdata._drop_ambiguous([["a", "b", "b"], ["b", "c"], ["d"]]) == [["a"], ["c"], ["d"]]
 
 
 def test_fortune_class_names_are_words():
-    assert len(data.FORTUNE_CLASSES) == 19 == len(data.FORTUNES_SHA256)
-    assert data.FORTUNE_CLASSES["men-women"] == "men and women"
-    assert data.FORTUNE_CLASSES["songs-poems"] == "songs and poems"
-    assert all("-" not in c for c in data.FORTUNE_CLASSES.values())
+    assert len(textdata.FORTUNE_CLASSES) == 19 == len(textdata.FORTUNES_SHA256)
+    assert textdata.FORTUNE_CLASSES["men-women"] == "men and women"
+    assert textdata.FORTUNE_CLASSES["songs-poems"] == "songs and poems"
+    assert all("-" not in c for c in textdata.FORTUNE_CLASSES.values())
 
 
 # -------------------------------------------------------------------------------- brown parser
@@ -116,9 +106,9 @@ def test_detokenize():
 
 
 def test_brown_genres():
-    assert len(data.BROWN_GENRES) == 15 == len(data.BROWN_SHA256)
-    assert sum(n for n, _ in data.BROWN_SHA256.values()) == 500
-    assert list(data.BROWN_GENRES.values())[-1] == "humor"
+    assert len(textdata.BROWN_GENRES) == 15 == len(textdata.BROWN_SHA256)
+    assert sum(n for n, _ in textdata.BROWN_SHA256.values()) == 500
+    assert list(textdata.BROWN_GENRES.values())[-1] == "humor"
 
 
 # -------------------------------------------------------------------------------- email parser
@@ -237,7 +227,7 @@ def test_user_file_errors(tmp_path, tmp_cache):
 
 def make_fake_fortunes(cache: Path, files: dict[str, str]) -> Path:
     """A cache that looks like a completed fetch_deb('fortunes')."""
-    folder = cache / "deb" / "fortunes" / "root" / data.FORTUNES_DIR
+    folder = cache / "deb" / "fortunes" / "root" / textdata.FORTUNES_DIR
     folder.mkdir(parents=True)
     for name, text in files.items():
         (folder / name).write_text(text)
@@ -250,7 +240,7 @@ def test_fortunes_build_and_parsed_cache(tmp_cache, monkeypatch):
         "art": "".join(f"art quote {i}\n%\n" for i in range(8)),
         "men-women": "".join(f"mw quote {i}\n%\n" for i in range(6)) + "mw quote 0\n",
     })
-    monkeypatch.setattr(data, "FORTUNES_SHA256",
+    monkeypatch.setattr(textdata, "FORTUNES_SHA256",
                         {f: sha256_file(folder / f) for f in ("art", "men-women")})
     assert DATASETS["fortunes"].is_fetched()
     ds = load_dataset("fortunes", test_per_class=2)
@@ -341,7 +331,7 @@ def test_real_brown():
     # Measured: 14,531 paragraphs with ≥ 10 words; train 14,231 / test 300.
     ds = _check_real("brown", [2162, 966, 606, 353, 1078, 1178, 1387, 793, 1369, 862, 990, 266,
                                1225, 1057, 239])
-    assert ds.class_names == list(data.BROWN_GENRES.values())
+    assert ds.class_names == list(textdata.BROWN_GENRES.values())
     assert all(10 <= len(t.split()) for t in ds.train_texts)
     assert not any("``" in t or "/nn" in t for t in ds.train_texts)
 
