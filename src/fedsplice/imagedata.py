@@ -61,7 +61,7 @@ def _check_sha(path: Path, expected: str, refetch: Path) -> None:
                          f"fetch again")
 
 
-def _check_manifest(root: Path, files: list[str], count: int, digest: str, what: str,
+def check_manifest(root: Path, files: list[str], count: int, digest: str, what: str,
                     refetch: Path) -> None:
     if len(files) != count:
         raise AssetError(f"{root}/{what}: {len(files)} files, expected {count}; delete "
@@ -334,7 +334,7 @@ def build_emoji() -> ImageSet:
     pkg = fetch_npm(EMOJI_PACKAGE, EMOJI_VERSION) / "package"
     _check_sha(pkg / "emoji.json", EMOJI_JSON_SHA256, _emoji_root())
     files = [f"img/google/64/{e['image']}" for e in _emoji_entries(pkg)]
-    _check_manifest(pkg, files, *EMOJI_PNGS, "img/google/64/*.png", _emoji_root())
+    check_manifest(pkg, files, *EMOJI_PNGS, "img/google/64/*.png", _emoji_root())
     return parse_emoji(pkg)
 
 
@@ -404,7 +404,7 @@ def _tux_root() -> Path:
 def build_tuxpaint() -> ImageSet:
     stamps = fetch_deb(TUX_PACKAGE) / TUX_DIR
     files = [f for pair in _tux_stamps(stamps) for f in pair]
-    _check_manifest(stamps, files, *TUX_FILES, "**/*.png + *.txt", _tux_root())
+    check_manifest(stamps, files, *TUX_FILES, "**/*.png + *.txt", _tux_root())
     return parse_tuxpaint(stamps)
 
 
@@ -469,7 +469,7 @@ def build_easyvqa() -> ImageSet:
         _check_sha(data / f, expected, _easyvqa_root())
     for split, (count, digest) in EASYVQA_IMAGES.items():
         files = sorted(f"{split}/images/{p.name}" for p in (data / split / "images").glob("*.png"))
-        _check_manifest(data, files, count, digest, f"{split}/images/*.png", _easyvqa_root())
+        check_manifest(data, files, count, digest, f"{split}/images/*.png", _easyvqa_root())
     return parse_easyvqa(data)
 
 

