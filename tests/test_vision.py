@@ -163,7 +163,7 @@ def test_vlm_scores_image_tokens_and_text_only_samples(llama_dir, vit_dir):
     pre = m._image_tokens(items)
     assert [p.shape for p in pre] == [(17, 32)] * 4  # CLS + 16 patches of 8x8 in a 32x32 image
     with torch.no_grad():
-        full = verbalizer_logits(m.backbone, m.tokenizer, m._vlm_prompts(items), [" yes", " no", " circle"],
+        full = verbalizer_logits(m.backbone, m.tokenizer, m._lm_prompts(items), [" yes", " no", " circle"],
                                  prefix=pre, method="full")
     assert torch.allclose(got, full, atol=1e-4)  # KV-cache path == one full forward per pair
     other = m.predict([s.derive("white", image=np.full((28, 28), 255, np.uint8)) for s in items], 4)

@@ -114,7 +114,7 @@ class TaskModel(nn.Module):
             self.image_processor = load_image_processor(path, "model.name")
         if pc.type in ("prompt", "adapter") and self.task in ("causal_lm", "vlm"):
             raise ConfigError(f"peft.type = {pc.type!r} needs a dual encoder or encoder + head; "
-                              f"use peft.type = 'lora' with model.task = 'causal_lm'")
+                              f"use peft.type = 'lora' with model.task = {self.task!r}")
         if pc.type == "prompt" and self.task != "dual_encoder":
             raise ConfigError("peft.type = 'prompt' learns the class prompts of a dual encoder: "
                               "set model.task = 'dual_encoder'")
@@ -168,7 +168,7 @@ class TaskModel(nn.Module):
         # prompt/adapter: the input side is frozen whole, so its pooled features are cached
         frozen_inputs = rc.cache and pc.type in ("prompt", "adapter") and self.task not in ("causal_lm", "vlm")
         self._features = FrozenCache({"kind": "features"}, 1 << 62) if frozen_inputs else None
-        # vlm: the frozen vision tower's tokens, per image (the sample key names the image)
+        # vlm: the frozen vision tower's tokens, per image (keyed by its pixels: vision.image_key)
         self._vis = (FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20)
                      if rc.cache and self.task == "vlm" else None)
         self._prefix, self._l0, self._paths = None, 0, None
@@ -419,15 +419,15 @@ class TaskModel(nn.Module):
         from fedsplice.verbalizer import verbalizer_logits
 
         if self.task == "vlm":
-            return verbalizer_logits(self.backbone, self.tokenizer, self._vlm_prompts(texts),
+            return verbalizer_logits(self.backbone, self.tokenizer, self._lm_prompts(texts),
                                      [" " + c for c in self.class_names], prefix=self._image_tokens(texts))
         if any(isinstance(s, Sample) and s.has_image for s in texts):
             raise ConfigError("data.dataset holds images but model.task = 'causal_lm' reads text only; "
                               "set model.task = 'vlm' and model.vision")
-        return verbalizer_logits(self.backbone, self.tokenizer, self._vlm_prompts(texts),
+        return verbalizer_logits(self.backbone, self.tokenizer, self._lm_prompts(texts),
                                  [" " + c for c in self.class_names])
 
-    def _vlm_prompts(self, items: list) -> list[str]:
+    def _lm_prompts(self, items: list) -> list[str]:
         """The prompt of each input: a sample's text (never its key), "" when it has none."""
         text = [(s.text if isinstance(s, Sample) else s) for s in items]
         return [self.mcfg.input_template.format(text=t if t is not None else "") for t in text]

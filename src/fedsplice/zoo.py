@@ -59,8 +59,8 @@ ZOO: dict[str, dict] = {
                        "runs the CLIP paths offline, its accuracy means nothing",
         "kind": "random-dual-encoder",
         "architecture": "CLIPModel",
-        "params": "0.1M",
-        "source": f"built by fedsplice.zoo.tiny_clip (seed {1234})",
+        "params": "0.065M",
+        "source": "built by fedsplice.zoo.tiny_clip (seed 1234)",
     },
     "tiny-vit": {
         "spec": "zoo:tiny-vit",
@@ -68,8 +68,8 @@ ZOO: dict[str, dict] = {
                        "in-process; the vision side of the offline VLM demo, its features mean nothing",
         "kind": "random-vision-tower",
         "architecture": "CLIPVisionModel",
-        "params": "0.03M",
-        "source": f"built by fedsplice.zoo.tiny_vit (seed {1234})",
+        "params": "0.024M",
+        "source": "built by fedsplice.zoo.tiny_vit (seed 1234)",
     },
 }
 RANDOM_WEIGHTS = {"tiny-clip", "tiny-vit"}  # zoo entries whose results must be labelled as such
