@@ -259,3 +259,34 @@ def test_random_models_are_recognised_by_their_cache_folder():
     assert is_random(path) and not is_random(str(zoo.Path(path).parent))
     cfg = ExperimentConfig(model=ModelConfig(name="zoo:smollm2", task="vlm", vision=path))
     assert random_weights(cfg) == [f"model.vision = {path}"]
+
+
+@pytest.mark.parametrize("tower,layers", [("vision_model", [1]), ("text_model", [])])
+def test_clip_image_prefix_cache_reproduces_the_full_forward(clip_dir, tower, layers):
+    """LoRA above layer l0 (or only in the text tower): the frozen bottom of the vision tower is
+    cached per image and the rest runs on it; logits equal the uncached model's, trained or not."""
+    def model(cache):
+        cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, class_prompt="a photo of a {label}.",
+                                                 logit_scale=100.0),
+                               peft=PeftConfig(tower=tower, layers=layers))
+        cfg.runtime.cache = cache
+        return TaskModel(cfg, CLASSES)
+
+    on, off = model(True), model(False)
+    assert on._img_prefix is not None and off._img_prefix is None
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for (n, p), q in zip(on.trainable().items(), off.trainable().values()):
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                q.copy_(p)
+    items = samples(text=False) + [samples()[0]]  # the last one also has a caption
+    for _ in range(2):  # second pass: from the cache
+        assert torch.allclose(on.predict(items, 4), off.predict(items, 4), atol=1e-5)
+    with on.zero_shot(), off.zero_shot():
+        assert torch.allclose(on.predict(items, 4), off.predict(items, 4), atol=1e-5)
+    st = on.cache_stats()["image_prefix"]
+    assert st["entries"] == 6 and st["hits"] > 0  # 6 distinct images (the last repeats the first)
+    on.train()
+    F.cross_entropy(on(items), torch.tensor([0, 1, 2, 0, 1, 2, 0])).backward()
+    assert all(p.grad is not None for n, p in on.trainable().items() if "lora_A" in n)

@@ -175,6 +175,10 @@ class TaskModel(nn.Module):
         if (rc.cache and pc.type == "lora" and pc.layers and min(pc.layers) > 0
                 and self.task not in ("causal_lm", "vlm") and not self.is_clip):
             self._init_prefix_cache(cfg, min(pc.layers))
+        self._img_prefix = None
+        if self.is_clip and rc.cache and pc.type == "lora" and (pc.tower == "text_model" or (
+                pc.layers and min(pc.layers) > 0)):
+            self._init_image_prefix(cfg, base)
 
     def _inject_lora(self, base, pc, seed: int, mtype: str):
         from peft import LoraConfig, get_peft_model
@@ -224,6 +228,19 @@ class TaskModel(nn.Module):
             self._l0, self._paths = l0, (emb, layers)
             return
 
+    def _init_image_prefix(self, cfg: ExperimentConfig, base) -> None:
+        """CLIP: cache the frozen bottom of the vision tower (vision.ClipImagePrefix)."""
+        from fedsplice.vision import ClipImagePrefix
+
+        vm = base.vision_model
+        layers = list(vm.encoder.layers)
+        l0 = len(layers) if cfg.peft.tower == "text_model" else min(cfg.peft.layers)
+        frozen = [vm.embeddings, vm.pre_layrnorm, *layers[:l0]]
+        ns = {"kind": "clip-image-prefix", "model": cfg.model.name, "first_adapted_layer": l0,
+              "weights": fingerprint(p for m in frozen for p in m.parameters())}
+        cache = FrozenCache(ns, cfg.runtime.cache_budget_mb << 20, cfg.runtime.cache_dir)
+        self._img_prefix = ClipImagePrefix(base, self.image_processor, l0, cache)
+
     @contextmanager
     def _swapped(self, path: str, new: nn.Module):
         parent_path, _, attr = path.rpartition(".")
@@ -270,7 +287,8 @@ class TaskModel(nn.Module):
             return self.backbone(**enc).last_hidden_state
 
     def cache_stats(self) -> dict:
-        caches = (("prefix", self._prefix), ("features", self._features), ("vision", self._vis))
+        img = self._img_prefix.cache if self._img_prefix is not None else None
+        caches = (("prefix", self._prefix), ("features", self._features), ("vision", self._vis), ("image_prefix", img))
         return {k: c.stats() for k, c in caches if c is not None}
 
     @contextmanager
@@ -393,7 +411,7 @@ class TaskModel(nn.Module):
         if self._clip_inputs is None:
             from fedsplice.vision import ClipInputs
 
-            self._clip_inputs = ClipInputs(self._hf(), self.image_processor, self._embed_text)
+            self._clip_inputs = ClipInputs(self._hf(), self.image_processor, self._embed_text, self._img_prefix)
         return self._clip_inputs(items)
 
     def _input_features(self, texts: list[str]) -> torch.Tensor:

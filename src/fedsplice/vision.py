@@ -126,12 +126,42 @@ def clip_text_from_embeds(clip, embeds: torch.Tensor, mask: torch.Tensor) -> tor
     return clip.text_projection(pooled)
 
 
+class ClipImagePrefix:
+    """CLIP image features with the frozen bottom of the vision tower cached (DESIGN §7): with
+    LoRA only in vision layers >= l0 (or only in the text tower: l0 = every layer), the hidden
+    states entering layer l0 depend on frozen weights alone, so they are computed once per image
+    (keyed by its pixels) and only layers l0.. run on them. The layers are called in place, so
+    their LoRA (and peft's disable_adapter) applies as in the full forward."""
+
+    def __init__(self, clip, processor, l0: int, cache):
+        self.clip, self.processor, self.l0, self.cache = clip, processor, l0, cache
+
+    def _bottom(self, items: list) -> list[torch.Tensor]:
+        vm = self.clip.vision_model
+        with torch.no_grad():
+            h = vm.pre_layrnorm(vm.embeddings(pixel_values(self.processor, items)))
+            for layer in vm.encoder.layers[:self.l0]:
+                h = layer(h, None)
+        return list(h)
+
+    def __call__(self, items: list) -> torch.Tensor:
+        by_key = {image_key(s): s for s in items}
+        h = torch.stack(self.cache.rows([image_key(s) for s in items],
+                                        lambda ks: self._bottom([by_key[k] for k in ks])))
+        vm = self.clip.vision_model
+        for layer in vm.encoder.layers[self.l0:]:
+            h = layer(h, None)
+        return self.clip.visual_projection(vm.post_layernorm(h[:, 0]))
+
+
 class ClipInputs:
     """E(x) for a CLIP dual encoder: image features, caption features, or their mean (both
-    normalized first); plain strings are texts."""
+    normalized first); plain strings are texts. `image_features` (e.g. a ClipImagePrefix)
+    replaces the full image forward."""
 
-    def __init__(self, clip, processor, text_features):
+    def __init__(self, clip, processor, text_features, image_features=None):
         self.clip, self.processor, self.text_features = clip, processor, text_features
+        self.image_features = image_features
 
     def __call__(self, items: list) -> torch.Tensor:
         with_img = [i for i, s in enumerate(items) if isinstance(s, Sample) and s.has_image]
@@ -139,8 +169,11 @@ class ClipInputs:
         texts = [(i, t) for i, t in texts if t is not None]
         feats = [[] for _ in items]
         if with_img:
-            pv = pixel_values(self.processor, [items[i] for i in with_img])
-            img = self.clip.get_image_features(pixel_values=pv).pooler_output
+            if self.image_features is not None:
+                img = self.image_features([items[i] for i in with_img])
+            else:
+                pv = pixel_values(self.processor, [items[i] for i in with_img])
+                img = self.clip.get_image_features(pixel_values=pv).pooler_output
             for j, i in enumerate(with_img):
                 feats[i].append(F.normalize(img[j], dim=-1))
         if texts:
