@@ -32,7 +32,7 @@ $(VENV)/.bench: $(VENV)/.installed
 	touch $@
 
 bench: $(VENV)/.bench
-	for b in overheads comm scale round_time; do $(PY) benchmarks/$$b.py --quick || exit 1; done
+	for b in overheads comm scale round_time clip_prefix; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 
 # The papers' tables on the offline zoo (configs/results/suite.toml, 3 seeds, under 60 min on 2
 # cores) -> docs/results.md + docs/results/; resumable (runs/results). The HTML rendering of the
