@@ -411,7 +411,11 @@ class TaskModel(nn.Module):
         if self._clip_inputs is None:
             from fedsplice.vision import ClipInputs
 
-            self._clip_inputs = ClipInputs(self._hf(), self.image_processor, self._embed_text, self._img_prefix)
+            text = self._embed_text
+            if self.cache_on and not self._class_side:  # frozen text tower: captions encoded once
+                captions = FrozenCache({"kind": "clip-captions"}, 1 << 62)
+                text = lambda ts: torch.stack(captions.rows(ts, self._embed_text))  # noqa: E731
+            self._clip_inputs = ClipInputs(self._hf(), self.image_processor, text, self._img_prefix)
         return self._clip_inputs(items)
 
     def _input_features(self, texts: list[str]) -> torch.Tensor:
@@ -465,8 +469,9 @@ class TaskModel(nn.Module):
             by_key = {image_key(s): s for s in imgs}
             feats = self._vis.rows([image_key(s) for s in imgs],
                                    lambda ks: vision_tokens(self.vision, self.image_processor, [by_key[k] for k in ks]))
-        for i, f in zip(has, feats):
-            out[i] = self.projector(f)
+        projected = self.projector(torch.stack(feats))  # one call: a tower gives every image T tokens
+        for i, f in zip(has, projected):
+            out[i] = f
         return out
 
     @torch.no_grad()
