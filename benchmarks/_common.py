@@ -59,7 +59,7 @@ def fmt(v) -> str:
 
 def report(name: str, rows: list[dict], cols: list[str], quick: bool, notes: list[str]) -> str:
     """Print the table and write <name>[-quick].csv / .md under benchmarks/results (atomically)."""
-    from fedsplice.assets import atomic_write_bytes
+    from fedsplice.data.assets import atomic_write_bytes
 
     stem = name + ("-quick" if quick else "")
     head = [f"# benchmarks/{name}.py{' --quick' if quick else ''}",

@@ -20,9 +20,9 @@ import benchmarks._common  # noqa: F401  (offline environment)
 def main() -> None:
     job = json.loads(sys.stdin.read())
     from fedsplice.config import load_config
-    from fedsplice.experiment import build
-    from fedsplice.simulation import run_rounds
-    from fedsplice.store import make_store
+    from fedsplice.federation.experiment import build
+    from fedsplice.federation.simulation import run_rounds
+    from fedsplice.federation.store import make_store
 
     cfg = load_config(Path(job["config"]), job.get("set", []))
     t0 = time.perf_counter()
@@ -36,7 +36,7 @@ def main() -> None:
 
     start = None
     if job.get("skip_round0_eval"):  # start "from round 0": no zero-shot evaluation before round 1
-        from fedsplice.checkpoint import RoundState
+        from fedsplice.federation.checkpoint import RoundState
 
         params = exp.model.trainable()
         gp = {n: params[n].detach().clone() for n in exp.global_names}

@@ -36,11 +36,11 @@ def main() -> None:
     import torch
     from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
 
-    from fedsplice import zoo
-    from fedsplice.backbone import TaskModel
+    from fedsplice.data import zoo
+    from fedsplice.model.taskmodel import TaskModel
     from fedsplice.config import ClientConfig, ExperimentConfig, ModelConfig, PeftConfig
-    from fedsplice.data import load_dataset
-    from fedsplice.train import local_train
+    from fedsplice.data.datasets import load_dataset
+    from fedsplice.federation.train import local_train
 
     tmp = Path(tempfile.mkdtemp(prefix="clip-b16-"))
     tok = zoo.tiny_tokenizer(style="clip")

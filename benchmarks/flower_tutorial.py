@@ -44,15 +44,15 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 
-from fedsplice.algorithms import build_recipe  # noqa: E402
-from fedsplice.backbone import TaskModel  # noqa: E402
+from fedsplice.algorithms.registry import build_recipe  # noqa: E402
+from fedsplice.model.taskmodel import TaskModel  # noqa: E402
 from fedsplice.config import ExperimentConfig, load_config  # noqa: E402
-from fedsplice.data import load_dataset  # noqa: E402
-from fedsplice.experiment import STREAM_CLIENT, apply_long_tail, build, make_clients, rng  # noqa: E402
-from fedsplice.metrics import classification_metrics  # noqa: E402
-from fedsplice.simulation import _client_seed, train_context  # noqa: E402
-from fedsplice.split import GLOBAL, PRIVATE, names_in  # noqa: E402
-from fedsplice.train import local_train  # noqa: E402
+from fedsplice.data.datasets import load_dataset  # noqa: E402
+from fedsplice.federation.experiment import STREAM_CLIENT, apply_long_tail, build, make_clients, rng  # noqa: E402
+from fedsplice.federation.metrics import classification_metrics  # noqa: E402
+from fedsplice.federation.simulation import _client_seed, train_context  # noqa: E402
+from fedsplice.core.split import GLOBAL, PRIVATE, names_in  # noqa: E402
+from fedsplice.federation.train import local_train  # noqa: E402
 
 
 def peak_rss_mb() -> float:

@@ -37,12 +37,12 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from fedsplice import losses
+    from fedsplice.core import losses
     from fedsplice.config import load_config
-    from fedsplice.experiment import build
-    from fedsplice.fedpurel import align_objective, purification
-    from fedsplice.losses import Orthogonality
-    from fedsplice.train import local_train
+    from fedsplice.federation.experiment import build
+    from fedsplice.algorithms.fedpurel import align_objective, purification
+    from fedsplice.core.losses import Orthogonality
+    from fedsplice.federation.train import local_train
 
     base = ROOT / "configs" / "fedavg-lora-minilm.toml"
     exp = build(load_config(base, [f"client.max_steps={steps}", "client.batch_size=16"]))

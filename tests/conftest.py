@@ -55,7 +55,7 @@ def tmp_cache(tmp_path, monkeypatch):
     def no_network(*a, **k):
         raise AssertionError("this test must not fetch anything")
 
-    monkeypatch.setattr("fedsplice.assets._run", no_network)
+    monkeypatch.setattr("fedsplice.data.assets._run", no_network)
     return cache
 
 
@@ -64,14 +64,14 @@ def tmp_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory) -> Path:
-    from fedsplice import zoo
+    from fedsplice.data import zoo
 
     return zoo.tiny_bert(tmp_path_factory.mktemp("models") / "tiny-bert")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    from fedsplice import zoo
+    from fedsplice.data import zoo
 
     return zoo.tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedsplice import zoo
-from fedsplice.backbone import TaskModel
-from fedsplice.cache import FrozenCache, TokenCache
-from fedsplice.experiment import build
-from fedsplice.simulation import run_rounds
-from fedsplice.store import MemoryStore
+from fedsplice.data import zoo
+from fedsplice.model.taskmodel import TaskModel
+from fedsplice.model.cache import FrozenCache, TokenCache
+from fedsplice.federation.experiment import build
+from fedsplice.federation.simulation import run_rounds
+from fedsplice.federation.store import MemoryStore
 
 TEXTS = ["hello world game", "the moon is a plant 3", "sing a song", "a"]
 CLASSES = ["sports", "science", "music"]
@@ -153,7 +153,7 @@ def test_a_run_with_caches_equals_a_run_without(cfg, kw, same_params):
 
 
 def test_cached_zero_shot_logits_equal_a_frozen_forward(cfg):
-    from fedsplice.fedpurel import zero_shot_logits
+    from fedsplice.algorithms.fedpurel import zero_shot_logits
 
     exp = build(cfg(algorithm="fedpurel", peft__layers=[1]))
     _randomize_lora(exp.model)  # the zero-shot forward must ignore the adapters

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fedsplice.cli import main
+from fedsplice.app.cli import main
 
 
 def _one_error_line(capsys, argv) -> str:
@@ -115,13 +115,13 @@ def test_run_tiny_end_to_end(capsys, tmp_path, tiny_bert_dir, toy_jsonl):
 
 def test_console_script_exits_2_without_traceback(tmp_path):
     env = {**os.environ, "FEDSPLICE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "fedsplice.cli", "validate", "--set", "server.roundz=1"],
+    p = subprocess.run([sys.executable, "-m", "fedsplice.app.cli", "validate", "--set", "server.roundz=1"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [
         p.stderr.strip()] and p.stderr.startswith("fedsplice: error: server.roundz")
-    ok = subprocess.run([sys.executable, "-m", "fedsplice.cli", "validate"],
+    ok = subprocess.run([sys.executable, "-m", "fedsplice.app.cli", "validate"],
                         capture_output=True, text=True, env=env, timeout=60)
     assert ok.returncode == 0 and ok.stdout.startswith("ok:")
 

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from fedsplice import compare as C
-from fedsplice import runner
-from fedsplice.cli import main
-from fedsplice.rundir import write_config
+from fedsplice.app import compare as C
+from fedsplice.app import runner
+from fedsplice.app.cli import main
+from fedsplice.app.rundir import write_config
 
 
 @pytest.fixture

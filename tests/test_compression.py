@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from fedsplice import wire
+from fedsplice.core import wire
 from fedsplice.errors import ConfigError
-from fedsplice.experiment import build
-from fedsplice.robust import gather
-from fedsplice.simulation import client_update, run_rounds
-from fedsplice.store import MemoryStore
+from fedsplice.federation.experiment import build
+from fedsplice.core.robust import gather
+from fedsplice.federation.simulation import client_update, run_rounds
+from fedsplice.federation.store import MemoryStore
 
 
 def _tensors(seed, scale=1.0):
@@ -115,7 +115,7 @@ def test_gather_decodes_a_coded_upload_against_what_was_sent(cfg):
 
     class T:
         def fit(self, rnd, cids, down):
-            from fedsplice.simulation import Reply
+            from fedsplice.federation.simulation import Reply
             out = []
             for c in cids:
                 up, st = client_update(exp, MemoryStore(), c, rnd, down)

@@ -21,7 +21,7 @@ import tomli_w
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from fedsplice.cli import main
+from fedsplice.app.cli import main
 from fedsplice.config import ExperimentConfig, load_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
@@ -178,7 +178,7 @@ def _tiny_args(tiny_bert_dir, toy_jsonl):
 @pytest.fixture
 def no_training(monkeypatch):
     """Fail the test if a client ever trains."""
-    from fedsplice import simulation
+    from fedsplice.federation import simulation
 
     def boom(*a, **k):
         raise AssertionError("training started")
@@ -216,7 +216,7 @@ def test_unwritable_out_is_refused_before_training(tmp_path, tiny_bert_dir, toy_
 
 
 def test_full_disk_is_refused_before_training(tmp_path, tiny_bert_dir, toy_jsonl, monkeypatch, no_training):
-    from fedsplice import checkpoint
+    from fedsplice.federation import checkpoint
 
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 10**5, 10**5))

@@ -7,10 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsplice import data, textdata
-from fedsplice.assets import sha256_file
-from fedsplice.data import DATASETS, TextDataset, describe_datasets, load_dataset, split_classes
-from fedsplice.textdata import detokenize, parse_brown_text, parse_email, parse_fortune_file, parse_fortune_text
+from fedsplice.data import datasets as data
+from fedsplice.data import text as textdata
+from fedsplice.data.assets import sha256_file
+from fedsplice.data.datasets import DATASETS, TextDataset, describe_datasets, load_dataset, split_classes
+from fedsplice.data.text import detokenize, parse_brown_text, parse_email, parse_fortune_file, parse_fortune_text
 from fedsplice.errors import AssetError, ConfigError
 
 

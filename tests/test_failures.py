@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedsplice import robust, simulation, wire
-from fedsplice.experiment import build
-from fedsplice.server import weighted_mean
-from fedsplice.simulation import InProcess, Reply, run_rounds
-from fedsplice.store import MemoryStore
+from fedsplice.core import robust
+from fedsplice.federation import simulation
+from fedsplice.core import wire
+from fedsplice.federation.experiment import build
+from fedsplice.core.server import weighted_mean
+from fedsplice.federation.simulation import InProcess, Reply, run_rounds
+from fedsplice.federation.store import MemoryStore
 
 POISONED = 3
 BOUND = 5.0  # honest updates of this tiny setup have norms of 0.2-0.5

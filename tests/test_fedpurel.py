@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedsplice import fedpurel as fp
-from fedsplice import simulation, wire
-from fedsplice.experiment import build
-from fedsplice.simulation import train_context
-from fedsplice.train import local_train
+from fedsplice.algorithms import fedpurel as fp
+from fedsplice.federation import simulation
+from fedsplice.core import wire
+from fedsplice.federation.experiment import build
+from fedsplice.federation.simulation import train_context
+from fedsplice.federation.train import local_train
 
 # ----------------------------------------------------------------------------- temperature
 
@@ -378,7 +379,7 @@ def test_local_train_steps_with_purified_gradient(purel_exp):
 @pytest.mark.parametrize("granularity", ["tensor", "flat"])
 def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
         granularity, cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
-    from fedsplice.runner import run_experiment
+    from fedsplice.app.runner import run_experiment
 
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"',
                       method=f'{{personal_steps = 2, granularity = "{granularity}"}}',
@@ -451,7 +452,7 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
 
 def _count_local_steps(monkeypatch) -> list[int]:
     """Record the steps of every local_train call (phase 2 imports it at call time)."""
-    from fedsplice import train as T
+    from fedsplice.federation import train as T
 
     steps, orig = [], T.local_train
 

@@ -26,11 +26,12 @@ from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
 
-from fedsplice import wire  # noqa: E402
-from fedsplice.experiment import build  # noqa: E402
-from fedsplice.flower import certs, launcher  # noqa: E402
-from fedsplice.flower.records import RecordError, decode, from_record, to_record, weigh  # noqa: E402
-from fedsplice.runner import run_experiment  # noqa: E402
+from fedsplice.core import wire  # noqa: E402
+from fedsplice.federation.experiment import build  # noqa: E402
+from fedsplice.runtimes.flower import certs  # noqa: E402
+from fedsplice.app.flower import launcher  # noqa: E402
+from fedsplice.runtimes.flower.records import RecordError, decode, from_record, to_record, weigh  # noqa: E402
+from fedsplice.app.runner import run_experiment  # noqa: E402
 
 SUPERNODES = 3  # = the 3 training clients of the tiny budget: one client per SuperNode
 
@@ -299,7 +300,7 @@ class FakeGrid:
     def __init__(self, cfg_text: str, tmp: Path, n: int, tamper=None, silent=()):
         from flwr.app import Context, RecordDict
 
-        from fedsplice.flower.app import CONFIG_KEY
+        from fedsplice.runtimes.flower.app import CONFIG_KEY
 
         self.nodes = {1000 + i: Context(run_id=7, node_id=1000 + i, state=RecordDict(), run_config={CONFIG_KEY: cfg_text},
                                         node_config={"partition-id": i, "num-partitions": n,
@@ -310,7 +311,7 @@ class FakeGrid:
         return list(self.nodes)
 
     def push_messages(self, messages):
-        from fedsplice.flower.app import client_app
+        from fedsplice.runtimes.flower.app import client_app
 
         ids = []
         for m in messages:
@@ -335,9 +336,9 @@ def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedsplice.config import to_dict
-    from fedsplice.flower.transport import FlowerTransport, JsonLog
-    from fedsplice.simulation import run_rounds
-    from fedsplice.store import MemoryStore
+    from fedsplice.runtimes.flower.transport import FlowerTransport, JsonLog
+    from fedsplice.federation.simulation import run_rounds
+    from fedsplice.federation.store import MemoryStore
 
     for k, v in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, k, v)
@@ -351,14 +352,14 @@ def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
         return exp, records, _lines(tmp_path / "events.jsonl"), grid
 
     yield run
-    from fedsplice.flower.app import _Node
+    from fedsplice.runtimes.flower.app import _Node
 
     _Node._cached, _Node._key = None, ()  # the in-process "node" kept an experiment alive
 
 
 def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_bert_dir, toy_jsonl):
-    from fedsplice.simulation import run_rounds
-    from fedsplice.store import MemoryStore
+    from fedsplice.federation.simulation import run_rounds
+    from fedsplice.federation.store import MemoryStore
 
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl)
     exp_s, sim = build(cfg), []
@@ -430,7 +431,7 @@ def test_ctrl_c_tears_everything_down(cfg_factory, tiny_bert_dir, toy_jsonl, tmp
 
     cfg = _write_cfg(cfg_factory(tiny_bert_dir, toy_jsonl), tmp_path / "cfg.toml")
     out = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "fedsplice.cli", "flower", "up", str(cfg), "--out", str(out),
+    p = subprocess.Popen([sys.executable, "-m", "fedsplice.app.cli", "flower", "up", str(cfg), "--out", str(out),
                           "--supernodes", "2"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     seen = []
     for line in p.stderr:
@@ -461,7 +462,7 @@ def test_a_failed_run_tears_everything_down(cfg_factory, tiny_bert_dir, toy_json
 
 
 def test_flower_cli_errors_are_one_line(capsys, cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
-    from fedsplice.cli import main
+    from fedsplice.app.cli import main
 
     cfg = _write_cfg(cfg_factory(tiny_bert_dir, toy_jsonl), tmp_path / "cfg.toml")
     assert main(["flower", "up", str(cfg), "--supernodes", "9", "--out", str(tmp_path / "o")]) == 2
@@ -477,15 +478,15 @@ def test_flower_cli_errors_are_one_line(capsys, cfg_factory, tiny_bert_dir, toy_
 def test_flower_app_is_a_valid_flower_app(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
     from flwr.cli.config_utils import load_and_validate
 
-    from fedsplice.cli import main
-    from fedsplice.flower.app import CONFIG_KEY, config_from_text
+    from fedsplice.app.cli import main
+    from fedsplice.runtimes.flower.app import CONFIG_KEY, config_from_text
 
     cfg = _write_cfg(cfg_factory(tiny_bert_dir, toy_jsonl), tmp_path / "cfg.toml")
     assert main(["flower", "app", str(cfg), "--app-dir", str(tmp_path / "app"), "--out", "/srv/run"]) == 0
     conf, _ = load_and_validate(tmp_path / "app" / "pyproject.toml")
     app = conf["tool"]["flwr"]["app"]
-    assert app["components"] == {"serverapp": "fedsplice.flower.app:server_app",
-                                 "clientapp": "fedsplice.flower.app:client_app"}
+    assert app["components"] == {"serverapp": "fedsplice.runtimes.flower.app:server_app",
+                                 "clientapp": "fedsplice.runtimes.flower.app:client_app"}
     assert conf["project"]["dependencies"] == []  # nothing for Flower to install (no CUDA torch)
     back = config_from_text(app["config"][CONFIG_KEY])
     assert back.runtime.kind == "flower" and back.algorithm == "pfadapter"

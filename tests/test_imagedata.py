@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedsplice import imagedata
-from fedsplice.assets import sha256_file
-from fedsplice.data import DATASETS, describe_datasets, load_dataset
+from fedsplice.data import images as imagedata
+from fedsplice.data.assets import sha256_file
+from fedsplice.data.datasets import DATASETS, describe_datasets, load_dataset
 from fedsplice.errors import AssetError, ConfigError
-from fedsplice.imagedata import (load_parsed, parse_easyvqa, parse_emoji, parse_fashion_mnist,
+from fedsplice.data.images import (load_parsed, parse_easyvqa, parse_emoji, parse_fashion_mnist,
                                  parse_idx, parse_tuxpaint, save_parsed)
-from fedsplice.samples import Sample
+from fedsplice.data.samples import Sample
 
 
 def save_png(path: Path, array) -> Path:
@@ -429,7 +429,7 @@ def test_listing_all_data_sets_without_fetching(tmp_cache, capsys):
             if n in imagedata.BUILDERS} == {
         "fashion_mnist": ("image", 10, 60000, 10000), "emoji": ("image+text", 9, 1906, 0),
         "tuxpaint": ("image+text", 15, 782, 0), "easyvqa": ("image+text", 13, 38575, 9673)}
-    from fedsplice.cli import main
+    from fedsplice.app.cli import main
 
     assert main(["list", "datasets"]) in (0, None)
     out = capsys.readouterr().out
@@ -463,7 +463,7 @@ def test_real_image_datasets():
 
 
 def test_exif_rotation_is_applied(tmp_path):
-    from fedsplice.imagedata import decode_image
+    from fedsplice.data.images import decode_image
 
     im = Image.fromarray(np.zeros((2, 6, 3), np.uint8))  # 6 wide, 2 high
     exif = Image.Exif()

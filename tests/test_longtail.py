@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from fedsplice.config import load_config
-from fedsplice.data import TextDataset
+from fedsplice.data.datasets import TextDataset
 from fedsplice.errors import ConfigError
-from fedsplice.experiment import apply_long_tail
-from fedsplice.metrics import balancedness, head_bias, longtail_metrics, per_class_counts, shot_groups
-from fedsplice.partition import long_tail_counts
+from fedsplice.federation.experiment import apply_long_tail
+from fedsplice.federation.metrics import balancedness, head_bias, longtail_metrics, per_class_counts, shot_groups
+from fedsplice.data.partition import long_tail_counts
 
 # ----------------------------------------------------------------------------- balancedness
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from fedsplice.errors import ConfigError
-from fedsplice.losses import Orthogonality, Proximal, ortho_column, ortho_naive, ortho_row
-from fedsplice.split import ParamInfo
+from fedsplice.core.losses import Orthogonality, Proximal, ortho_column, ortho_naive, ortho_row
+from fedsplice.core.split import ParamInfo
 
 
 def _lora(out, inp, r, gen, dtype=torch.float64):
@@ -107,7 +107,7 @@ def test_rank_space_forms_are_differentiable_like_naive():
 
 
 def _task_model(cfg_factory, model_dir, toy_jsonl, **kw):
-    from fedsplice.backbone import TaskModel
+    from fedsplice.model.taskmodel import TaskModel
 
     cfg = cfg_factory(model_dir, toy_jsonl, **kw)
     return TaskModel(cfg, ["sports", "science", "music"])

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedsplice.metrics import classification_metrics, summarize_clients
+from fedsplice.federation.metrics import classification_metrics, summarize_clients
 
 
 def test_accuracy_and_f1_by_hand():

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedsplice import wire, zoo
-from fedsplice.cli import main
+from fedsplice.core import wire
+from fedsplice.data import zoo
+from fedsplice.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ["circle", "square", "triangle"]

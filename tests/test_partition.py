@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedsplice.errors import ConfigError
-from fedsplice.partition import (
+from fedsplice.data.partition import (
     dirichlet_partition,
     iid_partition,
     largest_remainder,

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedsplice.algorithms import display_name
-from fedsplice.backbone import TaskModel
+from fedsplice.algorithms.registry import display_name
+from fedsplice.model.taskmodel import TaskModel
 from fedsplice.errors import ConfigError
-from fedsplice.experiment import build
-from fedsplice.simulation import run_rounds, train_context
-from fedsplice.store import MemoryStore
-from fedsplice.train import cross_entropy_objective, local_train
+from fedsplice.federation.experiment import build
+from fedsplice.federation.simulation import run_rounds, train_context
+from fedsplice.federation.store import MemoryStore
+from fedsplice.federation.train import cross_entropy_objective, local_train
 
 CLASSES = ["sports", "science", "music"]
 
@@ -191,7 +191,7 @@ class _Stop(Exception):
 
 
 def test_zeroshot_run_no_rounds_no_bytes_equals_round0(cfg, tmp_path):
-    from fedsplice.runner import run_experiment
+    from fedsplice.app.runner import run_experiment
 
     zs = run_experiment(cfg(algorithm='"zeroshot"', data__holdout_clients=0), tmp_path / "zs", quiet=True)
     assert zs["algorithm"] == "zeroshot" and zs["rounds"] == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsplice.cli import main
+from fedsplice.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["server.rounds=1", "client.max_steps=2", "data.test_per_class=5", "data.local_test_size=10",

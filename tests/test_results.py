@@ -9,12 +9,12 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
-from fedsplice import compare as C
-from fedsplice import results as R
-from fedsplice.cli import main
+from fedsplice.app import compare as C
+from fedsplice.app import results as R
+from fedsplice.app.cli import main
 from fedsplice.errors import ConfigError
-from fedsplice.report import md_to_html, render, write_report
-from fedsplice.rundir import write_config
+from fedsplice.app.report import md_to_html, render, write_report
+from fedsplice.app.rundir import write_config
 
 
 def res(pm, up=100.0, gm=0.5, cold=None):

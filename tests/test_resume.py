@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from fedsplice import checkpoint as ckpt
-from fedsplice.cli import main
+from fedsplice.federation import checkpoint as ckpt
+from fedsplice.app.cli import main
 from fedsplice.config import to_dict
 
 ROUNDS = 8
@@ -83,7 +83,7 @@ def assert_same_outputs(run: Path, ref: Path, why: str = "") -> None:
 def _spawn(args: list[str], log: Path, **env) -> subprocess.Popen:
     full = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "fedsplice.cli", *args], env=full,
+    return subprocess.Popen([sys.executable, "-m", "fedsplice.app.cli", *args], env=full,
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 
 
@@ -153,7 +153,7 @@ def test_sigkill_inside_a_checkpoint_write(setups, tmp_path):
     assert [r for r, _ in ckpt.checkpoints(root)][-1] == k - 1, why  # round k was never completed
     assert any(p.name.startswith(".round-") for p in root.iterdir()), why  # the partial write is there
     # resume as a real process too
-    res = subprocess.run([sys.executable, "-m", "fedsplice.cli", "resume", str(run), "--quiet"],
+    res = subprocess.run([sys.executable, "-m", "fedsplice.app.cli", "resume", str(run), "--quiet"],
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -208,8 +208,8 @@ def test_resume_without_any_checkpoint_starts_over(setups, tmp_path):
 
 
 def test_checkpoints_are_pruned_and_share_unchanged_clients(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
-    from fedsplice.experiment import sampling_stream
-    from fedsplice.runner import run_experiment
+    from fedsplice.federation.experiment import sampling_stream
+    from fedsplice.app.runner import run_experiment
 
     cfg = _config(cfg_factory, tiny_bert_dir, toy_jsonl, runtime__keep_checkpoints="2", server__rounds="4")
     run_experiment(cfg, tmp_path / "run", quiet=True)

@@ -1,4 +1,4 @@
-"""Multimodal heterogeneity scenarios (fedsplice.scenarios) on a synthetic image + text data set."""
+"""Multimodal heterogeneity scenarios (fedsplice.data.scenarios) on a synthetic image + text data set."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from fedsplice.config import ExperimentConfig, ScenarioConfig, from_dict
-from fedsplice.data import TextDataset
+from fedsplice.data.datasets import TextDataset
 from fedsplice.errors import ConfigError
-from fedsplice.experiment import STREAM_SCENARIO, make_clients, rng
-from fedsplice.samples import Sample
-from fedsplice.scenarios import apply_scenario, count_of, gaussian_noise, noise_tag, summary_line
+from fedsplice.federation.experiment import STREAM_SCENARIO, make_clients, rng
+from fedsplice.data.samples import Sample
+from fedsplice.data.scenarios import apply_scenario, count_of, gaussian_noise, noise_tag, summary_line
 
 C, PER_CLASS, N_TEST = 10, 40, 10  # 300 training and 100 global test samples
 
@@ -328,7 +328,7 @@ def test_summary_line():
 
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory):
-    from fedsplice import zoo
+    from fedsplice.data import zoo
 
     return str(zoo.tiny_clip(tmp_path_factory.mktemp("m") / "clip"))
 
@@ -336,9 +336,9 @@ def clip_dir(tmp_path_factory):
 def test_build_and_runner_write_the_scenario(cfg_factory, clip_dir, toy_jsonl, tmp_path, monkeypatch, capsys):
     """End to end on a tiny CLIP: build() applies the scenario from its own stream, GM sees the
     global test set only, and the run folder holds scenario.json."""
-    import fedsplice.experiment as E
-    from fedsplice.runner import run_experiment
-    from fedsplice.simulation import evaluate_global
+    import fedsplice.federation.experiment as E
+    from fedsplice.app.runner import run_experiment
+    from fedsplice.federation.simulation import evaluate_global
 
     monkeypatch.setattr(E, "load_dataset", lambda *a, **k: synthetic(per_class=14))
     small = dict(server__rounds=1, server__clients_per_round=1, data__holdout_clients=0, client__max_steps=1,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedsplice.errors import ConfigError
-from fedsplice.server import (
+from fedsplice.core.server import (
     SERVER_OPTIMIZERS,
     deltas,
     fedadagrad,

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedsplice import simulation, wire
-from fedsplice.experiment import build
-from fedsplice.runner import run_experiment
-from fedsplice.server import deltas, fedavg, weighted_mean
-from fedsplice.simulation import run_rounds
-from fedsplice.store import DiskStore, MemoryStore
+from fedsplice.federation import simulation
+from fedsplice.core import wire
+from fedsplice.federation.experiment import build
+from fedsplice.app.runner import run_experiment
+from fedsplice.core.server import deltas, fedavg, weighted_mean
+from fedsplice.federation.simulation import run_rounds
+from fedsplice.federation.store import DiskStore, MemoryStore
 
 EMPTY_PAYLOAD = len(wire.encode({}))
 
@@ -333,7 +334,7 @@ def test_no_cold_start_without_holdout(cfg, tmp_path):
 
 def test_pm_is_over_all_training_clients(cfg):
     # 3 training clients, 2 sampled per round: PM must still average over all 3
-    from fedsplice import metrics
+    from fedsplice.federation import metrics
 
     seen = []
     orig = metrics.summarize_clients
@@ -342,7 +343,7 @@ def test_pm_is_over_all_training_clients(cfg):
         seen.append(len(per_client))
         return orig(per_client)
 
-    import fedsplice.simulation as sim
+    import fedsplice.federation.simulation as sim
 
     mp = pytest.MonkeyPatch()
     mp.setattr(sim, "summarize_clients", spy)

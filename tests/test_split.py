@@ -2,8 +2,8 @@
 
 import pytest
 
-from fedsplice import split as S
-from fedsplice.algorithms import build_recipe
+from fedsplice.core import split as S
+from fedsplice.algorithms.registry import build_recipe
 from fedsplice.errors import ConfigError
 
 BERT_ROLE = {"q": "attention.self.query", "k": "attention.self.key",
@@ -13,7 +13,7 @@ CLASSES = ["sports", "science", "music"]
 
 @pytest.fixture(scope="module")
 def models(cfg_factory, tiny_bert_dir, toy_jsonl):
-    from fedsplice.backbone import TaskModel
+    from fedsplice.model.taskmodel import TaskModel
 
     out = {}
     for task in ("dual_encoder", "encoder_head"):

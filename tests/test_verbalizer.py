@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedsplice.verbalizer import tokenize_answers, verbalizer_logits
-from fedsplice.zoo import tiny_llama
+from fedsplice.model.verbalizer import tokenize_answers, verbalizer_logits
+from fedsplice.data.zoo import tiny_llama
 
 PROMPTS = [
     "the dog ran to the river and saw a big fish",

@@ -1,4 +1,4 @@
-"""CLIP dual encoder and LLaVA-style VLM on tiny random models (fedsplice.vision, backbone)."""
+"""CLIP dual encoder and LLaVA-style VLM on tiny random models (fedsplice.model.vision, backbone)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedsplice import zoo
-from fedsplice.backbone import TaskModel
+from fedsplice.data import zoo
+from fedsplice.model.taskmodel import TaskModel
 from fedsplice.config import ExperimentConfig, ModelConfig, PeftConfig
 from fedsplice.errors import ConfigError
-from fedsplice.samples import Sample
-from fedsplice.split import GLOBAL, PRIVATE, by_roles
+from fedsplice.data.samples import Sample
+from fedsplice.core.split import GLOBAL, PRIVATE, by_roles
 
 CLASSES = ["circle", "square", "triangle"]
 
@@ -155,7 +155,7 @@ def test_vlm_roles_are_the_lm_attention_and_projector_is_global(llama_dir, vit_d
 
 
 def test_vlm_scores_image_tokens_and_text_only_samples(llama_dir, vit_dir):
-    from fedsplice.verbalizer import verbalizer_logits
+    from fedsplice.model.verbalizer import verbalizer_logits
 
     m = vlm(llama_dir, vit_dir, roles=["q", "v"])
     items = samples(4)
@@ -186,7 +186,7 @@ def test_vlm_projector_of_another_tower_is_refused(llama_dir, vit_dir):
 
 
 def test_vision_tower_loads_from_a_clip_checkpoint_and_errors(clip_dir, tmp_path):
-    from fedsplice.vision import load_vision_tower
+    from fedsplice.model.vision import load_vision_tower
 
     tower, proc, hidden = load_vision_tower(clip_dir)
     assert type(tower).__name__ == "CLIPVisionModel" and hidden == 32
@@ -202,7 +202,7 @@ def test_vision_tower_loads_from_a_clip_checkpoint_and_errors(clip_dir, tmp_path
 
 
 def test_text_models_refuse_images_and_causal_lm_reads_the_text(tiny_bert_dir, llama_dir):
-    from fedsplice.verbalizer import verbalizer_logits
+    from fedsplice.model.verbalizer import verbalizer_logits
 
     m = TaskModel(ExperimentConfig(model=ModelConfig(name=str(tiny_bert_dir))), CLASSES)
     with pytest.raises(ConfigError, match="holds images"):
@@ -218,7 +218,7 @@ def test_text_models_refuse_images_and_causal_lm_reads_the_text(tiny_bert_dir, l
 
 
 def test_random_zoo_models_build_once_and_are_labelled():
-    from fedsplice.zoo import is_random, resolve_model
+    from fedsplice.data.zoo import is_random, resolve_model
 
     a = resolve_model("zoo:tiny-vit")
     assert resolve_model("zoo:tiny-vit") == a and (zoo.Path(a) / "model.safetensors").is_file()
@@ -227,7 +227,7 @@ def test_random_zoo_models_build_once_and_are_labelled():
 
 def test_image_tokens_follow_bos(llama_dir, vit_dir):
     """With a tokenizer that adds BOS, the image tokens go after it: [BOS, image, prompt]."""
-    from fedsplice.verbalizer import _left_pad_embeds
+    from fedsplice.model.verbalizer import _left_pad_embeds
 
     m = vlm(llama_dir, vit_dir)
     bos = m.tokenizer.bos_token_id
@@ -253,7 +253,7 @@ def test_clip_prompt_longer_than_the_text_tower_is_a_config_error(clip_dir):
 
 
 def test_random_models_are_recognised_by_their_cache_folder():
-    from fedsplice.zoo import is_random, random_weights, resolve_model
+    from fedsplice.data.zoo import is_random, random_weights, resolve_model
 
     path = resolve_model("zoo:tiny-clip")
     assert is_random(path) and not is_random(str(zoo.Path(path).parent))

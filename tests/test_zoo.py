@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from fedsplice import zoo
+from fedsplice.data import zoo
 from fedsplice.errors import ConfigError
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -158,7 +158,7 @@ def test_minilm_loads_and_embeds():
 def test_smollm2_converted_checkpoint(record_property):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fedsplice.verbalizer import verbalizer_logits
+    from fedsplice.model.verbalizer import verbalizer_logits
 
     t0 = time.perf_counter()
     path = zoo.smollm2_path()  # converts once (~30-45 s), then instant

@@ -46,7 +46,7 @@ class ModelConfig:
         _positive("model.logit_scale", self.logit_scale)
         _positive("model.max_length", self.max_length)
         if self.name.startswith("zoo:"):
-            from fedsplice.zoo import ZOO
+            from fedsplice.data.zoo import ZOO
 
             if self.name[4:] not in ZOO:
                 raise ConfigError(f"model.name: unknown zoo model {self.name!r}; choose one of "
@@ -132,7 +132,7 @@ class DataConfig:
     class_names: list[str] = field(default_factory=list)
 
     def check(self) -> None:
-        from fedsplice.data import DATASETS
+        from fedsplice.data.datasets import DATASETS
 
         kind, _, path = self.dataset.partition(":")
         if kind in ("csv", "jsonl") and path:
@@ -400,8 +400,8 @@ class ExperimentConfig:
         if self.client.upload != "fp32" and self.runtime.kind == "flower":
             raise ConfigError(f"client.upload = {self.client.upload!r} is implemented by the simulation "
                               f"runtime only; use client.upload = 'fp32' with runtime.kind = 'flower'")
-        from fedsplice.algorithms import method_params  # validates `method` against the algorithm
-        from fedsplice.server import make_server_optimizer  # validates the server hyperparameters
+        from fedsplice.algorithms.registry import method_params  # validates `method` against the algorithm
+        from fedsplice.core.server import make_server_optimizer  # validates the server hyperparameters
 
         method_params(self)
         make_server_optimizer(self.server.optimizer, **self.server.optimizer_kwargs())

@@ -1,0 +1,196 @@
+"""Regression set: short runs of every shipped config, recorded once and compared byte for byte.
+
+    python scripts/regression.py record --out-dir tests/regression/golden
+    python scripts/regression.py check --golden tests/regression/golden [--only STEM ...]
+
+Each config in configs/*.toml (the top-level folder only) and the embedded default (`fedsplice
+run` with no CONFIG, stem "default") is run through `python -m fedsplice run` with the
+interpreter running this script, on a tiny budget given by `--set` overrides (OVERRIDES below).
+Whichever `fedsplice` that interpreter imports is the code under test: the installed package,
+or another checkout through PYTHONPATH=<checkout>/src.
+
+A run's metrics.jsonl and results.json are normalised (the wall-clock fields in VOLATILE are
+dropped, then every record is re-serialised with json.dumps(sort_keys=True); NaN stays NaN) and
+written as <dir>/<stem>/metrics.jsonl and <dir>/<stem>/results.json. `record` writes them into
+--out-dir; `check` writes them into a temp folder, compares them with --golden, prints one row
+per config (same / DIFF / MISSING / FAILED) and the first differing line, and exits 1 on any
+difference. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+DEFAULT = "default"  # stem of the embedded default config (no CONFIG argument)
+FILES = ("metrics.jsonl", "results.json")
+
+# Valid for every shipped config: 2 rounds of 2 clients, 2 local steps, at most 8 training
+# samples per class, 4 test samples per class, 8 local test samples per client, 1 cold-start
+# epoch, one torch thread (the same summation order on every machine).
+OVERRIDES = [
+    "server.rounds=2",
+    "server.clients_per_round=2",
+    "client.max_steps=2",
+    "data.max_per_class=8",
+    "data.test_per_class=4",
+    "data.local_test_size=8",
+    "eval.cold_start_epochs=1",
+    "runtime.threads=1",
+]
+# Only for algorithms that take the key (method.* is validated per algorithm).
+METHOD_OVERRIDES = {"fedpurel": ["method.personal_steps=2"]}
+
+# Keys dropped at any depth: they differ between two runs of the same config.
+VOLATILE = {"time_s"}
+
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "MPLBACKEND": "Agg"}
+
+
+def stems() -> list[str]:
+    """Every config of the set: the embedded default, then configs/*.toml by name."""
+    return [DEFAULT] + sorted(p.stem for p in CONFIGS.glob("*.toml"))
+
+
+def overrides(stem: str) -> list[str]:
+    """The --set overrides of one config."""
+    if stem == DEFAULT:
+        algorithm = "pfadapter"  # src/fedsplice/defaults/default.toml
+    else:
+        algorithm = tomllib.loads((CONFIGS / f"{stem}.toml").read_text()).get("algorithm", "pfadapter")
+    return OVERRIDES + METHOD_OVERRIDES.get(algorithm, [])
+
+
+def run(stem: str, run_dir: Path) -> None:
+    """`python -m fedsplice run [CONFIG] --out RUN_DIR` on the tiny budget; raises on failure."""
+    cmd = [sys.executable, "-m", "fedsplice", "run"]
+    if stem != DEFAULT:
+        cmd.append(str(CONFIGS / f"{stem}.toml"))
+    cmd += ["--out", str(run_dir), "--overwrite", "--quiet"]
+    for o in overrides(stem):
+        cmd += ["--set", o]
+    p = subprocess.run(cmd, cwd=run_dir.parent, env={**os.environ, **ENV}, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{stem}: exit {p.returncode}\n{' '.join(cmd)}\n{p.stderr[-3000:]}")
+
+
+def _strip(obj):
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in VOLATILE}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def normalise(run_dir: Path, dest: Path) -> None:
+    """Write the normalised metrics.jsonl and results.json of `run_dir` into `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (dest / "metrics.jsonl").write_text(
+        "".join(json.dumps(_strip(json.loads(s)), sort_keys=True) + "\n" for s in lines if s.strip()))
+    results = json.loads((run_dir / "results.json").read_text())
+    (dest / "results.json").write_text(json.dumps(_strip(results), sort_keys=True, indent=1) + "\n")
+
+
+def produce(stem: str, dest: Path) -> float:
+    """Run one config in a temp folder and write its normalised files into `dest`; seconds taken."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"regress-{stem}-") as tmp:
+        run_dir = Path(tmp) / "run"
+        run(stem, run_dir)
+        normalise(run_dir, dest)
+    return time.perf_counter() - t0
+
+
+def first_difference(golden: Path, fresh: Path) -> str | None:
+    """None when both folders hold byte-identical FILES; else where they first differ."""
+    for name in FILES:
+        g, f = golden / name, fresh / name
+        if not g.is_file():
+            return f"{name}: no golden file {g}"
+        if g.read_bytes() == f.read_bytes():
+            continue
+        gl, fl = g.read_text().splitlines(), f.read_text().splitlines()
+        for i in range(max(len(gl), len(fl))):
+            a = gl[i] if i < len(gl) else "<end of file>"
+            b = fl[i] if i < len(fl) else "<end of file>"
+            if a != b:
+                return f"{name} line {i + 1}:\n  golden: {a}\n  now:    {b}"
+        return f"{name}: differs in line endings or trailing bytes"
+    return None
+
+
+def check_one(stem: str, golden_dir: Path) -> str | None:
+    """Run `stem` now and compare it with its golden folder: None when identical, else why not."""
+    if not (golden_dir / stem).is_dir():
+        return f"no golden folder {golden_dir / stem} (record the set again)"
+    with tempfile.TemporaryDirectory(prefix="regress-check-") as tmp:
+        produce(stem, Path(tmp) / stem)
+        return first_difference(golden_dir / stem, Path(tmp) / stem)
+
+
+def cmd_record(args) -> int:
+    out = Path(args.out_dir)
+    t0 = time.perf_counter()
+    failed = 0
+    for stem in args.only or stems():
+        try:
+            print(f"{stem:32s} {produce(stem, out / stem):6.1f}s", flush=True)
+        except RuntimeError as e:
+            failed += 1
+            print(f"{stem:32s} FAILED\n{e}", flush=True)
+    print(f"recorded {len(args.only or stems()) - failed} configs into {out} in {time.perf_counter() - t0:.0f}s")
+    return 1 if failed else 0
+
+
+def cmd_check(args) -> int:
+    golden = Path(args.golden)
+    t0 = time.perf_counter()
+    bad = 0
+    recorded = sorted(p.name for p in golden.iterdir() if p.is_dir()) if golden.is_dir() else []
+    for stem in args.only or stems():
+        t1 = time.perf_counter()
+        try:
+            diff = check_one(stem, golden)
+        except RuntimeError as e:
+            diff = f"FAILED\n{e}"
+        bad += diff is not None
+        status = "same" if diff is None else ("FAILED" if diff.startswith("FAILED") else "DIFF")
+        print(f"{stem:32s} {status:6s} {time.perf_counter() - t1:6.1f}s", flush=True)
+        if diff is not None:
+            print("  " + diff.replace("\n", "\n  ").removeprefix("FAILED\n  "), flush=True)
+    if not args.only:
+        for stem in sorted(set(recorded) - set(stems())):
+            bad += 1
+            print(f"{stem:32s} DIFF   golden folder without a config (record the set again)")
+    print(f"{'all same' if not bad else f'{bad} differ'} ({time.perf_counter() - t0:.0f}s)")
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="run every config and write the normalised outputs")
+    r.add_argument("--out-dir", required=True)
+    r.add_argument("--only", action="append", metavar="STEM", help="just this config (repeatable)")
+    r.set_defaults(fn=cmd_record)
+    c = sub.add_parser("check", help="run every config and compare with a recorded set")
+    c.add_argument("--golden", required=True)
+    c.add_argument("--only", action="append", metavar="STEM", help="just this config (repeatable)")
+    c.set_defaults(fn=cmd_check)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from fedsplice.app.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""`fedsplice run | resume | compare | report | results | validate | list`. User errors print one line and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from fedsplice.errors import FedspliceError
+
+
+def _table(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{results['algorithm']} — {results['dataset']}, {results['rounds']} rounds")
+    for col in ("", "accuracy", "F1 macro", "std", "min"):
+        t.add_column(col)
+    gm, pm = results["gm"], results["pm"]
+    t.add_row("GM (global test)", f"{gm['accuracy']:.4f}", f"{gm['f1_macro']:.4f}", "", "")
+    t.add_row("PM (all clients)", f"{pm['accuracy']:.4f}", f"{pm['f1_macro']:.4f}",
+              f"{pm['accuracy_std']:.4f}", f"{pm['accuracy_min']:.4f}")
+    c = results["communication"]
+    t.caption = (f"upload {c['up_bytes'] / 1e6:.2f} MB total, {c['up_bytes_per_round'] / 1e3:.1f} kB/round; "
+                 f"download {c['down_bytes'] / 1e6:.2f} MB")
+    Console().print(t)
+    if results.get("random_weights"):
+        Console().print(f"[bold red]RANDOM WEIGHTS ({', '.join(results['random_weights'])}): these numbers "
+                        f"test the code path, not the method[/]")
+
+
+def cmd_run(args) -> None:
+    from fedsplice.config import load_config
+    from fedsplice.app.rundir import default_out
+    from fedsplice.app.runner import console, run_experiment
+
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out) if args.out else default_out(cfg)
+    if cfg.runtime.kind == "flower":  # the same config on Flower's deployment engine (docs/flower.md)
+        from fedsplice.app.flower.cli import run_flower
+
+        results = run_flower(cfg, out, overwrite=args.overwrite, quiet=args.quiet)
+    else:
+        results = run_experiment(cfg, out, overwrite=args.overwrite, quiet=args.quiet)
+    if not args.quiet:
+        _table(results)
+        console.print(f"results: {out / 'results.json'}")
+
+
+def cmd_resume(args) -> None:
+    from fedsplice.app.runner import console, resume_experiment
+
+    results = resume_experiment(Path(args.run_dir), quiet=args.quiet)
+    if not args.quiet:
+        _table(results)
+        console.print(f"results: {Path(args.run_dir) / 'results.json'}")
+
+
+def cmd_compare(args) -> None:
+    from fedsplice.app.compare import compare
+    from fedsplice.app.runner import console
+
+    out = Path(args.out)
+    rows = compare(args.configs, args.seeds, args.set, out, quiet=args.quiet, jobs=args.jobs)
+    if not args.quiet:
+        console.print((out / "table.md").read_text())
+        console.print(f"{len(rows)} methods x {args.seeds} seeds: {out / 'table.md'}, {out / 'table.csv'}, plots in {out}")
+
+
+def cmd_report(args) -> None:
+    from fedsplice.app.report import ink, screenshot, write_report
+
+    page = write_report(Path(args.dir), args.out)
+    print(f"report: {page}")
+    if args.screenshot:
+        png = screenshot(page, Path(args.screenshot))
+        print(f"screenshot: {png} ({ink(png):.1%} of the pixels not white)")
+
+
+def cmd_results(args) -> None:
+    from fedsplice.app.results import run_suite
+
+    doc = run_suite(args.suite, Path(args.out), Path(args.doc), seeds=args.seeds, jobs=args.jobs, quiet=args.quiet,
+                    command=args.command or "")
+    print(f"results: {doc} (tables and plots in {doc.with_suffix('')})")
+
+
+def cmd_validate(args) -> None:
+    from fedsplice.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    print(f"ok: {args.config or 'embedded default'} ({cfg.algorithm}, {cfg.model.name}, {cfg.data.dataset})")
+
+
+def cmd_list(args) -> None:
+    if args.what == "algorithms":
+        from fedsplice.algorithms.registry import ALGORITHMS
+
+        for name, a in ALGORITHMS.items():
+            print(f"{name:12s} {a.description}")
+        print("server optimizers: fedavg, fedavgm, fedadam, fedyogi, fedadagrad ([server] optimizer)")
+    elif args.what == "datasets":
+        from fedsplice.data.datasets import describe_datasets
+
+        # Sizes are the measured sample counts: an official train/test split, or all samples
+        # (the balanced test set is then drawn from them). Listing downloads nothing.
+        for d in describe_datasets():
+            size = (f"{d['n_train']:,} train / {d['n_test']:,} test" if d["n_test"]
+                    else f"{d['n_train']:,} samples")
+            print(f"{d['name']:14s} {d['modality']:10s} {d['classes']:>3} classes  {size:26s} "
+                  f"{d['download_mb']:6.1f} MB  {'fetched' if d['fetched'] else 'not fetched':11s}"
+                  f"  ({d['source']})")
+    else:
+        from fedsplice.data.zoo import describe_models
+
+        for m in describe_models():
+            print(f"{m['name']:14s} {m['description']}  {'fetched' if m['fetched'] else 'not fetched'}")
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    p = argparse.ArgumentParser(prog="fedsplice", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run an experiment (no CONFIG: the embedded default)")
+    r.add_argument("config", nargs="?", type=Path)
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    r.add_argument("--out", help="run directory (default runs/<algorithm>-<time>)")
+    r.add_argument("--overwrite", action="store_true", help="reuse a non-empty run directory")
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(fn=cmd_run)
+    rs = sub.add_parser("resume", help="continue a killed run from its last complete checkpoint")
+    rs.add_argument("run_dir", metavar="RUN_DIR", help="the --out of the run (its config.toml is used)")
+    rs.add_argument("--quiet", action="store_true")
+    rs.set_defaults(fn=cmd_resume)
+    c = sub.add_parser("compare", help="run configs x seeds on the same clients and sampling; table + plots")
+    c.add_argument("configs", nargs="+", type=Path, metavar="CONFIG")
+    c.add_argument("--seeds", type=int, default=1, help="seeds per config: seed, seed+1, ... (default 1)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of every config")
+    c.add_argument("--out", required=True, help="comparison directory; run again to finish an interrupted one")
+    c.add_argument("--jobs", type=int, default=1,
+                   help="runs at once, each in its own process with cores/jobs torch threads (default 1)")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(fn=cmd_compare)
+    rp = sub.add_parser("report", help="one self-contained HTML page (tables, plots) of a run or comparison")
+    rp.add_argument("dir", metavar="RUN_OR_COMPARE_DIR")
+    rp.add_argument("--out", type=Path, help="HTML file (default DIR/report.html)")
+    rp.add_argument("--screenshot", metavar="PNG", help="also render the page with headless Chromium into PNG")
+    rp.set_defaults(fn=cmd_report)
+    rr = sub.add_parser("results", help="run a results suite (the papers' tables) and write its markdown page")
+    rr.add_argument("suite", type=Path, metavar="SUITE", help="e.g. configs/results/suite.toml")
+    rr.add_argument("--out", default="runs/results", help="where the runs go (default runs/results); resumable")
+    rr.add_argument("--doc", default="docs/results.md", help="the page to write (default docs/results.md)")
+    rr.add_argument("--seeds", type=int, help="override the suite's seeds")
+    rr.add_argument("--jobs", type=int, help="override the suite's runs at once")
+    rr.add_argument("--command", help=argparse.SUPPRESS)  # how the page says it was made (make results)
+    rr.add_argument("--quiet", action="store_true")
+    rr.set_defaults(fn=cmd_results)
+    v = sub.add_parser("validate", help="check a config without running it")
+    v.add_argument("config", nargs="?", type=Path)
+    v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    v.set_defaults(fn=cmd_validate)
+    ls = sub.add_parser("list", help="list algorithms, datasets or models")
+    ls.add_argument("what", choices=["algorithms", "datasets", "models"])
+    ls.set_defaults(fn=cmd_list)
+    from fedsplice.app.flower.cli import add_parser as add_flower_parser  # `fedsplice flower up|app|certs|executor`
+
+    add_flower_parser(sub)
+    args = p.parse_args(argv)
+    try:
+        args.fn(args)
+    except FedspliceError as e:
+        print(f"fedsplice: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fedsplice: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""`fedsplice report DIR`: one self-contained HTML page for a run, a comparison or a results
+suite: its tables, and its PNG plots embedded as data URIs, so the file opens in a browser
+from disk, without a server, and can be mailed as it is. `--screenshot PNG` renders the page
+with headless Chromium, the check that it really displays.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from fedsplice.errors import ConfigError
+from fedsplice.app.rundir import atomic_write_text
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #bbb;padding:3px 7px;
+text-align:left}th{background:#eee}td.n{text-align:right;white-space:nowrap}
+img{max-width:100%;border:1px solid #ddd;margin:.5em .5em 0 0}figure{display:inline-block;margin:0}
+figcaption{font-size:12px;color:#555}pre{background:#f6f6f6;padding:.7em;overflow:auto;font-size:12px}"""
+
+
+NUM = re.compile(r"^[-−+]?[\d.,]+( ± [\d.,]+)?$|^—$")  # table cells set right-aligned
+
+
+def _inline(s: str) -> str:
+    s = html.escape(s)
+    s = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", s)
+    s = re.sub(r"\*(.+?)\*", r"<i>\1</i>", s)
+    s = re.sub(r"`(.+?)`", r"<code>\1</code>", s)
+    return re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"\1", s)  # links: their text (targets are local files)
+
+
+def md_to_html(text: str, base: Path | None = None) -> str:
+    """The markdown our own tables and pages use: headings, pipe tables, lists, paragraphs and,
+    with `base` (the folder image paths are relative to), images embedded as data URIs."""
+    out, rows = [], []
+
+    def flush():
+        if rows:
+            head, *body = [r for r in rows if not set(r.replace("|", "").strip()) <= set("-: ")]
+            cells = lambda r: [_inline(c.strip()) for c in r.strip().strip("|").split("|")]  # noqa: E731
+            td = lambda c: f'<td class="n">{c}</td>' if NUM.match(c) else f"<td>{c}</td>"  # noqa: E731
+            out.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in cells(head)) + "</tr>"
+                       + "".join("<tr>" + "".join(map(td, cells(r))) + "</tr>" for r in body)
+                       + "</table>")
+            rows.clear()
+
+    for line in text.splitlines():
+        if line.lstrip().startswith("|"):
+            rows.append(line)
+            continue
+        flush()
+        s = line.strip()
+        if not s:
+            continue
+        if s.startswith("!["):
+            if base is not None:  # else a folder's PNGs are embedded by the caller
+                for src in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", s):
+                    if not (base / src).is_file():
+                        raise ConfigError(f"report: the page shows {src}, which is not in {base}")
+                    out.append(_img(base / src))
+        elif s.startswith("#"):
+            level = min(len(s) - len(s.lstrip("#")), 4)
+            out.append(f"<h{level}>{_inline(s.lstrip('#').strip())}</h{level}>")
+        elif s.startswith(("- ", "* ")):
+            out.append(f"<ul><li>{_inline(s[2:])}</li></ul>")
+        else:
+            out.append(f"<p>{_inline(s)}</p>")
+    flush()
+    return "\n".join(out)
+
+
+def _img(png: Path) -> str:
+    data = base64.b64encode(png.read_bytes()).decode()
+    return (f'<figure><img alt="{html.escape(png.stem)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{html.escape(png.name)}</figcaption></figure>")
+
+
+def _section(d: Path, title: str) -> str:
+    """A comparison folder (table.md + plots) or a run folder (results.json + metrics.jsonl)."""
+    parts = [f"<h2>{html.escape(title)}</h2>"]
+    if (d / "table.md").is_file():
+        parts.append(md_to_html((d / "table.md").read_text()))
+    elif (d / "results.json").is_file():
+        r = json.loads((d / "results.json").read_text())
+        c = r["communication"]
+        rows = ["| | accuracy | F1 macro | balancedness |", "|---|---|---|---|"]
+        for k in ("gm", "pm"):
+            m = r[k]
+            rows.append(f"| {k.upper()} | {m['accuracy']:.4f} | {m['f1_macro']:.4f} | "
+                        f"{m['balancedness']:.4f} |" if "balancedness" in m else
+                        f"| {k.upper()} | {m['accuracy']:.4f} | {m['f1_macro']:.4f} | — |")
+        parts.append(f"<p>{html.escape(r['algorithm'])} on {html.escape(r['dataset'])} with "
+                     f"{html.escape(r['model'])}, {r['rounds']} rounds, seed {r['seed']}; upload "
+                     f"{c['up_bytes']:,} B in total, {c['up_bytes_per_round']:,.0f} B per round.</p>")
+        parts.append(md_to_html("\n".join(rows)))
+        if r.get("random_weights"):
+            parts.append(f"<p><strong>RANDOM WEIGHTS ({html.escape(', '.join(r['random_weights']))}): "
+                         f"these numbers test the code path, not the method.</strong></p>")
+        recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] \
+            if (d / "metrics.jsonl").is_file() else []
+        ev = [x for x in recs if "gm" in x and "phase" not in x]
+        if ev:
+            t = ["| round | GM acc | PM acc | up bytes |", "|---|---|---|---|"]
+            t += [f"| {x['round']} | {x['gm']['accuracy']:.4f} | {x['pm']['accuracy']:.4f} | "
+                  f"{x.get('up_bytes', 0):,} |" for x in ev]
+            parts.append(md_to_html("\n".join(t)))
+        if (d / "config.toml").is_file():
+            parts.append(f"<details><summary>config.toml</summary><pre>"
+                         f"{html.escape((d / 'config.toml').read_text())}</pre></details>")
+    parts += [_img(p) for p in sorted(d.glob("*.png"))]
+    return "\n".join(parts)
+
+
+def _page(title: str, body: str) -> str:
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>fedsplice report: "
+            f"{html.escape(title)}</title><style>{CSS}</style></head><body>\n{body}</body></html>\n")
+
+
+def render(d: Path) -> str:
+    d = Path(d)
+    if d.is_file() and d.suffix == ".md":  # a results page (docs/results.md) and the plots it shows
+        return _page(d.stem, md_to_html(d.read_text(), base=d.parent))
+    if not d.is_dir():
+        raise ConfigError(f"report: {d} is neither a folder nor a .md page; give a run, compare or "
+                          f"results folder, or docs/results.md")
+    own = (d / "table.md").is_file() or (d / "results.json").is_file()
+    subs = sorted(p for p in d.iterdir() if p.is_dir() and (p / "table.md").is_file())
+    if not own and not subs:
+        raise ConfigError(f"report: {d} holds no results.json or table.md (nor a folder with one); "
+                          f"give the --out of `fedsplice run` or `fedsplice compare`")
+    body = [f"<h1>fedsplice report: {html.escape(d.name)}</h1>"]
+    if own:
+        body.append(_section(d, d.name))
+    body += [_section(p, p.name) for p in subs]
+    return _page(d.name, "\n".join(body))
+
+
+def write_report(d: Path, out: Path | None = None) -> Path:
+    d = Path(d)
+    out = Path(out) if out else (d.with_suffix(".html") if d.suffix == ".md" else d / "report.html")
+    atomic_write_text(out, render(d))
+    return out
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        if path := shutil.which(name):
+            return path
+    raise ConfigError("--screenshot: no Chromium found (chromium, chromium-browser, google-chrome); "
+                      "install Debian's chromium (apt-get install chromium) or leave out --screenshot")
+
+
+def screenshot(page: Path, png: Path, width: int = 1280, height: int = 2400, timeout: float = 120) -> Path:
+    """Render `page` with headless Chromium into `png` (no network: the page is self-contained)."""
+    png = Path(png).resolve()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fedsplice-chromium-") as profile:
+        tmp = png.with_name(png.name + ".tmp.png")
+        cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={width},{height}",
+               f"--screenshot={tmp}", Path(page).resolve().as_uri()]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"--screenshot: Chromium did not finish within {timeout:.0f} s") from None
+        if p.returncode != 0 or not tmp.is_file():
+            tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ConfigError(f"--screenshot: Chromium failed (exit {p.returncode}): {tail}")
+        tmp.replace(png)
+    return png
+
+
+def ink(png: Path) -> float:
+    """Share of pixels that are not near-white: a blank (failed) render gives about 0."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    a = mpimg.imread(png)[..., :3]
+    return float(np.mean(a.min(axis=-1) < 0.9))

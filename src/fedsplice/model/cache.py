@@ -1,0 +1,105 @@
+"""Caches of frozen work (DESIGN §7): per-text arrays the frozen backbone computes the same way
+every time — hidden states below the first adapted layer, frozen input features.
+
+A cache is addressed by a namespace (what computed it: backbone fingerprint, PEFT placement,
+tokenizer settings) and, inside it, by the text itself, so an entry can only be found by the
+exact computation that made it. The frozen-prefix cache can outgrow memory, so it has a byte
+budget (past it, entries are computed afresh each time, never evicted: a run's speed does not
+depend on access order) and may live on disk as memory-mapped .npy files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedsplice.data.assets import atomic_write_bytes
+
+
+def fingerprint(tensors) -> str:
+    """sha256 of the bytes of frozen tensors (the weights a cached computation depends on)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class FrozenCache:
+    def __init__(self, namespace: dict, budget_bytes: int, root: str | Path = ""):
+        blob = json.dumps(namespace, sort_keys=True).encode()
+        self.key = hashlib.sha256(blob).hexdigest()[:20]
+        self.budget, self.used = budget_bytes, 0
+        self.hits = self.misses = 0
+        self._mem: dict[str, np.ndarray] = {}
+        self.dir = Path(root) / self.key if root else None
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.dir / "namespace.json", json.dumps(namespace, indent=1, sort_keys=True).encode())
+            self.used = sum(p.stat().st_size for p in self.dir.glob("*.npy"))
+
+    def _path(self, text: str) -> Path:
+        return self.dir / (hashlib.sha256(text.encode()).hexdigest() + ".npy")
+
+    def get(self, text: str) -> np.ndarray | None:
+        a = self._mem.get(text)
+        if a is None and self.dir is not None:
+            p = self._path(text)
+            if p.exists():
+                a = self._mem[text] = np.load(p, mmap_mode="r")  # paged in by the OS, not held
+        if a is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return a
+
+    def put(self, text: str, value: torch.Tensor) -> bool:
+        """Keep `value` if the budget allows; False when it did not fit."""
+        a = value.detach().cpu().numpy().astype(np.float32, copy=False)
+        if self.used + a.nbytes > self.budget:
+            return False
+        self.used += a.nbytes
+        if self.dir is None:
+            self._mem[text] = a.copy()
+        else:
+            buf = io.BytesIO()
+            np.save(buf, a)
+            atomic_write_bytes(self._path(text), buf.getvalue())
+            self._mem[text] = np.load(self._path(text), mmap_mode="r")
+        return True
+
+    def rows(self, texts: list[str], compute) -> list[torch.Tensor]:
+        """One tensor per text: cached, or from `compute(missing texts)` (one row per text) and
+        kept if the budget allows."""
+        rows = [self.get(t) for t in texts]
+        miss = [i for i, r in enumerate(rows) if r is None]
+        if miss:
+            for i, v in zip(miss, compute([texts[i] for i in miss])):
+                rows[i] = v
+                self.put(texts[i], v)
+        return [r if torch.is_tensor(r) else torch.from_numpy(np.array(r)) for r in rows]
+
+    def stats(self) -> dict:
+        return {"entries": len(self._mem), "bytes": self.used, "hits": self.hits, "misses": self.misses}
+
+
+class TokenCache:
+    """Tokenized inputs, per text: padding a batch from them gives the tokenizer's own batch."""
+
+    def __init__(self, tokenizer, max_length: int, enabled: bool = True):
+        self.tok, self.max_length, self.enabled = tokenizer, max_length, enabled
+        self._ids: dict[str, dict] = {}
+
+    def __call__(self, texts: list[str]):
+        if not self.enabled:
+            return self.tok(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        new = [t for t in dict.fromkeys(texts) if t not in self._ids]
+        if new:
+            enc = self.tok(new, truncation=True, max_length=self.max_length)
+            for i, t in enumerate(new):
+                self._ids[t] = {k: v[i] for k, v in enc.items()}
+        return self.tok.pad([self._ids[t] for t in texts], padding=True, return_tensors="pt")

@@ -1,0 +1,331 @@
+"""`FlowerTransport`: the round loop's fit/evaluate calls, carried by Flower messages.
+
+`simulation.run_rounds` is the one round loop (validation, retries, min_replies, aggregation,
+server optimizer); a runtime only moves tasks and results. This transport runs inside the
+ServerApp and turns `fit(rnd, cids, down)` into one "train" message per SuperNode that serves
+any of `cids` (the GLOBAL tensors once, as an ArrayRecord, plus the round and the client ids),
+and each reply back into one `Reply` per client. No math here.
+
+Which SuperNode serves which client: at the first call every connected SuperNode is asked (a
+"query" message) for its `partition-id` and `num-partitions` (its node config); node p of n
+serves the training clients with `cid % n == p` (n = data.num_clients: one client per node,
+Flower's own convention; fewer nodes each serve several clients).
+
+Faults never raise here: a node that does not answer before `server.round_deadline_s` gives
+`late` replies; a Flower error reply (ClientApp exception, node unavailable) or a node that is
+gone gives replies with `error` set; an ArrayRecord that cannot be read, or data that differs
+from the server's partition, too. The round loop then counts, retries or skips as it does for
+the simulation. Every such event is also logged to events.jsonl with the node id. A node that
+missed a deadline or was reported unavailable is not asked again in this run.
+
+Every message sent and received is weighed (records.weigh) and audited: wire.jsonl gets the
+names in every ArrayRecord and a byte scan of the serialized message for every PRIVATE name.
+A reply whose bytes contain a PRIVATE name is refused whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+from fedsplice.core import wire
+from fedsplice.federation.experiment import Experiment
+from fedsplice.runtimes.flower.records import RecordError, decode, finite_json, scan, split_bytes, to_record, weigh
+from fedsplice.core.robust import check_update
+from fedsplice.federation.simulation import Reply
+
+GLOBAL_KEY, TASK_KEY, RESULT_KEY, UP_PREFIX = "global", "task", "result", "up."
+
+
+class FlowerRuntimeError(RuntimeError):
+    """The Flower run cannot start or go on (no nodes, nobody to evaluate); the message says why."""
+
+
+class JsonLog:
+    """Append-only JSON lines (events.jsonl, wire.jsonl); a fresh file per run."""
+
+    def __init__(self, path: Path, echo: Callable[[str], None] | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")
+        self.echo = echo
+        self.count = 0
+
+    def __call__(self, record: dict) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=finite_json) + "\n")
+        self.count += 1
+        if self.echo:
+            self.echo(f"[fedsplice] {record.get('event', '')}: " +
+                      ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("time", "event")))
+
+
+def client_fingerprint(exp: Experiment, cid: int) -> str:
+    """A hash of a client's training and local test data, so the server can tell that a
+    SuperNode built the same partition as it did (same data, same seed)."""
+    d, c = exp.data, exp.clients[cid]
+    h = hashlib.sha256()
+    for i in c.train_idx.tolist():
+        h.update(d.train_texts[i].encode())
+        h.update(b"\x00%d\x01" % int(d.train_labels[i]))
+    h.update(b"|")
+    for i in c.test_idx.tolist():
+        h.update(d.test_texts[i].encode())
+        h.update(b"\x00%d\x01" % int(d.test_labels[i]))
+    return h.hexdigest()
+
+
+def owned(cid: int, partition_id: int, num_partitions: int) -> bool:
+    return cid % num_partitions == partition_id
+
+
+class FlowerTransport:
+    def __init__(self, grid, exp: Experiment, *, events: JsonLog, audit: JsonLog, min_nodes: int = 1,
+                 node_wait_s: float = 300.0, say: Callable[[str], None] = print, poll_s: float = 0.5):
+        self.grid, self.exp = grid, exp
+        deadline = exp.cfg.server.round_deadline_s
+        self.deadline = deadline if deadline > 0 else None  # None: wait for every reply
+        self.min_nodes, self.node_wait_s = min_nodes, node_wait_s
+        self.events, self.audit, self.say, self.poll_s = events, audit, say, poll_s
+        self.owner: dict[int, int] | None = None  # cid -> node id
+        self.gone: set[int] = set()  # nodes not asked again
+        self.private = set(exp.private_names)
+        self.like = {n: exp.init_params[n] for n in exp.global_names}
+        self.fingerprints = {c: client_fingerprint(exp, c) for c in exp.train_ids}
+        self.round = 0  # the last round trained; an evaluation is of the model after it
+        self._reference: dict = {}  # the GLOBAL tensors sent in the current round
+        self._sent: dict[int, int] = {}  # node -> bytes of the message just sent to it
+        # Flower-measured bytes vs the simulation's safetensors payload of the same tensors
+        self.totals = {"messages": 0, "up_bytes": 0, "down_bytes": 0, "up_payload_bytes": 0,
+                       "down_payload_bytes": 0, "up_tensors": 0, "eval_down_bytes": 0, "eval_up_bytes": 0}
+
+    # ------------------------------------------------------------------ nodes
+
+    def _connect(self) -> None:
+        t0 = time.monotonic()
+        while True:
+            nodes = sorted(self.grid.get_node_ids())
+            if len(nodes) >= self.min_nodes:
+                break
+            if time.monotonic() - t0 > self.node_wait_s:
+                raise FlowerRuntimeError(
+                    f"only {len(nodes)} SuperNode(s) connected after {self.node_wait_s:.0f}s, "
+                    f"{self.min_nodes} needed (runtime.num_supernodes); check the SuperNodes' logs")
+            time.sleep(self.poll_s)
+        self.say(f"[fedsplice] {len(nodes)} SuperNode(s) connected after {time.monotonic() - t0:.1f}s")
+        parts: dict[int, tuple[int, int]] = {}
+        for node, (rep, err, _) in self._exchange(MessageType.QUERY, "query", {n: [] for n in nodes},
+                                                  None, 0).items():
+            if err:
+                self._event("node_query_failed", node, [], err)
+                continue
+            self._audit("up", "query", 0, node, [], rep, weigh(rep))
+            rec = rep.content.config_records[RESULT_KEY]
+            parts[node] = (int(rec["partition-id"]), int(rec["num-partitions"]))
+        if not parts:
+            raise FlowerRuntimeError("no SuperNode answered the partition query; see events.jsonl")
+        counts = sorted({n for _, n in parts.values()})
+        if len(counts) > 1:
+            raise FlowerRuntimeError(f"SuperNodes disagree on num-partitions: {counts}; give every "
+                                     "SuperNode the same num-partitions in its --node-config")
+        seen: dict[int, int] = {}
+        for node, (p, _) in sorted(parts.items()):
+            if p in seen:
+                raise FlowerRuntimeError(f"SuperNodes {seen[p]} and {node} both have partition-id={p}")
+            seen[p] = node
+        self.owner = {cid: node for cid in self.exp.train_ids for node, (p, n) in parts.items()
+                      if owned(cid, p, n)}
+        unserved = [c for c in self.exp.train_ids if c not in self.owner]
+        if unserved:
+            self._event("clients_unserved", 0, unserved,
+                        "no connected SuperNode has partition-id = cid % num-partitions for them; "
+                        "they are treated as dropped")
+        by_node: dict[int, list[int]] = {}
+        for cid, node in sorted(self.owner.items()):
+            by_node.setdefault(node, []).append(cid)
+        for node, cids in by_node.items():
+            p, n = parts[node]
+            self.say(f"[fedsplice] SuperNode {node}: partition {p}/{n}, clients {cids}")
+
+    def _event(self, event: str, node: int, cids: list[int], detail: str, rnd: int | None = None) -> None:
+        rec: dict = {"event": event}
+        if rnd is not None:
+            rec["round"] = rnd
+        rec.update(node_id=node, cids=cids, detail=detail)
+        self.events(rec)
+
+    def _group(self, cids: list[int], kind: str, rnd: int) -> tuple[dict[int, list[int]], dict[int, str]]:
+        """node -> its clients among `cids`; cid -> why it cannot be asked."""
+        if self.owner is None:
+            self._connect()
+        online = set(self.grid.get_node_ids())
+        by_node: dict[int, list[int]] = {}
+        skipped: dict[int, str] = {}
+        for cid in cids:
+            node = self.owner.get(cid)
+            why = ("no SuperNode serves this client" if node is None
+                   else f"SuperNode {node} missed a deadline or became unavailable earlier"
+                   if node in self.gone else f"SuperNode {node} is offline" if node not in online else "")
+            if why:
+                skipped[cid] = why
+                self._event("client_skipped", node or 0, [cid], f"{kind}: {why}", rnd)
+            else:
+                by_node.setdefault(node, []).append(cid)
+        return by_node, skipped
+
+    # ------------------------------------------------------------------ messages
+
+    def _exchange(self, kind: str, group: str, by_node: dict[int, list[int]], global_params: dict | None,
+                  rnd: int) -> dict[int, tuple[Message | None, str, bool]]:
+        """One message per node; node -> (reply, error text, late)."""
+        nodes = list(by_node)
+        if not nodes:
+            return {}
+        record = to_record(global_params) if global_params is not None else None
+        msgs = []
+        self._sent = {}
+        for node in nodes:
+            content = RecordDict({TASK_KEY: ConfigRecord({"round": rnd, "cids": list(by_node[node])})})
+            if record is not None:
+                content[GLOBAL_KEY] = record
+            msg = Message(content, dst_node_id=node, message_type=kind, group_id=group,
+                          ttl=self.deadline or 12 * 3600.0)
+            w = weigh(msg)
+            self._audit("down", kind, rnd, node, by_node[node], msg, w)
+            self._sent[node] = w.total
+            msgs.append(msg)
+        out: dict[int, tuple[Message | None, str, bool]] = {}
+        pending: dict[str, int] = {}
+        for node, mid in zip(nodes, self.grid.push_messages(msgs)):
+            if mid is None:
+                out[node] = (None, f"the SuperLink refused the message to SuperNode {node}", False)
+            else:
+                pending[mid] = node
+        self.totals["messages"] += len(msgs)
+        end = None if self.deadline is None else time.monotonic() + self.deadline
+        while pending and (end is None or time.monotonic() < end):
+            for rep in self.grid.pull_messages(list(pending)):
+                node = pending.pop(rep.metadata.reply_to_message_id, None)
+                if node is None:
+                    continue
+                self.totals["messages"] += 1
+                if rep.has_error():
+                    err = f"SuperNode {node}: Flower error {rep.error.code}: {rep.error.reason}"
+                    if "unavailable" in str(rep.error.reason).lower():
+                        self.gone.add(node)
+                    out[node] = (rep, err, False)
+                else:
+                    out[node] = (rep, "", False)
+            if pending:
+                time.sleep(self.poll_s)
+        for node in pending.values():
+            self.gone.add(node)
+            out[node] = (None, f"SuperNode {node}: no reply within server.round_deadline_s="
+                         f"{self.deadline:g}s; not asked again in this run", True)
+        for node, (_, err, _) in out.items():
+            if err:
+                self._event("reply_dropped", node, by_node[node], f"{kind}: {err}", rnd)
+        return out
+
+    def _audit(self, direction: str, kind: str, rnd: int, node: int, cids: list[int], msg: Message, w) -> list[str]:
+        arrays = {k: sorted(r.keys()) for k, r in msg.content.array_records.items()} if msg.has_content() else {}
+        hits = scan(w.blob, self.private)
+        self.audit({"dir": direction, "kind": kind, "round": rnd, "node_id": node, "cids": cids,
+                    "bytes": w.total, "records": w.per_record, "arrays": arrays, "private_hits": hits,
+                    # the same scan for GLOBAL names: shows the scan sees the names that do travel
+                    "global_hits": len(scan(w.blob, set(self.like)))})
+        return hits
+
+    def _result(self, kind: str, rnd: int, node: int, cids: list[int], rep: Message):
+        """Weigh and audit a reply; its result table, or an error text."""
+        w = weigh(rep)
+        hits = self._audit("up", kind, rnd, node, cids, rep, w)
+        if hits:
+            return w, None, f"SuperNode {node}: the reply's serialized bytes contain PRIVATE name {hits[0]}"
+        try:
+            return w, json.loads(rep.content.config_records[RESULT_KEY]["json"]), ""
+        except Exception as e:  # noqa: BLE001 - a malformed reply is refused, never a crash
+            return w, None, f"SuperNode {node}: malformed result record ({type(e).__name__}: {e})"
+
+    # ------------------------------------------------------------------ the transport API
+
+    def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]:
+        self.round = rnd
+        by_node, skipped = self._group(cids, "train", rnd)
+        self._reference = wire.decode(down)
+        got = self._exchange(MessageType.TRAIN, str(rnd), by_node, self._reference, rnd)
+        replies: dict[int, Reply] = {c: Reply(c, b"", 0, {}, 0, 0, error=why) for c, why in skipped.items()}
+        for node, (rep, err, late) in got.items():
+            ncids = by_node[node]
+            down_share = dict(zip(ncids, split_bytes(self._sent.get(node, 0), len(ncids))))
+            self.totals["down_bytes"] += sum(down_share.values())
+            self.totals["down_payload_bytes"] += len(down) * len(ncids)
+            if not err and rep is not None:
+                w, res, err = self._result("train", rnd, node, ncids, rep)
+            if err:
+                if rep is not None and not late:
+                    self._event("reply_refused", node, ncids, err, rnd)
+                for c in ncids:
+                    replies[c] = Reply(c, b"", 0, {}, 0, down_share[c], error="" if late else err, late=late)
+                continue
+            per_client = {c: w.per_record.get(f"{UP_PREFIX}{c}", 0) for c in ncids}
+            envelope = dict(zip(ncids, split_bytes(max(w.total - sum(per_client.values()), 0), len(ncids))))
+            for c in ncids:
+                replies[c] = self._client_reply(rnd, node, c, rep, res, per_client[c] + envelope[c], down_share[c])
+        return [replies[c] for c in cids if c in replies]
+
+    def _client_reply(self, rnd: int, node: int, cid: int, rep: Message, res: dict, up: int, down: int) -> Reply:
+        info = res.get(str(cid))
+        key = f"{UP_PREFIX}{cid}"
+        try:
+            if key not in rep.content.array_records or not isinstance(info, dict):
+                raise RecordError("the reply holds no update for this client")
+            # names, shapes, dtypes and values are the round loop's to check (robust.check_update)
+            tensors = decode(rep.content.array_records[key], self.like)
+            if info.get("fingerprint") != self.fingerprints[cid]:
+                raise RecordError("the SuperNode's data for this client differs from the server's partition "
+                                  "(same dataset and seed on every host?)")
+        except RecordError as e:
+            self._event("reply_refused", node, [cid], str(e), rnd)
+            return Reply(cid, b"", 0, {}, up, down, error=f"SuperNode {node}: {e}")
+        reason = check_update(tensors, self._reference, self.private)
+        if reason:  # the round loop refuses it too (and counts it); here it is logged with the node id
+            self._event("reply_invalid", node, [cid], reason, rnd)
+        payload = wire.encode(tensors)
+        self.totals["up_bytes"] += up
+        self.totals["up_payload_bytes"] += len(payload)
+        self.totals["up_tensors"] += len(tensors)
+        return Reply(cid, payload, len(self.exp.clients[cid].train_idx), info.get("stats", {}), up, down)
+
+    def evaluate(self, cids: list[int], down: bytes) -> list[dict]:
+        rnd = self.round
+        by_node, _ = self._group(cids, "evaluate", rnd)
+        got = self._exchange(MessageType.EVALUATE, f"eval-{rnd}", by_node, wire.decode(down), rnd)
+        metrics: dict[int, dict] = {}
+        for node, (rep, err, _) in got.items():
+            ncids = by_node[node]
+            self.totals["eval_down_bytes"] += self._sent.get(node, 0)
+            if err:
+                continue
+            w, res, err = self._result("evaluate", rnd, node, ncids, rep)
+            self.totals["eval_up_bytes"] += w.total
+            if err:
+                self._event("reply_refused", node, ncids, err, rnd)
+                continue
+            for cid in ncids:
+                m = res.get(str(cid), {}).get("metrics")
+                if isinstance(m, dict):
+                    metrics[cid] = m
+        missing = [c for c in cids if c not in metrics]
+        if missing:
+            self._event("pm_partial", 0, missing, f"PM after round {rnd} averages {len(metrics)} of "
+                        f"{len(cids)} clients", rnd)
+        if not metrics:
+            raise FlowerRuntimeError(f"evaluation after round {rnd}: no SuperNode answered; see events.jsonl")
+        return [metrics[c] for c in cids if c in metrics]
