@@ -19,9 +19,9 @@ import benchmarks._common  # noqa: F401  (offline environment)
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
-    from fedsplice.config import load_config
+    from fedsplice.federation.validate import load_config
     from fedsplice.federation.experiment import build
-    from fedsplice.federation.simulation import run_rounds
+    from fedsplice.runtimes.inprocess import run_rounds
     from fedsplice.federation.store import make_store
 
     cfg = load_config(Path(job["config"]), job.get("set", []))

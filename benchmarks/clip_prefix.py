@@ -36,7 +36,7 @@ def main() -> None:
     import torch
     from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
 
-    from fedsplice.data import zoo
+    from fedsplice.data import tiny, zoo
     from fedsplice.model.taskmodel import TaskModel
     from fedsplice.config import ClientConfig, ExperimentConfig, ModelConfig, PeftConfig
     from fedsplice.data.datasets import load_dataset
@@ -47,7 +47,7 @@ def main() -> None:
     text = CLIPTextConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                           eos_token_id=tok.eos_token_id)
     cfg = CLIPConfig(text_config=text.to_dict(), vision_config=CLIPVisionConfig(patch_size=16).to_dict())
-    zoo._build_seeded(lambda: CLIPModel(cfg), 0).save_pretrained(tmp)
+    tiny.build_seeded(lambda: CLIPModel(cfg), 0).save_pretrained(tmp)
     tok.save_pretrained(tmp)
     zoo.tiny_image_processor(224).save_pretrained(tmp)
 

@@ -46,7 +46,8 @@ from flwr.simulation import run_simulation  # noqa: E402
 
 from fedsplice.algorithms.registry import build_recipe  # noqa: E402
 from fedsplice.model.taskmodel import TaskModel  # noqa: E402
-from fedsplice.config import ExperimentConfig, load_config  # noqa: E402
+from fedsplice.config import ExperimentConfig  # noqa: E402
+from fedsplice.federation.validate import load_config  # noqa: E402
 from fedsplice.data.datasets import load_dataset  # noqa: E402
 from fedsplice.federation.experiment import STREAM_CLIENT, apply_long_tail, build, make_clients, rng  # noqa: E402
 from fedsplice.federation.metrics import classification_metrics  # noqa: E402
@@ -124,7 +125,7 @@ def make_client_app(cfg: ExperimentConfig) -> ClientApp:
         # objective runs an extra frozen forward per step for the zero-shot logits.
         ctx = train_context(lite, cid, received, round=rnd)
         t1 = time.perf_counter()
-        _client_seed(lite, rnd, cid)  # as simulation.client_update: same dropout and data order
+        _client_seed(lite, rnd, cid)  # as simulation.fit_client: same dropout and data order
         new_opt, stats = local_train(
             model, texts, d.train_labels[c.train_idx], cfg=cfg.client, loss_terms=recipe.loss_terms,
             objective=recipe.objective, grad_transform=recipe.grad_transform, ids=c.train_idx,

@@ -38,7 +38,7 @@ def main() -> None:
     import torch
 
     from fedsplice.core import losses
-    from fedsplice.config import load_config
+    from fedsplice.federation.validate import load_config
     from fedsplice.federation.experiment import build
     from fedsplice.algorithms.fedpurel import align_objective, purification
     from fedsplice.core.losses import Orthogonality

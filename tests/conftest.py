@@ -151,7 +151,7 @@ def make_cfg(model_dir, dataset_path, **overrides):
     passed as TOML text, so quote strings: `algorithm='"lora"'`, or use a bare word).
     For an algorithm other than pfadapter the default's (PFAdapter) [method] table is emptied first.
     """
-    from fedsplice.config import load_config
+    from fedsplice.federation.validate import load_config
 
     sets = dict(TINY_BUDGET)
     sets["model.name"] = json.dumps(str(model_dir))

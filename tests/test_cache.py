@@ -8,7 +8,7 @@ from fedsplice.data import zoo
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.federation.experiment import build
-from fedsplice.federation.simulation import run_rounds
+from fedsplice.runtimes.inprocess import run_rounds
 from fedsplice.federation.store import MemoryStore
 
 TEXTS = ["hello world game", "the moon is a plant 3", "sing a song", "a"]

@@ -6,8 +6,9 @@ import torch
 from fedsplice.core import wire
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
-from fedsplice.core.robust import gather
-from fedsplice.federation.simulation import client_update, run_rounds
+from fedsplice.federation.gather import gather
+from fedsplice.federation import fit_client as client_update
+from fedsplice.runtimes.inprocess import run_rounds
 from fedsplice.federation.store import MemoryStore
 
 
@@ -115,7 +116,7 @@ def test_gather_decodes_a_coded_upload_against_what_was_sent(cfg):
 
     class T:
         def fit(self, rnd, cids, down):
-            from fedsplice.federation.simulation import Reply
+            from fedsplice.federation import Reply
             out = []
             for c in cids:
                 up, st = client_update(exp, MemoryStore(), c, rnd, down)

@@ -7,14 +7,14 @@ import pytest
 from fedsplice.config import (
     DEFAULT_CONFIG,
     ExperimentConfig,
-    _parse_value,
     apply_overrides,
     from_dict,
-    load_config,
+    parse_value,
     read_toml,
     to_dict,
 )
 from fedsplice.errors import ConfigError
+from fedsplice.federation.validate import load_config  # parse + leaf checks + the cross-checks
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -156,7 +156,7 @@ def test_method_field_the_algorithm_does_not_take():
     ("{}", {}), ("{mu = 0.1}", {"mu": 0.1}),
 ])
 def test_set_value_parsing(text, value):
-    got = _parse_value(text)
+    got = parse_value(text)
     assert got == value and type(got) is type(value)
 
 

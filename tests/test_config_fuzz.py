@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fedsplice.app.cli import main
-from fedsplice.config import ExperimentConfig, load_config
+from fedsplice.config import ExperimentConfig
+from fedsplice.federation.validate import load_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 SHIPPED = [tomllib.loads(p.read_text()) for p in CONFIGS]
@@ -178,12 +179,12 @@ def _tiny_args(tiny_bert_dir, toy_jsonl):
 @pytest.fixture
 def no_training(monkeypatch):
     """Fail the test if a client ever trains."""
-    from fedsplice.federation import simulation
+    from fedsplice.runtimes import inprocess as simulation
 
     def boom(*a, **k):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(simulation, "client_update", boom)
+    monkeypatch.setattr(simulation, "fit_client", boom)
 
 
 def _one_line(argv) -> str:

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from fedsplice.core import robust
-from fedsplice.federation import simulation
+from fedsplice.runtimes import inprocess as simulation
 from fedsplice.core import wire
 from fedsplice.federation.experiment import build
 from fedsplice.core.server import weighted_mean
-from fedsplice.federation.simulation import InProcess, Reply, run_rounds
+from fedsplice.federation import Reply
+from fedsplice.runtimes.inprocess import InProcess, run_rounds
 from fedsplice.federation.store import MemoryStore
 
 POISONED = 3
@@ -61,7 +62,7 @@ def _strip(records):
 def test_dropout_and_a_poisoned_client(cfg, monkeypatch):
     """30% dropout + one client that sends NaN (odd rounds) or a huge update (even rounds):
     the run finishes, exactly the poisoned updates are rejected, and every metric is finite."""
-    orig = simulation.client_update
+    orig = simulation.fit_client
     sent = {}  # (round, cid) -> "nan" | "norm", for every poisoned upload that left the client
 
     def poisoned(exp, store, cid, rnd, down):
@@ -79,7 +80,7 @@ def test_dropout_and_a_poisoned_client(cfg, monkeypatch):
             sent[(rnd, cid)] = "norm"
         return wire.encode(t), st
 
-    monkeypatch.setattr(simulation, "client_update", poisoned)
+    monkeypatch.setattr(simulation, "fit_client", poisoned)
     c = cfg(faults__dropout="0.3", server__update_norm_bound=str(BOUND))
     exp, store, records, final = _run(c)
     assert set(sent.values()) == {"nan", "norm"}, sent  # the setup exercises both attacks
@@ -113,13 +114,13 @@ def test_dropout_and_a_poisoned_client(cfg, monkeypatch):
 
 def test_faults_are_seeded_and_dropped_clients_do_not_train(cfg, monkeypatch):
     calls = []
-    orig = simulation.client_update
+    orig = simulation.fit_client
 
     def spy(exp, store, cid, rnd, down):
         calls.append((rnd, cid))
         return orig(exp, store, cid, rnd, down)
 
-    monkeypatch.setattr(simulation, "client_update", spy)
+    monkeypatch.setattr(simulation, "fit_client", spy)
     c = cfg(faults__dropout="0.4", server__rounds="3")
     _, _, a, _ = _run(c)
     first_calls = list(calls)
@@ -143,8 +144,8 @@ class Recording:
         self.asked.append((rnd, list(cids)))
         return self.inner.fit(rnd, cids, down)
 
-    def evaluate(self, cids, down):
-        return self.inner.evaluate(cids, down)
+    def run(self, task, cids, down):
+        return self.inner.run(task, cids, down)
 
 
 def test_below_min_replies_retries_then_skips_never_crashes(cfg):
@@ -195,7 +196,7 @@ def test_stragglers_are_late_and_their_work_is_discarded(cfg):
     never = {cid for _, cid in late} - trained
     assert all(store.get(cid) is None for cid in never)  # a late client's PRIVATE state is untouched
     # a deadline above the stragglers' delay makes nobody late (checked by the config: an error)
-    from fedsplice.config import load_config
+    from fedsplice.federation.validate import load_config
     from fedsplice.errors import ConfigError
 
     with pytest.raises(ConfigError, match="round_deadline_s"):
@@ -225,8 +226,8 @@ class FlakyTransport:
         out.append(Reply(e.cid, e.payload, 0, e.stats, e.up_bytes, e.down_bytes))  # bad sample count
         return out
 
-    def evaluate(self, cids, down):
-        return self.inner.evaluate(cids, down)
+    def run(self, task, cids, down):
+        return self.inner.run(task, cids, down)
 
 
 def test_failures_from_any_transport_flow_through_the_same_loop(cfg):
@@ -268,7 +269,7 @@ def test_missing_replies_with_retry(cfg):
 
 
 def test_median_aggregation_survives_a_huge_update_without_a_bound(cfg, monkeypatch):
-    orig = simulation.client_update
+    orig = simulation.fit_client
 
     def huge(exp, store, cid, rnd, down):
         up, st = orig(exp, store, cid, rnd, down)
@@ -276,7 +277,7 @@ def test_median_aggregation_survives_a_huge_update_without_a_bound(cfg, monkeypa
             up = wire.encode({k: v * 1e6 for k, v in wire.decode(up).items()})
         return up, st
 
-    monkeypatch.setattr(simulation, "client_update", huge)
+    monkeypatch.setattr(simulation, "fit_client", huge)
     exp, _, records, final = _run(cfg(server__aggregation='"median"', server__rounds="2"))
     assert any(POISONED in r["clients"] for r in records[1:])  # accepted (no bound) ...
     g = torch.cat([t.flatten() for t in final["global_params"].values()])

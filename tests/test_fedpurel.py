@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from fedsplice.algorithms import fedpurel as fp
-from fedsplice.federation import simulation
+from fedsplice.core import purify as PU
+from fedsplice.core import tkl as T
+from fedsplice.runtimes import inprocess as simulation
 from fedsplice.core import wire
 from fedsplice.federation.experiment import build
-from fedsplice.federation.simulation import train_context
+from fedsplice.federation.tasks import train_context
 from fedsplice.federation.train import local_train
 
 # ----------------------------------------------------------------------------- temperature
@@ -28,8 +30,8 @@ def _entropy_by_hand(a: torch.Tensor) -> torch.Tensor:
 def test_entropy_matches_definition():
     g = torch.Generator().manual_seed(0)
     a = torch.randn(8, 19, generator=g, dtype=torch.float64) * 3
-    assert torch.allclose(fp.entropy(a), _entropy_by_hand(a), atol=1e-12)
-    assert fp.entropy(torch.zeros(2, 19, dtype=torch.float64)) == pytest.approx(math.log(19))
+    assert torch.allclose(T.entropy(a), _entropy_by_hand(a), atol=1e-12)
+    assert T.entropy(torch.zeros(2, 19, dtype=torch.float64)) == pytest.approx(math.log(19))
 
 
 @pytest.mark.parametrize("scale", [0.3, 1.0, 5.0, 20.0, 80.0])
@@ -37,16 +39,16 @@ def test_bisection_hits_target_entropy(scale):
     g = torch.Generator().manual_seed(int(scale * 10))
     a = (torch.randn(64, 19, generator=g) * scale).double()
     # reachable range of each row: H at τ = 0.05 (coldest) .. τ = 20 (hottest)
-    h_cold = fp.entropy(a / fp.TAU_MIN)
-    h_hot = fp.entropy(a / fp.TAU_MAX)
+    h_cold = T.entropy(a / T.TAU_MIN)
+    h_hot = T.entropy(a / T.TAU_MAX)
     u = torch.rand(64, generator=g, dtype=torch.float64) * 0.9 + 0.05
     target = h_cold + u * (h_hot - h_cold)
-    tau = fp.temperature_for_entropy(a, target)
+    tau = T.temperature_for_entropy(a, target)
     assert tau.shape == (64,)
-    assert ((tau >= fp.TAU_MIN) & (tau <= fp.TAU_MAX)).all()
-    assert (fp.entropy(a / tau.unsqueeze(-1)) - target).abs().max() < 1e-4
+    assert ((tau >= T.TAU_MIN) & (tau <= T.TAU_MAX)).all()
+    assert (T.entropy(a / tau.unsqueeze(-1)) - target).abs().max() < 1e-4
     # in float32 too (the dtype of logits in training)
-    tau32 = fp.temperature_for_entropy(a.float(), target.float())
+    tau32 = T.temperature_for_entropy(a.float(), target.float())
     assert tau32.dtype == torch.float32
     assert (_entropy_by_hand(a / tau32.double().unsqueeze(-1)) - target).abs().max() < 1e-4
 
@@ -56,29 +58,29 @@ def test_bisection_recovers_known_temperature():
     a = torch.randn(64, 19, generator=g, dtype=torch.float64) * 4
     log_tau = torch.empty(64, dtype=torch.float64).uniform_(math.log(0.1), math.log(10), generator=g)
     true_tau = torch.exp(log_tau)
-    target = fp.entropy(a / true_tau.unsqueeze(-1))
-    tau = fp.temperature_for_entropy(a, target)
+    target = T.entropy(a / true_tau.unsqueeze(-1))
+    tau = T.temperature_for_entropy(a, target)
     assert torch.allclose(tau, true_tau, rtol=1e-5)
 
 
 def test_bisection_clamps_unreachable_targets():
     a = torch.tensor([[3.0, 0.0, -1.0], [3.0, 0.0, -1.0]], dtype=torch.float64)
-    tau = fp.temperature_for_entropy(a, torch.tensor([10.0, 0.0], dtype=torch.float64))
-    assert tau[0] == pytest.approx(fp.TAU_MAX, rel=1e-6)  # above log C: hottest
-    assert tau[1] == pytest.approx(fp.TAU_MIN, rel=1e-6)  # below H at τ_min: coldest
+    tau = T.temperature_for_entropy(a, torch.tensor([10.0, 0.0], dtype=torch.float64))
+    assert tau[0] == pytest.approx(T.TAU_MAX, rel=1e-6)  # above log C: hottest
+    assert tau[1] == pytest.approx(T.TAU_MIN, rel=1e-6)  # below H at τ_min: coldest
 
 
 def test_bisection_keeps_the_logits_device():
     a = torch.randn(4, 19, device="meta")
-    assert fp.temperature_for_entropy(a, torch.ones(4, device="meta")).device.type == "meta"
-    assert fp.tkl(a, torch.randn(4, 19, device="meta")).device.type == "meta"
+    assert T.temperature_for_entropy(a, torch.ones(4, device="meta")).device.type == "meta"
+    assert T.tkl(a, torch.randn(4, 19, device="meta")).device.type == "meta"
 
 
 def test_aligned_temperatures_reach_mean_entropy():
     g = torch.Generator().manual_seed(2)
     f = torch.randn(64, 19, generator=g) * 6
     z = torch.randn(64, 19, generator=g) * 1.5
-    tf, tz = fp.aligned_temperatures(f, z)
+    tf, tz = T.aligned_temperatures(f, z)
     h_star = 0.5 * (_entropy_by_hand(f.double()) + _entropy_by_hand(z.double()))
     assert (_entropy_by_hand(f.double() / tf.double().unsqueeze(-1)) - h_star).abs().max() < 1e-4
     assert (_entropy_by_hand(z.double() / tz.double().unsqueeze(-1)) - h_star).abs().max() < 1e-4
@@ -102,10 +104,10 @@ def test_tkl_equals_plain_kl_when_entropies_match():
     # f: a per-row permutation of z's logits -> same entropy, different distribution
     perm = torch.stack([torch.randperm(19, generator=g) for _ in range(64)])
     f = torch.gather(z, 1, perm)
-    tf, tz = fp.aligned_temperatures(f, z)
+    tf, tz = T.aligned_temperatures(f, z)
     assert torch.allclose(tf, torch.ones_like(tf), atol=1e-6)
     assert torch.allclose(tz, torch.ones_like(tz), atol=1e-6)
-    got = fp.tkl(f, z)
+    got = T.tkl(f, z)
     want = _kl_by_hand(z, f)
     assert (want > 0.1).all()  # not a vacuous comparison
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
@@ -115,9 +117,9 @@ def test_tkl_unaligned_is_plain_kl():
     g = torch.Generator().manual_seed(4)
     f = torch.randn(64, 19, generator=g, dtype=torch.float64) * 5
     z = torch.randn(64, 19, generator=g, dtype=torch.float64)
-    assert torch.allclose(fp.tkl(f, z, aligned=False), _kl_by_hand(z, f), atol=1e-10)
+    assert torch.allclose(T.tkl(f, z, aligned=False), _kl_by_hand(z, f), atol=1e-10)
     # and aligned differs from it when confidences differ
-    assert not torch.allclose(fp.tkl(f, z), _kl_by_hand(z, f), atol=1e-3)
+    assert not torch.allclose(T.tkl(f, z), _kl_by_hand(z, f), atol=1e-3)
 
 
 def test_tkl_ignores_a_pure_confidence_change():
@@ -125,8 +127,8 @@ def test_tkl_ignores_a_pure_confidence_change():
     g = torch.Generator().manual_seed(5)
     z = torch.randn(64, 19, generator=g, dtype=torch.float64)
     f = 3 * z
-    assert fp.tkl(f, z, aligned=False).mean() > 0.3
-    assert fp.tkl(f, z).abs().max() < 1e-6
+    assert T.tkl(f, z, aligned=False).mean() > 0.3
+    assert T.tkl(f, z).abs().max() < 1e-6
 
 
 def test_tkl_temperatures_carry_no_gradient():
@@ -134,9 +136,9 @@ def test_tkl_temperatures_carry_no_gradient():
     f0 = torch.randn(32, 19, generator=g, dtype=torch.float64) * 4
     z = torch.randn(32, 19, generator=g, dtype=torch.float64) * 2
     f = f0.clone().requires_grad_(True)
-    (grad_auto,) = torch.autograd.grad(fp.tkl(f, z).sum(), f)
+    (grad_auto,) = torch.autograd.grad(T.tkl(f, z).sum(), f)
     # manual: τ's as constants, KL(softmax(z/τz) ‖ softmax(f/τf)) differentiated by hand
-    tf, tz = fp.aligned_temperatures(f0, z)
+    tf, tz = T.aligned_temperatures(f0, z)
     pz = torch.softmax(z / tz[:, None], -1)
     pf = torch.softmax(f0 / tf[:, None], -1)
     grad_manual = (pf - pz) / tf[:, None]
@@ -148,7 +150,7 @@ def test_tkl_temperatures_carry_no_gradient():
     assert torch.allclose(grad_auto, grad_const, atol=1e-10)
     # no gradient reaches z either (the zero-shot side is a fixed target)
     zr = z.clone().requires_grad_(True)
-    fp.tkl(f0.clone().requires_grad_(True), zr).sum().backward()
+    T.tkl(f0.clone().requires_grad_(True), zr).sum().backward()
     assert zr.grad is None
 
 
@@ -158,7 +160,7 @@ def test_tkl_temperatures_carry_no_gradient():
 def test_project_two_d_by_hand():
     g_task = torch.tensor([1.0, 0.0])
     g_align = torch.tensor([-1.0, 1.0])
-    out, hit = fp.project(g_task, g_align)
+    out, hit = PU.project(g_task, g_align)
     # ⟨g_t, g_a⟩ = -1, ‖g_a‖² = 2: g̃ = [1, 0] + ½·[-1, 1]
     assert hit is True
     assert out.tolist() == [0.5, 0.5]
@@ -169,9 +171,9 @@ def test_project_keeps_non_conflicting_gradient_exactly():
     g_task = torch.tensor([1.0, 2.0, -3.0])
     for g_align in (torch.tensor([1.0, 1.0, 1.0]), torch.tensor([3.0, 0.0, 1.0]), torch.zeros(3)):
         # dots 0 (orthogonal: kept), 0, and a zero align gradient
-        out, hit = fp.project(g_task, g_align)
+        out, hit = PU.project(g_task, g_align)
         assert hit is False and torch.equal(out, g_task)
-    out, hit = fp.project(g_task, torch.tensor([1.0, 1.0, 0.0]))  # dot 3 > 0
+    out, hit = PU.project(g_task, torch.tensor([1.0, 1.0, 0.0]))  # dot 3 > 0
     assert hit is False and torch.equal(out, g_task)
 
 
@@ -181,7 +183,7 @@ def test_project_random_invariants():
     for _ in range(200):
         gt = torch.randn(50, generator=g, dtype=torch.float64)
         ga = torch.randn(50, generator=g, dtype=torch.float64)
-        out, hit = fp.project(gt, ga)
+        out, hit = PU.project(gt, ga)
         dot = float(gt @ ga)
         assert float(out @ ga) >= -1e-10  # never opposes g_align
         if dot >= 0:
@@ -205,7 +207,7 @@ def _grads(conflict_second: bool):
 
 
 def test_purification_per_tensor_projects_only_conflicting_tensor():
-    out, stats = fp.purification("tensor")(_grads(conflict_second=False))
+    out, stats = PU.purification("tensor")(_grads(conflict_second=False))
     assert out[0].tolist() == [0.5, 0.5]  # ⟨[1,0],[-1,1]⟩ = -1: projected
     assert out[1].tolist() == [[1.0, 2.0]]  # ⟨[1,2],[1,1]⟩ = 3: untouched
     assert out[1].shape == (1, 2)
@@ -214,23 +216,23 @@ def test_purification_per_tensor_projects_only_conflicting_tensor():
 
 def test_purification_flat_projects_concatenation():
     # same gradients: the concatenation's dot is -1 + 3 = 2 >= 0, so nothing changes
-    out, stats = fp.purification("flat")(_grads(conflict_second=False))
+    out, stats = PU.purification("flat")(_grads(conflict_second=False))
     assert out[0].tolist() == [1.0, 0.0] and out[1].tolist() == [[1.0, 2.0]]
     assert stats == {"purified_steps": 0.0, "purified_tensors": 0.0}
     # second tensor conflicting too: flat dot = -1 - 3 = -4, ‖g_a‖² = 4 -> g̃ = g_t + 1·g_a
-    out, stats = fp.purification("flat")(_grads(conflict_second=True))
+    out, stats = PU.purification("flat")(_grads(conflict_second=True))
     assert out[0].tolist() == [0.0, 1.0]
     assert out[1].tolist() == [[0.0, 1.0]] and out[1].shape == (1, 2)
     assert stats == {"purified_steps": 1.0, "purified_tensors": 1.0}
     # per tensor on the same: [0.5, 0.5] and [1,2] + 1.5·[-1,-1] = [-0.5, 0.5]
-    out, stats = fp.purification("tensor")(_grads(conflict_second=True))
+    out, stats = PU.purification("tensor")(_grads(conflict_second=True))
     assert out[0].tolist() == [0.5, 0.5] and out[1].tolist() == [[-0.5, 0.5]]
     assert stats == {"purified_steps": 1.0, "purified_tensors": 1.0}
 
 
 def test_purification_no_conflict_stats_zero():
     grads = {"task": [torch.ones(3), torch.ones(2, 2)], "align": [torch.ones(3), torch.zeros(2, 2)]}
-    out, stats = fp.purification("tensor")(grads)
+    out, stats = PU.purification("tensor")(grads)
     assert all(torch.equal(a, b) for a, b in zip(out, grads["task"]))
     assert stats == {"purified_steps": 0.0, "purified_tensors": 0.0}
 
@@ -311,7 +313,7 @@ def test_align_objective_one_forward_both_losses(purel_exp):
     assert set(out) == {"task", "align"}
     z = exp.caches["zero_shot"][torch.as_tensor(ids)]
     assert float(out["task"].detach()) == pytest.approx(float(F.cross_entropy(f, y)), rel=1e-5)
-    assert float(out["align"].detach()) == pytest.approx(float(fp.tkl(f, z).mean()), rel=1e-4, abs=1e-8)
+    assert float(out["align"].detach()) == pytest.approx(float(T.tkl(f, z).mean()), rel=1e-4, abs=1e-8)
     assert float(out["align"].detach()) > 1e-3  # the perturbed LoRA moved away from zero-shot
     # both losses hang off the one graph
     assert out["task"].requires_grad and out["align"].requires_grad
@@ -451,17 +453,19 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
 
 
 def _count_local_steps(monkeypatch) -> list[int]:
-    """Record the steps of every local_train call (phase 2 imports it at call time)."""
-    from fedsplice.federation import train as T
+    """Record the steps of every local_train call, under every name the client tasks call it by."""
+    from fedsplice.federation import tasks
+    from fedsplice.federation import train
 
-    steps, orig = [], T.local_train
+    steps, orig = [], train.local_train
 
     def spy(*a, **k):
         out = orig(*a, **k)
         steps.append(out[1]["steps"])
         return out
 
-    monkeypatch.setattr(T, "local_train", spy)
+    for module in (train, tasks):
+        monkeypatch.setattr(module, "local_train", spy)
     return steps
 
 
@@ -500,12 +504,40 @@ def test_personalize_predicts_global_plus_residual(purel_exp, monkeypatch):
 
 
 def test_personal_steps_zero_trains_nothing(purel_exp, monkeypatch):
+    """method.personal_steps = 0: no local step runs, the residual branch stays at its fresh
+    init (bit for bit), and PM is l_G + l_P(fresh init) computed here by hand."""
+    import dataclasses
+
+    from fedsplice.algorithms.recipe import PersonalStage
+    from fedsplice.federation import tasks
+    from fedsplice.federation.store import MemoryStore
+
     exp = purel_exp
     params = exp.model.trainable()
     global_params = {n: params[n].detach().clone() for n in exp.global_names}
+    assert any(not torch.equal(global_params[n], exp.init_params[n]) for n in global_params)  # φ_g ≠ init
     steps = _count_local_steps(monkeypatch)
+    recipe = exp.recipe
+    exp.recipe = dataclasses.replace(recipe, personalize=PersonalStage(fp.residual_objective(0.9), 0))
+    d, cid = exp.data, CID
     try:
-        fp.personalize(exp, global_params, lam=0.9, steps=0)
-    finally:
+        m = tasks.personalize(exp, MemoryStore(), cid, global_params)
+        after = {n: p.detach().clone() for n, p in exp.model.trainable().items()}
+        test = [d.test_texts[i] for i in exp.clients[cid].test_idx]
         exp.model.load_params(global_params)
-    assert all(s == 0 for s in steps)
+        l_g = exp.model.predict(test, 64)
+        exp.model.load_params({n: t.clone() for n, t in exp.init_params.items()})
+        l_p = exp.model.predict(test, 64)
+    finally:
+        exp.recipe = recipe
+        exp.model.load_params(global_params)
+    assert steps == []  # no local_train call at all
+    assert set(after) == set(exp.init_params)
+    for n, t in exp.init_params.items():  # one SGD step at lr 1 would have moved LoRA B
+        assert torch.equal(after[n], t), n
+    labels = d.test_labels[exp.clients[cid].test_idx]
+    pred = (l_g + l_p).argmax(1).numpy()
+    assert m["accuracy"] == pytest.approx(float((pred == labels).mean()))
+    assert m["class_correct"] == np.bincount(labels[pred == labels], minlength=3).tolist()
+    assert m["tkl"] == pytest.approx(float(T.tkl(l_g + l_p, exp.caches["zero_shot_test"][
+        torch.as_tensor(exp.clients[cid].test_idx)]).mean()), rel=1e-5)

@@ -337,7 +337,7 @@ def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
 
     from fedsplice.config import to_dict
     from fedsplice.runtimes.flower.transport import FlowerTransport, JsonLog
-    from fedsplice.federation.simulation import run_rounds
+    from fedsplice.runtimes.inprocess import run_rounds
     from fedsplice.federation.store import MemoryStore
 
     for k, v in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
@@ -358,7 +358,7 @@ def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
 
 
 def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_bert_dir, toy_jsonl):
-    from fedsplice.federation.simulation import run_rounds
+    from fedsplice.runtimes.inprocess import run_rounds
     from fedsplice.federation.store import MemoryStore
 
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl)

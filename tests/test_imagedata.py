@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedsplice.data import images as imagedata
-from fedsplice.data.assets import sha256_file
+from fedsplice.data import imagecache, imagesets
+from fedsplice.data.assets import manifest_digest, sha256_file
 from fedsplice.data.datasets import DATASETS, describe_datasets, load_dataset
-from fedsplice.errors import AssetError, ConfigError
-from fedsplice.data.images import (load_parsed, parse_easyvqa, parse_emoji, parse_fashion_mnist,
-                                 parse_idx, parse_tuxpaint, save_parsed)
+from fedsplice.data.imagecache import load_parsed, save_parsed
+from fedsplice.data.images import decode_image
+from fedsplice.data.imagesets import (parse_easyvqa, parse_emoji, parse_fashion_mnist, parse_idx,
+                                      parse_tuxpaint)
 from fedsplice.data.samples import Sample
+from fedsplice.errors import AssetError, ConfigError
 
 
 def save_png(path: Path, array) -> Path:
@@ -79,9 +81,9 @@ def test_parse_idx_and_fashion(tmp_path):
 
 
 def test_fashion_official_split_and_cache(tmp_cache, monkeypatch):
-    folder = fake_fetched(tmp_cache, "deb/dataset-fashion-mnist", "root/" + imagedata.FASHION_DIR)
+    folder = fake_fetched(tmp_cache, "deb/dataset-fashion-mnist", "root/" + imagesets.FASHION_DIR)
     arrays = make_fashion(folder, np.random.default_rng(1))
-    monkeypatch.setattr(imagedata, "FASHION_SHA256",
+    monkeypatch.setattr(imagesets, "FASHION_SHA256",
                         {f.name: sha256_file(f) for f in folder.iterdir()})
     assert DATASETS["fashion_mnist"].is_fetched()
     ds = load_dataset("fashion_mnist", seed=4, test_per_class=5)
@@ -102,14 +104,14 @@ def test_fashion_official_split_and_cache(tmp_cache, monkeypatch):
         load_dataset("fashion_mnist", seed=4, test_per_class=1).test_texts
     # The parsed npz is reused: the raw files are not read again.
     assert (tmp_cache / "datasets" / "fashion_mnist.npz").exists()
-    monkeypatch.setitem(imagedata.BUILDERS, "fashion_mnist", lambda: 1 / 0)
+    monkeypatch.setitem(imagesets.BUILDERS, "fashion_mnist", lambda: 1 / 0)
     again = load_dataset("fashion_mnist", seed=4, test_per_class=5)
     assert again.train_texts == ds.train_texts and again.test_texts == ds.test_texts
     assert all(np.array_equal(a.image, b.image) for a, b in zip(again.train_texts, ds.train_texts))
 
 
 def test_fashion_checksum_mismatch_names_the_file(tmp_cache):
-    folder = fake_fetched(tmp_cache, "deb/dataset-fashion-mnist", "root/" + imagedata.FASHION_DIR)
+    folder = fake_fetched(tmp_cache, "deb/dataset-fashion-mnist", "root/" + imagesets.FASHION_DIR)
     make_fashion(folder, np.random.default_rng(2))
     with pytest.raises(AssetError, match=r"train-images-idx3-ubyte\.gz: sha256 .* does not match"):
         load_dataset("fashion_mnist")
@@ -157,7 +159,7 @@ def test_emoji_checksums(tmp_cache, monkeypatch):
     make_emoji(pkg)
     with pytest.raises(AssetError, match=r"package/emoji\.json: sha256 .* does not match"):
         load_dataset("emoji")
-    monkeypatch.setattr(imagedata, "EMOJI_JSON_SHA256", sha256_file(pkg / "emoji.json"))
+    monkeypatch.setattr(imagesets, "EMOJI_JSON_SHA256", sha256_file(pkg / "emoji.json"))
     with pytest.raises(AssetError, match=r"img/google/64/\*\.png: 3 files, expected 1906"):
         load_dataset("emoji")
 
@@ -209,13 +211,13 @@ def test_parse_tuxpaint(tmp_path):
 
 
 def test_tuxpaint_manifest_checked(tmp_cache, monkeypatch):
-    stamps = fake_fetched(tmp_cache, "deb/tuxpaint-stamps-default", "root/" + imagedata.TUX_DIR)
+    stamps = fake_fetched(tmp_cache, "deb/tuxpaint-stamps-default", "root/" + imagesets.TUX_DIR)
     make_tuxpaint(stamps)
-    files = [f for pair in imagedata._tux_stamps(stamps) for f in pair]
+    files = [f for pair in imagesets.tux_stamps(stamps) for f in pair]
     assert len(files) == 16  # 8 PNGs + 8 captions
     with pytest.raises(AssetError, match=r"stamps/\*\*/\*\.png \+ \*\.txt: 16 files, expected 1564"):
         load_dataset("tuxpaint")
-    monkeypatch.setattr(imagedata, "TUX_FILES", (16, imagedata.manifest_digest(stamps, files)))
+    monkeypatch.setattr(imagesets, "TUX_FILES", (16, manifest_digest(stamps, files)))
     ds = load_dataset("tuxpaint", test_per_class=1)
     assert ds.class_names == ["animals", "food"] and ds.test_counts().tolist() == [1, 1]
     assert sorted(s.text for s in ds.train_texts + ds.test_texts)[0] == "A cat."
@@ -266,11 +268,10 @@ def test_easyvqa_load_and_no_test_shadowing(tmp_cache, monkeypatch):
     (root / "test").mkdir()
     (root / "test" / "__init__.py").write_text("raise ImportError('stray easy-vqa test')\n")
     data_dir = root / "easy_vqa" / "data"
-    monkeypatch.setattr(imagedata, "EASYVQA_SHA256",
-                        {f: sha256_file(data_dir / f) for f in imagedata.EASYVQA_SHA256})
-    monkeypatch.setattr(imagedata, "EASYVQA_IMAGES", {
-        split: (n, imagedata.manifest_digest(data_dir, [f"{split}/images/{i}.png"
-                                                        for i in range(n)]))
+    monkeypatch.setattr(imagesets, "EASYVQA_SHA256",
+                        {f: sha256_file(data_dir / f) for f in imagesets.EASYVQA_SHA256})
+    monkeypatch.setattr(imagesets, "EASYVQA_IMAGES", {
+        split: (n, manifest_digest(data_dir, [f"{split}/images/{i}.png" for i in range(n)]))
         for split, n in (("train", 2), ("test", 1))})
     ds = load_dataset("easyvqa", test_per_class=5)
     assert ds.class_names == ["circle", "no", "yes"]
@@ -293,7 +294,7 @@ def test_npz_round_trip_and_stale_version(tmp_cache, tmp_path, monkeypatch):
         assert np.array_equal(getattr(back, f), getattr(s, f))
     assert (back.texts, back.class_names, back.source, back.item) == \
         (s.texts, s.class_names, s.source, s.item)
-    monkeypatch.setattr(imagedata, "PARSER_VERSION", imagedata.PARSER_VERSION + 1)
+    monkeypatch.setattr(imagecache, "PARSER_VERSION", imagecache.PARSER_VERSION + 1)
     assert load_parsed("easyvqa") is None
 
 
@@ -426,7 +427,7 @@ def test_listing_all_data_sets_without_fetching(tmp_cache, capsys):
                           "tuxpaint", "easyvqa"]
     assert not any(r["fetched"] for r in rows.values())
     assert {n: (r["modality"], r["classes"], r["n_train"], r["n_test"]) for n, r in rows.items()
-            if n in imagedata.BUILDERS} == {
+            if n in imagesets.BUILDERS} == {
         "fashion_mnist": ("image", 10, 60000, 10000), "emoji": ("image+text", 9, 1906, 0),
         "tuxpaint": ("image+text", 15, 782, 0), "easyvqa": ("image+text", 13, 38575, 9673)}
     from fedsplice.app.cli import main
@@ -458,13 +459,11 @@ def test_real_image_datasets():
     assert ds.num_classes == 13 and len(ds.train_texts) == 38575
     assert ds.test_counts().tolist() == [20] * 13
     assert ds.train_texts[0].image.shape == (64, 64, 3) and ds.train_texts[0].text.endswith("?")
-    for name in imagedata.BUILDERS:
+    for name in imagesets.BUILDERS:
         assert DATASETS[name].is_fetched()
 
 
 def test_exif_rotation_is_applied(tmp_path):
-    from fedsplice.data.images import decode_image
-
     im = Image.fromarray(np.zeros((2, 6, 3), np.uint8))  # 6 wide, 2 high
     exif = Image.Exif()
     exif[0x0112] = 6  # orientation: rotate 90° clockwise to display

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from fedsplice.config import load_config
+from fedsplice.federation.validate import load_config
 from fedsplice.data.datasets import TextDataset
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import apply_long_tail

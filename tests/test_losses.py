@@ -195,6 +195,37 @@ def test_orthogonality_refuses_when_no_size_matches():
     assert [p.form for p in Orthogonality(infos, shapes, scal, ["q"], 0.1).pairs] == ["row"]
 
 
+def test_orthogonality_in_float64_keeps_float64_scales():
+    """Scalings that are not float32 numbers ((0.3·0.3)² = 0.0081 is off by 4e-8 in float32):
+    a float64 run must match the float64 d×d reference to rounding, in both forms."""
+    infos = {f"l0.{r}.{f}": ParamInfo(r, f, "l0", "lora") for r in ("q", "v", "o") for f in ("A", "B")}
+    # q: 6 out x 4 in; v: 3 out x 4 in (row form with q); o: 6 out x 5 in (column form with q)
+    dims = {"q": (6, 4), "v": (3, 4), "o": (6, 5)}
+    scal = {"q": 0.3, "v": 0.7, "o": 1.3}
+    gen = torch.Generator().manual_seed(4)
+    params = {}
+    for r, (out, inp) in dims.items():
+        params[f"l0.{r}.A"], params[f"l0.{r}.B"] = _lora(out, inp, 2, gen)
+    shapes = {n: t.shape for n, t in params.items()}
+    scalings = {n: scal[n.split(".")[1]] for n in params}
+    term = Orthogonality(infos, shapes, scalings, ["q"], 0.1)
+    assert sorted((infos[pr.a_p].role, pr.form) for pr in term.pairs) == [("o", "column"), ("v", "row")]
+    want = 0.1 * sum(float(ortho_naive(params["l0.q.A"], params["l0.q.B"], params[f"l0.{p}.A"], params[f"l0.{p}.B"],
+                                       scal["q"], scal[p], form))
+                     for p, form in (("v", "row"), ("o", "column")))
+    got = term(params)
+    assert got.dtype == torch.float64
+    assert _rel(got, want) < 1e-13  # the float32 scale of before gave 2e-8
+    # rank one by hand (as test_rank_one_case_by_hand) at s = 0.3:
+    # (0.3·0.3)²·(b_g·b_p)²·‖a_g‖²·‖a_p‖² = 0.0081 · 4 · 5 · 10 = 1.62
+    one = {n: ParamInfo(n[0], n[1], "l0", "lora") for n in ("qA", "qB", "vA", "vB")}
+    p1 = {"qA": torch.tensor([[1.0, 2.0]]), "qB": torch.tensor([[1.0], [0.0], [1.0]]),
+          "vA": torch.tensor([[3.0, -1.0]]), "vB": torch.tensor([[2.0], [1.0], [0.0]])}
+    p1 = {n: t.double() for n, t in p1.items()}
+    t1 = Orthogonality(one, {n: t.shape for n, t in p1.items()}, {n: 0.3 for n in one}, ["q"], 1.0)
+    assert _rel(t1(p1), 1.62) < 1e-14
+
+
 def test_orthogonality_without_private_roles_is_zero():
     infos = {"l0.q.A": ParamInfo("q", "A", "l0", "lora"), "l0.q.B": ParamInfo("q", "B", "l0", "lora")}
     shapes = {"l0.q.A": torch.Size([2, 4]), "l0.q.B": torch.Size([4, 2])}

@@ -13,7 +13,8 @@ from fedsplice.algorithms.registry import display_name
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
-from fedsplice.federation.simulation import run_rounds, train_context
+from fedsplice.federation.tasks import train_context
+from fedsplice.runtimes.inprocess import run_rounds
 from fedsplice.federation.store import MemoryStore
 from fedsplice.federation.train import cross_entropy_objective, local_train
 

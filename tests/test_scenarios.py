@@ -12,7 +12,8 @@ import pytest
 from fedsplice.config import ExperimentConfig, ScenarioConfig, from_dict
 from fedsplice.data.datasets import TextDataset
 from fedsplice.errors import ConfigError
-from fedsplice.federation.experiment import STREAM_SCENARIO, make_clients, rng
+from fedsplice.federation.experiment import make_clients
+from fedsplice.federation.streams import SCENARIO, rng
 from fedsplice.data.samples import Sample
 from fedsplice.data.scenarios import apply_scenario, count_of, gaussian_noise, noise_tag, summary_line
 
@@ -53,7 +54,7 @@ def run(seed: int = 0, k: int = 10, data: TextDataset | None = None, **scenario)
     cfg, data, clients = setup(seed, k, data, **scenario)
     before = (list(data.train_texts), data.train_labels.copy(), list(data.test_texts),
               data.test_labels.copy(), [c.test_idx.copy() for c in clients])
-    stats = apply_scenario(cfg.scenario, data, clients, rng(cfg, STREAM_SCENARIO), seed=cfg.seed)
+    stats = apply_scenario(cfg.scenario, data, clients, rng(cfg, SCENARIO), seed=cfg.seed)
     return stats, data, clients, before
 
 
@@ -287,7 +288,7 @@ def test_inactive_scenario_changes_nothing():
     assert not cfg.scenario.active()
     # aligned_share and dominant_rate alone do nothing
     sc = ScenarioConfig(aligned_share=0.5, missing_level="sample", dominant_rate=0.3)
-    assert apply_scenario(sc, data, clients, rng(cfg, STREAM_SCENARIO), seed=0) == {}
+    assert apply_scenario(sc, data, clients, rng(cfg, SCENARIO), seed=0) == {}
     assert data.n_global_test is None
     assert [str(s) for s in data.train_texts] == [str(s) for s in ref[0].train_texts]
     assert all(x is y or np.array_equal(x.image, y.image) for x, y in zip(data.train_texts, ref[0].train_texts))
@@ -338,7 +339,7 @@ def test_build_and_runner_write_the_scenario(cfg_factory, clip_dir, toy_jsonl, t
     global test set only, and the run folder holds scenario.json."""
     import fedsplice.federation.experiment as E
     from fedsplice.app.runner import run_experiment
-    from fedsplice.federation.simulation import evaluate_global
+    from fedsplice.federation.evaluation import evaluate_global
 
     monkeypatch.setattr(E, "load_dataset", lambda *a, **k: synthetic(per_class=14))
     small = dict(server__rounds=1, server__clients_per_round=1, data__holdout_clients=0, client__max_steps=1,

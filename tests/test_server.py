@@ -141,6 +141,28 @@ def test_fedadagrad_default_is_plain_adagrad():
     assert new["x"].item() == pytest.approx(0.1 * 0.5 / (math.sqrt(1e-6 + 0.25) + 1e-3), abs=1e-7)
 
 
+def test_fedadagrad_momentum_two_steps_by_hand():
+    # Alg. 2 with beta1 = 0.5, lr = 1, tau = 0.5, v starting at 0; Δ = 0.6, then 0.8:
+    #   step 1: m = 0.5·0.6 = 0.3;             v = 0.36;        x = 0.3 / (0.6 + 0.5)  = 3/11
+    #   step 2: m = 0.5·0.3 + 0.5·0.8 = 0.55;  v = 0.36 + 0.64 = 1;  x += 0.55 / (1 + 0.5) = 11/30
+    opt = make_server_optimizer("fedadagrad", lr=1.0, tau=0.5, initial_accumulator=0.0, beta1=0.5)
+    params = {"x": torch.tensor([0.0], dtype=torch.float64)}
+    state = opt.init(params)
+    params, state = opt.update({"x": torch.tensor([0.6], dtype=torch.float64)}, state, params)
+    assert params["x"].item() == pytest.approx(3 / 11, rel=1e-15)
+    params, state = opt.update({"x": torch.tensor([0.8], dtype=torch.float64)}, state, params)
+    assert params["x"].item() == pytest.approx(3 / 11 + 11 / 30, rel=1e-15)
+    assert state["m/x"].item() == pytest.approx(0.55, rel=1e-15)
+    assert state["v/x"].item() == pytest.approx(1.0, rel=1e-15)
+    # the default (beta1 = 0, plain Adagrad) on the same deltas: 6/11 + 8/15
+    opt0 = make_server_optimizer("fedadagrad", lr=1.0, tau=0.5, initial_accumulator=0.0)
+    p0 = {"x": torch.tensor([0.0], dtype=torch.float64)}
+    s0 = opt0.init(p0)
+    for d in (0.6, 0.8):
+        p0, s0 = opt0.update({"x": torch.tensor([d], dtype=torch.float64)}, s0, p0)
+    assert p0["x"].item() == pytest.approx(6 / 11 + 8 / 15, rel=1e-15)
+
+
 def test_low_precision_params_keep_dtype_state_is_float64():
     params, state = run(fedadam(lr=0.1), dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in params.values())

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedsplice.federation import simulation
+from fedsplice.runtimes import inprocess as simulation
 from fedsplice.core import wire
 from fedsplice.federation.experiment import build
 from fedsplice.app.runner import run_experiment
 from fedsplice.core.server import deltas, fedavg, weighted_mean
-from fedsplice.federation.simulation import run_rounds
+from fedsplice.runtimes.inprocess import run_rounds
 from fedsplice.federation.store import DiskStore, MemoryStore
 
 EMPTY_PAYLOAD = len(wire.encode({}))
@@ -34,16 +34,16 @@ def cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
 
 @pytest.fixture
 def capture_uploads(monkeypatch):
-    """Wrap simulation.client_update: [(round, cid, upload bytes)] in call order."""
+    """Wrap simulation.fit_client: [(round, cid, upload bytes)] in call order."""
     ups = []
-    orig = simulation.client_update
+    orig = simulation.fit_client
 
     def wrapped(exp, store, cid, rnd, down):
         up, st = orig(exp, store, cid, rnd, down)
         ups.append((rnd, cid, up))
         return up, st
 
-    monkeypatch.setattr(simulation, "client_update", wrapped)
+    monkeypatch.setattr(simulation, "fit_client", wrapped)
     return ups
 
 
@@ -74,7 +74,7 @@ def test_private_tensors_never_travel(cfg, monkeypatch):
 
 
 def test_a_leaking_client_is_refused(cfg, monkeypatch):
-    orig = simulation.client_update
+    orig = simulation.fit_client
 
     def leaky(exp, store, cid, rnd, down):
         up, st = orig(exp, store, cid, rnd, down)
@@ -82,7 +82,7 @@ def test_a_leaking_client_is_refused(cfg, monkeypatch):
         t[exp.private_names[0]] = exp.init_params[exp.private_names[0]]
         return wire.encode(t), st
 
-    monkeypatch.setattr(simulation, "client_update", leaky)
+    monkeypatch.setattr(simulation, "fit_client", leaky)
     # refused on the server, logged with the client id, never aggregated (issue 6: no crash)
     exp, records, final = _run(cfg(server__rounds=1))
     r = records[1]
@@ -98,7 +98,9 @@ def test_private_state_is_bit_identical_across_server_steps(cfg, monkeypatch, tm
     exp = build(c)
     store = MemoryStore() if store_kind == "memory" else DiskStore(tmp_path / "state")
     events = []  # (round, cid, private before, private after, global before)
-    orig = simulation.local_train
+    from fedsplice.federation import tasks
+
+    orig = tasks.local_train
 
     def spy(model, *a, **k):
         p = model.trainable()
@@ -109,7 +111,7 @@ def test_private_state_is_bit_identical_across_server_steps(cfg, monkeypatch, tm
         events.append((k["ctx"]["round"], k["ctx"]["client"], before, after, g_before))
         return out
 
-    monkeypatch.setattr(simulation, "local_train", spy)
+    monkeypatch.setattr(tasks, "local_train", spy)
     stored_after_round = {}
 
     def on_round(rec):
@@ -319,7 +321,7 @@ def test_run_directory_contract(two_runs):
     assert cs["epochs"] == [0, 1] and len(cs["accuracy"]) == 2
     assert all(0.0 <= a <= 1.0 for a in cs["accuracy"])
     # the config written is the resolved one, and reloads to the same config
-    from fedsplice.config import load_config
+    from fedsplice.federation.validate import load_config
 
     assert load_config(out / "config.toml") == c
     csv = (out / "results.csv").read_text().splitlines()
@@ -343,10 +345,10 @@ def test_pm_is_over_all_training_clients(cfg):
         seen.append(len(per_client))
         return orig(per_client)
 
-    import fedsplice.federation.simulation as sim
+    import fedsplice.federation.evaluation as ev
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(sim, "summarize_clients", spy)
+    mp.setattr(ev, "summarize_clients", spy)
     try:
         exp, records, _ = _run(cfg(server__rounds=1))
     finally:

@@ -1,1 +1,15 @@
-"""algorithms"""
+"""Algorithms: one file per method family, each a `build` over typed hyperparameters that
+composes a `Recipe` from core parts (a split, loss terms, an objective, a grad transform).
+
+- `recipe`: Recipe, Algorithm, PersonalStage, NoParams — what a method is.
+- `pfadapter`, `fedpurel`: the two methods fedsplice implements exactly.
+- `baselines`: the methods the papers compare against.
+- `registry`: names -> algorithms; `register_algorithm` for users' own methods.
+"""
+
+from fedsplice.algorithms.recipe import Algorithm, NoParams, PersonalStage, Recipe, clone
+from fedsplice.algorithms.registry import (available, build_recipe, display_name, get_algorithm, method_params,
+                                           register_algorithm)
+
+__all__ = ["Algorithm", "NoParams", "PersonalStage", "Recipe", "available", "build_recipe", "clone",
+           "display_name", "get_algorithm", "method_params", "register_algorithm"]

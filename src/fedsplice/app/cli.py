@@ -10,30 +10,10 @@ from pathlib import Path
 from fedsplice.errors import FedspliceError
 
 
-def _table(results: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"{results['algorithm']} — {results['dataset']}, {results['rounds']} rounds")
-    for col in ("", "accuracy", "F1 macro", "std", "min"):
-        t.add_column(col)
-    gm, pm = results["gm"], results["pm"]
-    t.add_row("GM (global test)", f"{gm['accuracy']:.4f}", f"{gm['f1_macro']:.4f}", "", "")
-    t.add_row("PM (all clients)", f"{pm['accuracy']:.4f}", f"{pm['f1_macro']:.4f}",
-              f"{pm['accuracy_std']:.4f}", f"{pm['accuracy_min']:.4f}")
-    c = results["communication"]
-    t.caption = (f"upload {c['up_bytes'] / 1e6:.2f} MB total, {c['up_bytes_per_round'] / 1e3:.1f} kB/round; "
-                 f"download {c['down_bytes'] / 1e6:.2f} MB")
-    Console().print(t)
-    if results.get("random_weights"):
-        Console().print(f"[bold red]RANDOM WEIGHTS ({', '.join(results['random_weights'])}): these numbers "
-                        f"test the code path, not the method[/]")
-
-
 def cmd_run(args) -> None:
-    from fedsplice.config import load_config
+    from fedsplice.federation.validate import load_config
     from fedsplice.app.rundir import default_out
-    from fedsplice.app.runner import console, run_experiment
+    from fedsplice.app.runner import console, print_table, run_experiment
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else default_out(cfg)
@@ -44,16 +24,16 @@ def cmd_run(args) -> None:
     else:
         results = run_experiment(cfg, out, overwrite=args.overwrite, quiet=args.quiet)
     if not args.quiet:
-        _table(results)
+        print_table(results)
         console.print(f"results: {out / 'results.json'}")
 
 
 def cmd_resume(args) -> None:
-    from fedsplice.app.runner import console, resume_experiment
+    from fedsplice.app.runner import console, print_table, resume_experiment
 
     results = resume_experiment(Path(args.run_dir), quiet=args.quiet)
     if not args.quiet:
-        _table(results)
+        print_table(results)
         console.print(f"results: {Path(args.run_dir) / 'results.json'}")
 
 
@@ -87,7 +67,7 @@ def cmd_results(args) -> None:
 
 
 def cmd_validate(args) -> None:
-    from fedsplice.config import load_config
+    from fedsplice.federation.validate import load_config
 
     cfg = load_config(args.config, args.set)
     print(f"ok: {args.config or 'embedded default'} ({cfg.algorithm}, {cfg.model.name}, {cfg.data.dataset})")

@@ -42,7 +42,7 @@ def plan(configs: list[Path], seeds: int, overrides: list[str], out: Path) -> li
 def plan_entries(entries: list[tuple[str, Path, list[str]]], seeds: int, out: Path) -> list[tuple[str, int, object, Path]]:
     """Like `plan`, for (label, config path, overrides) entries: one config file can appear
     under several labels with different overrides (the variants of a results suite)."""
-    from fedsplice.config import load_config
+    from fedsplice.federation.validate import load_config
 
     if seeds < 1:
         raise ConfigError(f"compare: --seeds must be >= 1, got {seeds}")

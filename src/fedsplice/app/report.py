@@ -15,6 +15,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from markdown_it import MarkdownIt
+
 from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
 
@@ -28,52 +30,64 @@ figcaption{font-size:12px;color:#555}pre{background:#f6f6f6;padding:.7em;overflo
 NUM = re.compile(r"^[-−+]?[\d.,]+( ± [\d.,]+)?$|^—$")  # table cells set right-aligned
 
 
-def _inline(s: str) -> str:
-    s = html.escape(s)
-    s = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", s)
-    s = re.sub(r"\*(.+?)\*", r"<i>\1</i>", s)
-    s = re.sub(r"`(.+?)`", r"<code>\1</code>", s)
-    return re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"\1", s)  # links: their text (targets are local files)
+def _markdown() -> MarkdownIt:
+    """CommonMark with pipe tables (markdown-it-py; raw HTML is escaped), rendered compactly:
+    one line per top-level block, tables without thead/tbody, **b** and *i*, links as their
+    text (their targets are local files), headings at most h4, numeric cells right-aligned,
+    and images embedded as data URIs."""
+    md = MarkdownIt("commonmark", {"html": False}).enable("table")
+    rules = {"strong_open": "<b>", "strong_close": "</b>", "em_open": "<i>", "em_close": "</i>",
+             "link_open": "", "link_close": "", "thead_open": "", "thead_close": "",
+             "tbody_open": "", "tbody_close": "", "th_open": "<th>", "figures_open": "",
+             "figures_close": "\n"}
+    for name, text in rules.items():
+        md.add_render_rule(name, lambda self, tokens, idx, options, env, _t=text: _t)
+    md.add_render_rule("td_open", _td_open)
+    md.add_render_rule("image", _image)
+    return md
+
+
+def _td_open(self, tokens, idx, options, env) -> str:
+    cell = tokens[idx + 1].content.strip() if tokens[idx + 1].type == "inline" else ""
+    return '<td class="n">' if NUM.match(cell) else "<td>"
+
+
+def _image(self, tokens, idx, options, env) -> str:
+    base = env.get("base")
+    if base is None:
+        return ""  # a folder's PNGs are embedded by the caller
+    src = tokens[idx].attrGet("src")
+    if not (base / src).is_file():
+        raise ConfigError(f"report: the page shows {src}, which is not in {base}")
+    return _img(base / src)
+
+
+def _compact(tokens) -> None:
+    """Only top-level blocks end a line; a paragraph of nothing but images becomes figures."""
+    for i, t in enumerate(tokens):
+        if t.type in ("heading_open", "heading_close"):
+            t.tag = f"h{min(int(t.tag[1]), 4)}"
+        if t.type == "paragraph_open" and not t.hidden and _only_images(tokens[i + 1]):
+            t.type, tokens[i + 2].type = "figures_open", "figures_close"
+        t.block = t.block and t.level == 0 and t.nesting != 1
+
+
+def _only_images(inline) -> bool:
+    kids = inline.children or []
+    return any(k.type == "image" for k in kids) and all(
+        k.type in ("image", "softbreak") or (k.type == "text" and not k.content.strip()) for k in kids)
+
+
+_MD = _markdown()
 
 
 def md_to_html(text: str, base: Path | None = None) -> str:
-    """The markdown our own tables and pages use: headings, pipe tables, lists, paragraphs and,
-    with `base` (the folder image paths are relative to), images embedded as data URIs."""
-    out, rows = [], []
-
-    def flush():
-        if rows:
-            head, *body = [r for r in rows if not set(r.replace("|", "").strip()) <= set("-: ")]
-            cells = lambda r: [_inline(c.strip()) for c in r.strip().strip("|").split("|")]  # noqa: E731
-            td = lambda c: f'<td class="n">{c}</td>' if NUM.match(c) else f"<td>{c}</td>"  # noqa: E731
-            out.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in cells(head)) + "</tr>"
-                       + "".join("<tr>" + "".join(map(td, cells(r))) + "</tr>" for r in body)
-                       + "</table>")
-            rows.clear()
-
-    for line in text.splitlines():
-        if line.lstrip().startswith("|"):
-            rows.append(line)
-            continue
-        flush()
-        s = line.strip()
-        if not s:
-            continue
-        if s.startswith("!["):
-            if base is not None:  # else a folder's PNGs are embedded by the caller
-                for src in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", s):
-                    if not (base / src).is_file():
-                        raise ConfigError(f"report: the page shows {src}, which is not in {base}")
-                    out.append(_img(base / src))
-        elif s.startswith("#"):
-            level = min(len(s) - len(s.lstrip("#")), 4)
-            out.append(f"<h{level}>{_inline(s.lstrip('#').strip())}</h{level}>")
-        elif s.startswith(("- ", "* ")):
-            out.append(f"<ul><li>{_inline(s[2:])}</li></ul>")
-        else:
-            out.append(f"<p>{_inline(s)}</p>")
-    flush()
-    return "\n".join(out)
+    """Markdown (CommonMark + pipe tables, by markdown-it-py) to HTML; with `base` (the folder
+    image paths are relative to), images are embedded as data URIs."""
+    env = {"base": base}
+    tokens = _MD.parse(text, env)
+    _compact(tokens)
+    return _MD.renderer.render(tokens, _MD.options, env).rstrip("\n")
 
 
 def _img(png: Path) -> str:

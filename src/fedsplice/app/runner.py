@@ -1,4 +1,10 @@
-"""Run one experiment end to end into a run directory (the simulation runtime)."""
+"""Run one experiment end to end into a run directory, on any runtime (in-process by default).
+
+The steps: check the run directory -> build the experiment -> start afresh or restore the last
+checkpoint -> the round loop (or one evaluation) -> the client stages after it (personalize,
+cold start) -> results.json, results.csv and the plot. Every client-side stage goes through the
+runtime's transport, so on Flower it runs on the SuperNodes.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +15,39 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fedsplice.federation import checkpoint as ckpt
+from fedsplice.algorithms import display_name
 from fedsplice.app import rundir
-from fedsplice.algorithms.registry import display_name
-from fedsplice.config import ExperimentConfig, load_config
-from fedsplice.errors import ConfigError
-from fedsplice.federation.experiment import build
+from fedsplice.config import ExperimentConfig
 from fedsplice.data.scenarios import summary_line
-from fedsplice.federation.simulation import cold_start, evaluate_only, run_rounds, summarize_pm
-from fedsplice.federation.store import make_store
 from fedsplice.data.zoo import random_label, random_weights
+from fedsplice.errors import ConfigError
+from fedsplice.federation import build, cold_start, evaluate_only, make_store, personalization, run_rounds
+from fedsplice.federation import checkpoint as ckpt
+from fedsplice.federation.validate import load_config
+from fedsplice.runtimes.inprocess import InProcess
 
 console = Console(stderr=True)
+
+
+def print_table(results: dict) -> None:
+    """The end-of-run summary: GM and PM, traffic, and the random-weights warning."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{results['algorithm']} — {results['dataset']}, {results['rounds']} rounds")
+    for col in ("", "accuracy", "F1 macro", "std", "min"):
+        t.add_column(col)
+    gm, pm = results["gm"], results["pm"]
+    t.add_row("GM (global test)", f"{gm['accuracy']:.4f}", f"{gm['f1_macro']:.4f}", "", "")
+    t.add_row("PM (all clients)", f"{pm['accuracy']:.4f}", f"{pm['f1_macro']:.4f}",
+              f"{pm['accuracy_std']:.4f}", f"{pm['accuracy_min']:.4f}")
+    c = results["communication"]
+    t.caption = (f"upload {c['up_bytes'] / 1e6:.2f} MB total, {c['up_bytes_per_round'] / 1e3:.1f} kB/round; "
+                 f"download {c['down_bytes'] / 1e6:.2f} MB")
+    Console().print(t)
+    if results.get("random_weights"):
+        Console().print(f"[bold red]RANDOM WEIGHTS ({', '.join(results['random_weights'])}): these numbers "
+                        f"test the code path, not the method[/]")
 
 
 def round_line(r: dict) -> str:
@@ -57,13 +84,8 @@ def resume_experiment(out: Path, quiet: bool = False) -> dict:
     return run_experiment(load_config(out / "config.toml"), out, quiet=quiet, resume=True)
 
 
-def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, quiet: bool = False,
-                   resume: bool = False, make_transport=None, echo=None) -> dict:
-    """Run `cfg` into the run directory `out`, checkpointing every `runtime.checkpoint_every`
-    rounds. `resume=True` continues the run already in `out` from its last complete checkpoint
-    (from the start if it has none) and gives the same metrics.jsonl and results.json as an
-    uninterrupted run, apart from the wall-clock `time_s` fields. `make_transport(exp, store)`
-    gives the round loop another runtime (Flower); `echo(line)` also receives each round line."""
+def _start(cfg: ExperimentConfig, out: Path, overwrite: bool, resume: bool):
+    """Fail early on a bad run directory; on resume, the last complete checkpoint (or None)."""
     last_ckpt = None
     if not resume:
         rundir.check_out(out, overwrite)  # fail before the slow build, and write nothing yet
@@ -75,15 +97,11 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
             ckpt.check(last_ckpt, cfg)
     ckpt.check_writable(out)
     ckpt.check_space(out, ckpt.MIN_FREE)
-    t0 = time.perf_counter()
-    name = display_name(cfg)
-    if not quiet:
-        console.print(f"[bold]{name}[/] on {cfg.data.dataset} with {cfg.model.name} -> {out}")
-        if random_label(cfg):
-            console.print(f"[bold red]{random_label(cfg)}[/]")
-    exp = build(cfg)  # a missing or broken asset (model, data set) fails here, before training
-    ckpt.check_space(out, _space_needed(cfg, exp))
-    loaded = ckpt.load(last_ckpt, cfg, exp.sampling) if last_ckpt is not None else None
+    return last_ckpt
+
+
+def _prepare_dir(cfg: ExperimentConfig, exp, out: Path, loaded, overwrite: bool, resume: bool, quiet: bool) -> Path:
+    """A new run: a clean directory with config.toml. A resumed one: drop what came after the checkpoint."""
     if loaded is None:  # a new run, or one killed before its first checkpoint: start afresh
         out = rundir.prepare(out, overwrite or resume)
         shutil.rmtree(out / ckpt.DIRNAME, ignore_errors=True)
@@ -100,15 +118,20 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
             console.print(summary_line(exp.scenario), soft_wrap=True, markup=False)
     else:
         (out / "scenario.json").unlink(missing_ok=True)  # from an earlier run in this folder
-    store = make_store(cfg.runtime.store, out / "client_state")
-    log = rundir.MetricsLog(out / "metrics.jsonl")
-    checkpointer = ckpt.Checkpointer(out, cfg, exp.sampling, cfg.runtime.keep_checkpoints)
-    if loaded is not None:
-        ckpt.restore_store(store, loaded.clients)
-        log.lines = list(loaded.metrics_lines)  # drops rounds logged after the checkpoint
-        rundir.atomic_write_text(log.path, "\n".join(log.lines) + "\n")
-        checkpointer.follow(loaded.state.round, loaded.path)
-        ckpt.restore_rng(loaded)
+    return out
+
+
+def _restore(loaded, store, log, checkpointer) -> None:
+    ckpt.restore_store(store, loaded.clients)
+    log.lines = list(loaded.metrics_lines)  # drops rounds logged after the checkpoint
+    rundir.atomic_write_text(log.path, "\n".join(log.lines) + "\n")
+    checkpointer.follow(loaded.state.round, loaded.path)
+    ckpt.restore_rng(loaded)
+
+
+def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, quiet: bool):
+    """The round loop (or one evaluation) and the personalization stage, with a progress bar.
+    Returns the final server state and the transport (the later stages use it too)."""
     every = cfg.runtime.checkpoint_every
 
     def on_state(state: ckpt.RoundState) -> None:
@@ -130,19 +153,23 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
                 for e in record.get("events", []):
                     bar.console.print(f"  client {e['client']} {e['event']}: {e['reason']}")
 
+        transport = (make_transport(exp, store) if make_transport
+                     else InProcess(exp, store, progress=lambda: bar.advance(task)))
         if exp.recipe.trains:
-            final = run_rounds(exp, store, on_round, progress=lambda: bar.advance(task),
-                               transport=make_transport(exp, store) if make_transport else None,
+            final = run_rounds(exp, store, on_round, transport=transport,
                                start=loaded.state if loaded is not None else None, on_state=on_state)
         else:
-            final = evaluate_only(exp, store, on_round)
+            final = evaluate_only(exp, transport, on_round)
         if exp.recipe.personalize:
             if not quiet:
                 bar.console.print("personalization (local, no traffic) on every training client")
-            pm = summarize_pm(exp, exp.recipe.personalize(exp, final["global_params"]))
+            pm = personalization(exp, transport, final["global_params"])
             last = log.records()[-1]
             on_round({"round": last["round"], "phase": "personalization", "gm": last["gm"], "pm": pm})
-    records = log.records()
+    return final, transport
+
+
+def _results(cfg: ExperimentConfig, exp, name: str, records: list[dict], final: dict) -> dict:
     last = records[-1]
     rounds = cfg.server.rounds if exp.recipe.trains else 0
     results = {
@@ -175,11 +202,40 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     purified = [r["purified_steps"] for r in records if "purified_steps" in r]
     if purified:
         results["purified_fraction"] = float(sum(purified) / len(purified))
+    return results
+
+
+def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, quiet: bool = False,
+                   resume: bool = False, make_transport=None, echo=None) -> dict:
+    """Run `cfg` into the run directory `out`, checkpointing every `runtime.checkpoint_every`
+    rounds. `resume=True` continues the run already in `out` from its last complete checkpoint
+    (from the start if it has none) and gives the same metrics.jsonl and results.json as an
+    uninterrupted run, apart from the wall-clock `time_s` fields. `make_transport(exp, store)`
+    gives the round loop another runtime (Flower); `echo(line)` also receives each round line."""
+    last_ckpt = _start(cfg, out, overwrite, resume)
+    t0 = time.perf_counter()
+    name = display_name(cfg)
+    if not quiet:
+        console.print(f"[bold]{name}[/] on {cfg.data.dataset} with {cfg.model.name} -> {out}")
+        if random_label(cfg):
+            console.print(f"[bold red]{random_label(cfg)}[/]")
+    exp = build(cfg)  # a missing or broken asset (model, data set) fails here, before training
+    ckpt.check_space(out, _space_needed(cfg, exp))
+    loaded = ckpt.load(last_ckpt, cfg, exp.sampling) if last_ckpt is not None else None
+    out = _prepare_dir(cfg, exp, out, loaded, overwrite, resume, quiet)
+    store = make_store(cfg.runtime.store, out / "client_state")
+    log = rundir.MetricsLog(out / "metrics.jsonl")
+    checkpointer = ckpt.Checkpointer(out, cfg, exp.sampling, cfg.runtime.keep_checkpoints)
+    if loaded is not None:
+        _restore(loaded, store, log, checkpointer)
+    final, transport = _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, quiet)
+    records = log.records()
+    results = _results(cfg, exp, name, records, final)
     if exp.holdout_ids and exp.recipe.trains:
         if not quiet:
             console.print(f"cold start: {len(exp.holdout_ids)} held-out clients, "
                           f"{cfg.eval.cold_start_epochs} local epochs")
-        results["cold_start"] = cold_start(exp, final["global_params"])
+        results["cold_start"] = cold_start(exp, transport, final["global_params"])
     results["time_s"] = round(time.perf_counter() - t0, 1)
     rundir.write_results(out, results)
     rundir.plot_accuracy(out, records, name + (" (RANDOM WEIGHTS)" if results["random_weights"] else ""))

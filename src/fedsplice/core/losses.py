@@ -75,8 +75,17 @@ class Orthogonality:
         for pr in self.pairs:
             key = (pr.form, *(tuple(shapes[n]) for n in (pr.a_g, pr.b_g, pr.a_p, pr.b_p)))
             groups.setdefault(key, []).append(pr)
-        self._groups = [(key[0], grp, torch.tensor([(pr.s_g * pr.s_p) ** 2 for pr in grp]))
-                        for key, grp in groups.items()]
+        # The scales (s_g·s_p)² are kept as Python floats (float64) and made tensors in the
+        # parameters' own dtype and device (cached): a float32 copy put a 2e-8 relative error on
+        # float64 runs (rsLoRA's alpha/sqrt(r), for one, is not a float32 number).
+        self._groups = [(key[0], grp, [(pr.s_g * pr.s_p) ** 2 for pr in grp]) for key, grp in groups.items()]
+        self._scales: dict[tuple, torch.Tensor] = {}
+
+    def _scale(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        key = (i, like.dtype, like.device)
+        if key not in self._scales:
+            self._scales[key] = torch.tensor(self._groups[i][2], dtype=like.dtype, device=like.device)
+        return self._scales[key]
 
     @staticmethod
     def _pair(g, p, shapes, scalings, layer, rg, rp) -> OrthoPair:
@@ -93,10 +102,10 @@ class Orthogonality:
         return OrthoPair(g["A"], g["B"], p["A"], p["B"], scalings[g["A"]], scalings[p["A"]], form)
 
     def __call__(self, params: dict[str, torch.Tensor], ctx: dict | None = None) -> torch.Tensor:
-        total = torch.zeros(())
-        for form, grp, scale in self._groups:
+        total = None
+        for i, (form, grp, _) in enumerate(self._groups):
             a_g, b_g, a_p, b_p = (torch.stack([params[getattr(pr, f)] for pr in grp]) for f in ("a_g", "b_g", "a_p", "b_p"))
-            scale = scale.to(a_g.dtype)
+            scale = self._scale(i, a_g)
             t = lambda x: x.transpose(1, 2)  # noqa: E731
             if form == "column":  # as ortho_column, batched over pairs
                 m = t(b_g) @ b_p
@@ -104,8 +113,9 @@ class Orthogonality:
             else:  # as ortho_row
                 c = a_g @ t(a_p)
                 prod = (t(b_g) @ b_g) @ c @ (t(b_p) @ b_p) @ t(c)
-            total = total + (scale * prod.diagonal(dim1=1, dim2=2).sum(-1)).sum()
-        return self.weight * total
+            term = (scale * prod.diagonal(dim1=1, dim2=2).sum(-1)).sum()
+            total = term if total is None else total + term
+        return self.weight * (torch.zeros(()) if total is None else total)
 
 
 class Proximal:

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
-from fedsplice.core import wire
 from fedsplice.core.server import Params, weighted_mean
 
 AGGREGATIONS = ("mean", "median", "trimmed_mean")
@@ -124,79 +122,3 @@ def aggregate(updates: list[Params], weights: list[float], method: str = "mean",
     if method == "trimmed_mean":
         return trimmed_mean(updates, trim_fraction)
     raise ValueError(f"aggregate: unknown method {method!r}; choose one of {', '.join(AGGREGATIONS)}")
-
-
-# ----------------------------------------------------------------------------- one round's replies
-
-
-@dataclass
-class Gathered:
-    """What the server kept from one round: the accepted uploads (decoded, in client-id order,
-    so the aggregate does not depend on arrival order) and an event per client that failed."""
-
-    accepted: list[tuple[object, Params]]  # (reply, decoded GLOBAL tensors)
-    events: list[dict]  # {"client", "event": dropped|late|rejected, "reason", "attempt"}
-    up_bytes: int
-    down_bytes: int
-    attempts: int
-
-    def count(self, event: str) -> int:
-        return sum(e["event"] == event for e in self.events)
-
-
-def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params, private: set[str], *,
-           min_replies: int, max_retries: int, norm_bound: float) -> Gathered:
-    """Ask `cids` for updates, validate every reply, and ask again (at most `max_retries` times)
-    the clients without a valid one while fewer than `min_replies` were accepted.
-
-    Transport-agnostic: a reply may be missing (dropped), carry an `error` (dropped, with the
-    reason), be `late` (after the deadline), or fail validation (rejected: never asked again
-    this round). Nothing here raises on a client's behalf.
-    """
-    accepted: dict[int, tuple[object, Params]] = {}
-    refused: set[int] = set()
-    events: list[dict] = []
-    up = dn = 0
-    pending = list(cids)
-    attempt = 0
-    for attempt in range(max_retries + 1):
-        replies = transport.fit(rnd, pending, down)
-        seen: set[int] = set()
-
-        def event(cid, kind: str, reason: str) -> None:
-            events.append({"client": cid, "event": kind, "reason": reason, "attempt": attempt})
-
-        for r in replies:
-            cid = getattr(r, "cid", None)
-            if cid not in pending or cid in seen:
-                event(cid, "rejected", "reply from a client that was not asked (or a duplicate)")
-                continue
-            seen.add(cid)
-            up += int(getattr(r, "up_bytes", 0) or 0)
-            dn += int(getattr(r, "down_bytes", len(down)) or 0)
-            if getattr(r, "error", ""):
-                event(cid, "dropped", str(r.error))
-                continue
-            if getattr(r, "late", False):
-                event(cid, "late", "replied after the round deadline")
-                continue
-            try:
-                tensors = wire.decode_update(r.payload, reference)
-            except Exception as e:  # a hostile payload must not stop the round
-                reason = f"undecodable payload ({type(e).__name__})"
-            else:
-                reason = (check_weight(r.num_examples) or check_stats(r.stats)
-                          or check_update(tensors, reference, private, norm_bound))
-            if reason:
-                event(cid, "rejected", reason)
-                refused.add(cid)
-            else:
-                accepted[cid] = (r, tensors)
-        for cid in pending:
-            if cid not in seen:
-                event(cid, "dropped", "no reply")
-                dn += len(down)  # it was sent
-        pending = [c for c in pending if c not in accepted and c not in refused]
-        if len(accepted) >= min_replies or not pending:
-            break
-    return Gathered([accepted[c] for c in sorted(accepted)], events, up, dn, attempt + 1)

@@ -263,12 +263,16 @@ def fedadagrad(
     initial_accumulator: float | None = None,
     beta1: float = 0.0,
 ) -> ServerOptimizer:
-    """FedAdagrad (Reddi et al. 2021, Alg. 2): ``v = v + Δ²``; ``x += lr * m / (sqrt(v) + tau)``.
+    """FedAdagrad (Reddi et al. 2021, Alg. 2): ``m = b1*m + (1-b1)*Δ``; ``v = v + Δ²``;
+    ``x += lr * m / (sqrt(v) + tau)``.
 
-    Alg. 2 writes FedAdagrad with the same momentum ``m = b1*m + (1-b1)*Δ`` as FedAdam/FedYogi.
-    We default ``beta1=0.0``, which gives ``m = Δ``, i.e. plain Adagrad (the case the paper's
-    FedAdagrad analysis uses); pass ``beta1>0`` for Alg. 2 with momentum.  No bias correction:
-    the Adagrad accumulator is a sum, not a moving average.
+    ``beta1`` is honoured as in Alg. 2, which gives FedAdagrad the same momentum on the
+    pseudo-gradient as FedAdam/FedYogi.  Its default is 0.0 (``m = Δ``, plain Adagrad), not
+    FedAdam's 0.9, on purpose: that is the FedAdagrad the paper analyses (its FedAdagrad theorem
+    takes β1 = 0) and the one its experiment code ran (the server optimizer is Keras' Adagrad,
+    which has no momentum term); Flower's FedAdagrad fixes beta_1 = 0 too.  So a config that
+    does not set beta1 keeps those results, and one that does gets Alg. 2 with momentum.
+    No bias correction: the Adagrad accumulator is a sum, not a moving average.
     """
     return _adaptive("adagrad", lr, beta1, 0.0, tau, False, initial_accumulator)
 

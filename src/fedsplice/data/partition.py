@@ -3,17 +3,26 @@
 Everything is numpy and takes an explicit `np.random.Generator`; nothing touches global
 random state, so the same generator state always yields the same partition. Each partitioner
 returns one sorted int64 index array per client, and every index lands in exactly one client.
+A `Client` is one client's share: its training indices and its local test indices.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from fedsplice.errors import ConfigError
 
 MAX_DIRICHLET_ATTEMPTS = 100
+
+
+@dataclass
+class Client:
+    cid: int
+    train_idx: np.ndarray  # into dataset.train_*
+    test_idx: np.ndarray  # into dataset.test_* (local test set, matching its label distribution)
 
 
 def _check_clients(labels: np.ndarray, num_clients: int) -> np.ndarray:

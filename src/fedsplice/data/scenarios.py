@@ -21,17 +21,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fedsplice.config import ScenarioConfig
 from fedsplice.data.datasets import TextDataset
-from fedsplice.errors import ConfigError
+from fedsplice.data.partition import Client
 from fedsplice.data.samples import Sample, modalities
-
-if TYPE_CHECKING:
-    from fedsplice.federation.experiment import Client
+from fedsplice.errors import ConfigError
 
 IMAGE_TEXT_DATASETS = ("image+text data sets: easyvqa, tuxpaint, emoji, or a csv:/jsonl: file with "
                        "image and text columns")

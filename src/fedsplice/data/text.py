@@ -18,9 +18,8 @@ import html
 import re
 from pathlib import Path
 
-from fedsplice.data.assets import cache_dir, fetch_deb, fetch_npm, sha256_file
+from fedsplice.data.assets import cache_dir, check_manifest, fetch_deb, fetch_npm, sha256_file
 from fedsplice.errors import AssetError
-from fedsplice.data.images import check_manifest
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # not tab/newline/vt/ff/cr
 
@@ -184,7 +183,7 @@ BROWN_GENRES: dict[str, str] = {
     "r": "humor",
 }
 # genre letter -> (number of files package/c<g>NN, manifest digest of those files; see
-# imagedata.manifest_digest). 500 files in all; one digest per genre keeps this table short.
+# assets.manifest_digest). 500 files in all; one digest per genre keeps this table short.
 BROWN_SHA256: dict[str, tuple[int, str]] = {
     "a": (44, "e43257f0b21d6a66f0a5505151a69bf2c944400983284d947b4dbbfb69de2465"),
     "b": (27, "e084187e8b1201fbd43b9d6bd91c883b3ff22e2cb4583410beeb0795f98a6e10"),

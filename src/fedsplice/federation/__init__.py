@@ -1,1 +1,34 @@
-"""federation"""
+"""Federation: one experiment's clients, the client tasks, the one training loop, the one round
+loop, evaluation, the client-state store and checkpoints. Runtimes use only the names below.
+
+- `experiment`: `build(cfg) -> Experiment` (data, clients, model, recipe, server optimizer).
+- `tasks`: the client tasks (fit, evaluate, personalize, cold_start): every client-side stage.
+- `train`: the one local training loop. `streams`: every random stream of a run.
+- `rounds`: the round loop and the stages after it, over any transport.
+- `evaluation`, `metrics`: GM, PM and the long-tail metrics. `gather`: one round's replies.
+- `store`, `checkpoint`: PRIVATE state per client; resumable server state.
+- `validate`: config checks across sections (algorithm, server, zoo, data set names).
+"""
+
+import tomllib
+
+from fedsplice.config import ExperimentConfig, from_dict
+from fedsplice.core import wire
+from fedsplice.core.robust import check_update
+from fedsplice.federation import streams
+from fedsplice.federation.experiment import Client, Experiment, build
+from fedsplice.federation.rounds import Reply, cold_start, evaluate_only, gm_and_pm, personalization, run_rounds
+from fedsplice.federation.store import DiskStore, make_store
+from fedsplice.federation.tasks import TASKS, accepts
+from fedsplice.federation.tasks import fit as fit_client
+from fedsplice.federation.tasks import run_task as client_task
+from fedsplice.federation.validate import load_config, validate
+
+__all__ = ["Client", "DiskStore", "Experiment", "Reply", "TASKS", "accepts", "build", "check_update",
+           "client_task", "cold_start", "config_from_text", "evaluate_only", "fit_client", "gm_and_pm",
+           "load_config", "make_store", "personalization", "run_rounds", "streams", "validate", "wire"]
+
+
+def config_from_text(text: str) -> ExperimentConfig:
+    """An ExperimentConfig from resolved TOML text (a run config on the wire), validated in full."""
+    return validate(from_dict(ExperimentConfig, tomllib.loads(text)))

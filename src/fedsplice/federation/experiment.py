@@ -12,25 +12,15 @@ import numpy as np
 import torch
 
 from fedsplice.data import partition as P
-from fedsplice.algorithms.registry import Recipe, build_recipe, clone
+from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
+from fedsplice.algorithms import Recipe, build_recipe, clone
+from fedsplice.federation.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, rng
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.config import ExperimentConfig
 from fedsplice.data.datasets import TextDataset, load_dataset
 from fedsplice.data.scenarios import apply_scenario
 from fedsplice.core.server import ServerOptimizer, make_server_optimizer
 from fedsplice.core.split import GLOBAL, PRIVATE, names_in
-
-# Streams of the one seed: each use gets its own generator (numpy SeedSequence entropy pairs).
-STREAM_PARTITION, STREAM_SAMPLING, STREAM_CLIENT, STREAM_LOCAL_TEST, STREAM_LONG_TAIL = 0, 1, 2, 3, 5
-STREAM_SCENARIO = 6  # multimodal heterogeneity (fedsplice.data.scenarios)
-# (4 is the simulated-fault stream of simulation.InProcess)
-
-
-@dataclass
-class Client:
-    cid: int
-    train_idx: np.ndarray  # into dataset.train_*
-    test_idx: np.ndarray  # into dataset.test_* (local test set, matching its label distribution)
 
 
 @dataclass
@@ -51,20 +41,16 @@ class Experiment:
     scenario: dict = field(default_factory=dict)  # realised scenario statistics; {}: none
 
 
-def rng(cfg: ExperimentConfig, *stream: int) -> np.random.Generator:
-    return np.random.default_rng([cfg.seed, *stream])
-
-
 def make_clients(cfg: ExperimentConfig, data: TextDataset) -> list[Client]:
     dc = cfg.data
-    g = rng(cfg, STREAM_PARTITION)
+    g = rng(cfg, PARTITION)
     if dc.partition == "iid":
         parts = P.iid_partition(data.train_labels, dc.num_clients, g)
     elif dc.partition == "shards":
         parts = P.shard_partition(data.train_labels, dc.num_clients, dc.shards_per_client, g)
     else:
         parts = P.dirichlet_partition(data.train_labels, dc.num_clients, dc.alpha, g)
-    gt = rng(cfg, STREAM_LOCAL_TEST)
+    gt = rng(cfg, LOCAL_TEST)
     c = len(data.class_names)
     global_labels = data.test_labels[:data.global_test_size]  # never a scenario's local copies
     return [Client(k, idx, P.local_test_indices(data.train_labels[idx], global_labels,
@@ -73,7 +59,7 @@ def make_clients(cfg: ExperimentConfig, data: TextDataset) -> list[Client]:
 
 
 def sampling_stream(cfg: ExperimentConfig, train_ids: list[int]) -> list[list[int]]:
-    g = rng(cfg, STREAM_SAMPLING)
+    g = rng(cfg, SAMPLING)
     m = cfg.server.clients_per_round
     return [sorted(int(c) for c in g.choice(train_ids, size=m, replace=False))
             for _ in range(cfg.server.rounds)]
@@ -86,7 +72,7 @@ def apply_long_tail(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
     counts = np.bincount(data.train_labels, minlength=len(data.class_names))
     order = np.argsort(-counts, kind="stable")
     n_max = cfg.data.n_max or int(counts.max())
-    keep = P.long_tail_subsample(data.train_labels, n_max, cfg.data.imbalance, rng(cfg, STREAM_LONG_TAIL),
+    keep = P.long_tail_subsample(data.train_labels, n_max, cfg.data.imbalance, rng(cfg, LONG_TAIL),
                                  class_order=order)
     data.train_texts = [data.train_texts[i] for i in keep]
     data.train_labels = data.train_labels[keep]
@@ -101,7 +87,7 @@ def build(cfg: ExperimentConfig) -> Experiment:
                         skip_bad_images=cfg.data.skip_bad_images, class_names=cfg.data.class_names)
     data = apply_long_tail(cfg, data)
     clients = make_clients(cfg, data)
-    scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, STREAM_SCENARIO), seed=cfg.seed)
+    scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, SCENARIO), seed=cfg.seed)
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     train_ids, holdout_ids = list(range(n_train)), list(range(n_train, cfg.data.num_clients))
     model = TaskModel(cfg, data.class_names)

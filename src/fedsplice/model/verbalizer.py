@@ -118,6 +118,7 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
         raise ValueError(f"verbalizer: method must be 'cache' or 'full', got {method!r}")
     device = _device(model)
     pad = _pad_id(tokenizer)
+    bos = tokenizer.bos_token_id
     p_ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
     if any(len(s) == 0 for s in p_ids):
         raise ValueError("verbalizer: a prompt tokenizes to nothing (and the tokenizer adds no BOS)")
@@ -125,32 +126,42 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     if prefix is not None and all(x is None for x in prefix):
         prefix = None
     if method == "full" or _checkpointing(model):
-        return _full(model, p_ids, a_ids, pad, device, prefix, tokenizer.bos_token_id)
-
-    B, C = len(p_ids), len(a_ids)
-    if prefix is None:
-        ids, mask = _left_pad(p_ids, pad, device)
-        inputs = {"input_ids": ids}
-    else:
-        embeds, mask = _left_pad_embeds(model, p_ids, prefix, device, tokenizer.bos_token_id)
-        inputs = {"inputs_embeds": embeds}
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = _forward(model, **inputs, attention_mask=mask, position_ids=pos,
-                   use_cache=True, logits_to_keep=1)
+        return _full(model, p_ids, a_ids, pad, device, prefix, bos)
+    out, mask = _prompt_pass(model, p_ids, pad, device, prefix, bos)
     cache = getattr(out, "cache", None)
     if cache is None:
         cache = getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
-        return _full(model, p_ids, a_ids, pad, device, prefix, tokenizer.bos_token_id)
+        return _full(model, p_ids, a_ids, pad, device, prefix, bos)
     last = out.logits[:, -1, :].float()                                   # [B, V]
     last_lp = last - torch.logsumexp(last, dim=-1, keepdim=True)
     first = torch.tensor([a[0] for a in a_ids], device=device)
     scores = last_lp[:, first]                                            # [B, C]
-
     multi = [c for c, a in enumerate(a_ids) if len(a) > 1]
     if not multi:
         return scores
-    M = len(multi)
+    return scores + _continuations(model, cache, mask, a_ids, multi, pad, device)
+
+
+def _prompt_pass(model, p_ids, pad, device, prefix, bos):
+    """(output with the KV cache and the last position's logits, [B, P] attention mask) of the
+    left-padded prompts (as embeddings, with their image tokens, when there is a prefix)."""
+    if prefix is None:
+        ids, mask = _left_pad(p_ids, pad, device)
+        inputs = {"input_ids": ids}
+    else:
+        embeds, mask = _left_pad_embeds(model, p_ids, prefix, device, bos)
+        inputs = {"inputs_embeds": embeds}
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = _forward(model, **inputs, attention_mask=mask, position_ids=pos,
+                   use_cache=True, logits_to_keep=1)
+    return out, mask
+
+
+def _continuations(model, cache, mask, a_ids, multi, pad, device) -> torch.Tensor:
+    """[B, C] log-likelihoods of the answer tokens after the first (zero for one-token answers):
+    the multi-token answers continue every prompt on its gathered KV cache."""
+    B, C, M = mask.shape[0], len(a_ids), len(multi)
     L = max(len(a_ids[c]) for c in multi) - 1     # continuation length (tokens 0..len-2 fed)
     cont = torch.full((M, L), pad, dtype=torch.long)
     tgt = torch.zeros((M, L), dtype=torch.long)
@@ -174,8 +185,7 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     lp = _token_logprobs(out2.logits, tgt.repeat(B, 1))                   # [B*M, L]
     rest = (lp * cmask.repeat(B, 1)).sum(-1).view(B, M)
     add = torch.zeros((B, C), dtype=rest.dtype, device=device)
-    add = add.index_copy(1, torch.tensor(multi, device=device), rest)
-    return scores + add
+    return add.index_copy(1, torch.tensor(multi, device=device), rest)
 
 
 def _left_pad_embeds(model, p_ids, prefix, device, bos=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsplice.errors import ConfigError
 from fedsplice.data.samples import Sample, rgb
+from fedsplice.data.zoo import resolve_model
+from fedsplice.errors import ConfigError
 
 
 def load_image_processor(path: str, field: str):
@@ -43,8 +44,6 @@ def load_vision_tower(spec: str):
     """(frozen vision model, its image processor, hidden size) for `model.vision`: a CLIP or SigLIP
     checkpoint (its vision half) or any HF vision model, by zoo name, hub id or local path."""
     from transformers import AutoConfig, AutoModel
-
-    from fedsplice.data.zoo import resolve_model
 
     path = resolve_model(spec)
     try:

@@ -57,8 +57,8 @@ def run_flower(cfg, out: Path, overwrite: bool = False, quiet: bool = False, **k
 
 
 def cmd_up(args) -> None:
-    from fedsplice.app.cli import _table
-    from fedsplice.config import load_config
+    from fedsplice.app.runner import print_table
+    from fedsplice.federation.validate import load_config
     from fedsplice.app.rundir import default_out
 
     cfg = load_config(args.config, args.set)
@@ -66,14 +66,14 @@ def cmd_up(args) -> None:
     results = run_flower(cfg, out, overwrite=args.overwrite, quiet=args.quiet, supernodes=args.supernodes,
                          insecure=args.insecure, isolation=args.isolation)
     if not args.quiet:
-        _table(results)
+        print_table(results)
         print(f"results: {out / 'results.json'}", file=sys.stderr)
 
 
 def cmd_app(args) -> None:
     import dataclasses
 
-    from fedsplice.config import load_config
+    from fedsplice.federation.validate import load_config
     from fedsplice.app.flower.launcher import write_app
 
     cfg = load_config(args.config, args.set)

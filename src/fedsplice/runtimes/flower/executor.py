@@ -38,9 +38,9 @@ from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
-from fedsplice.runtimes.flower.app import client_app
+from fedsplice.runtimes.flower.client import client_app
 
-CLIENTAPP_REF = "fedsplice.runtimes.flower.app:client_app"
+CLIENTAPP_REF = "fedsplice.runtimes.flower.client:client_app"
 log = logging.getLogger("fedsplice.runtimes.flower.executor")
 
 
@@ -99,7 +99,7 @@ def run_task(address: str, token: str) -> str:
 def run_executor(address: str, parent_pid: int | None = None, poll_s: float = 0.2) -> None:
     """Claim and run the SuperNode's ClientApp tasks until the SuperNode is gone."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import fedsplice.federation.simulation  # noqa: F401 - warm up: import torch & co. before the first message
+    import fedsplice.federation  # noqa: F401 - warm up: import torch & co. before the first message
 
     client = _client(address, [RuntimeVersionHttpInterceptor(component_name="SuperExec")])
     log.info("fedsplice executor serving ClientApp tasks of the SuperNode at %s", address)

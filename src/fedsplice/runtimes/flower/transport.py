@@ -1,14 +1,16 @@
 """`FlowerTransport`: the round loop's fit/evaluate calls, carried by Flower messages.
 
-`simulation.run_rounds` is the one round loop (validation, retries, min_replies, aggregation,
+`fedsplice.federation.run_rounds` is the one round loop (validation, retries, min_replies, aggregation,
 server optimizer); a runtime only moves tasks and results. This transport runs inside the
 ServerApp and turns `fit(rnd, cids, down)` into one "train" message per SuperNode that serves
 any of `cids` (the GLOBAL tensors once, as an ArrayRecord, plus the round and the client ids),
-and each reply back into one `Reply` per client. No math here.
+and each reply back into one `Reply` per client; `run(task, cids, down)` sends the other client
+tasks (evaluate, personalize, cold_start) the same way, so every client-side stage runs on the
+SuperNode that holds the client's data. No math here.
 
 Which SuperNode serves which client: at the first call every connected SuperNode is asked (a
 "query" message) for its `partition-id` and `num-partitions` (its node config); node p of n
-serves the training clients with `cid % n == p` (n = data.num_clients: one client per node,
+serves the clients (training and held-out) with `cid % n == p` (n = data.num_clients: one client per node,
 Flower's own convention; fewer nodes each serve several clients).
 
 Faults never raise here: a node that does not answer before `server.round_deadline_s` gives
@@ -33,13 +35,16 @@ from typing import Callable
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedsplice.core import wire
-from fedsplice.federation.experiment import Experiment
+from fedsplice.federation import Experiment, Reply, check_update, wire
 from fedsplice.runtimes.flower.records import RecordError, decode, finite_json, scan, split_bytes, to_record, weigh
-from fedsplice.core.robust import check_update
-from fedsplice.federation.simulation import Reply
 
-GLOBAL_KEY, TASK_KEY, RESULT_KEY, UP_PREFIX = "global", "task", "result", "up."
+GLOBAL_KEY, TASK_KEY, RESULT_KEY, UP_PREFIX = "global", "task", "result", "up."  # message contents
+# run config keys (pyproject [tool.flwr.app.config]) and the ServerApp's status file
+CONFIG_KEY, OUT_KEY, MIN_NODES_KEY, NODE_WAIT_KEY = "fedsplice-config", "out-dir", "min-nodes", "node-wait-s"
+STATUS_FILE = "flower-status.json"
+# client task -> (Flower message type, group id prefix); fit is MessageType.TRAIN
+TASK_MESSAGES = {"evaluate": (MessageType.EVALUATE, "eval"), "personalize": ("train.personalize", "personalize"),
+                 "cold_start": ("train.cold_start", "cold_start")}
 
 
 class FlowerRuntimeError(RuntimeError):
@@ -139,9 +144,9 @@ class FlowerTransport:
             if p in seen:
                 raise FlowerRuntimeError(f"SuperNodes {seen[p]} and {node} both have partition-id={p}")
             seen[p] = node
-        self.owner = {cid: node for cid in self.exp.train_ids for node, (p, n) in parts.items()
-                      if owned(cid, p, n)}
-        unserved = [c for c in self.exp.train_ids if c not in self.owner]
+        everyone = self.exp.train_ids + self.exp.holdout_ids
+        self.owner = {cid: node for cid in everyone for node, (p, n) in parts.items() if owned(cid, p, n)}
+        unserved = [c for c in everyone if c not in self.owner]
         if unserved:
             self._event("clients_unserved", 0, unserved,
                         "no connected SuperNode has partition-id = cid % num-partitions for them; "
@@ -303,17 +308,19 @@ class FlowerTransport:
         self.totals["up_tensors"] += len(tensors)
         return Reply(cid, payload, len(self.exp.clients[cid].train_idx), info.get("stats", {}), up, down)
 
-    def evaluate(self, cids: list[int], down: bytes) -> list[dict]:
+    def run(self, task: str, cids: list[int], down: bytes) -> dict[int, dict]:
+        """Client task `task` on the nodes that serve `cids`: {cid: result} for those that answered."""
         rnd = self.round
-        by_node, _ = self._group(cids, "evaluate", rnd)
-        got = self._exchange(MessageType.EVALUATE, f"eval-{rnd}", by_node, wire.decode(down), rnd)
-        metrics: dict[int, dict] = {}
+        kind, group = TASK_MESSAGES[task]
+        by_node, _ = self._group(cids, task, rnd)
+        got = self._exchange(kind, f"{group}-{rnd}", by_node, wire.decode(down), rnd)
+        results: dict[int, dict] = {}
         for node, (rep, err, _) in got.items():
             ncids = by_node[node]
             self.totals["eval_down_bytes"] += self._sent.get(node, 0)
             if err:
                 continue
-            w, res, err = self._result("evaluate", rnd, node, ncids, rep)
+            w, res, err = self._result(task, rnd, node, ncids, rep)
             self.totals["eval_up_bytes"] += w.total
             if err:
                 self._event("reply_refused", node, ncids, err, rnd)
@@ -321,11 +328,12 @@ class FlowerTransport:
             for cid in ncids:
                 m = res.get(str(cid), {}).get("metrics")
                 if isinstance(m, dict):
-                    metrics[cid] = m
-        missing = [c for c in cids if c not in metrics]
+                    results[cid] = m
+        missing = [c for c in cids if c not in results]
         if missing:
-            self._event("pm_partial", 0, missing, f"PM after round {rnd} averages {len(metrics)} of "
-                        f"{len(cids)} clients", rnd)
-        if not metrics:
-            raise FlowerRuntimeError(f"evaluation after round {rnd}: no SuperNode answered; see events.jsonl")
-        return [metrics[c] for c in cids if c in metrics]
+            detail = (f"PM after round {rnd} averages {len(results)} of {len(cids)} clients" if task == "evaluate"
+                      else f"{task} after round {rnd}: {len(results)} of {len(cids)} clients answered")
+            self._event("pm_partial" if task == "evaluate" else f"{task}_partial", 0, missing, detail, rnd)
+        if not results:
+            raise FlowerRuntimeError(f"{task} after round {rnd}: no SuperNode answered; see events.jsonl")
+        return {c: results[c] for c in cids if c in results}

@@ -1,0 +1,52 @@
+"""What an algorithm is: a `Recipe` composed from parts, built from typed hyperparameters.
+
+No algorithm subclasses a client or a server. A method is a `build(params, infos, shapes,
+scalings) -> Recipe` function over the dataclass of its `[method]` table; the federation layer
+runs every recipe with the same client tasks and the same round loop (DESIGN §2, §9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class NoParams:
+    """The `[method]` table of an algorithm without hyperparameters (it must be empty)."""
+
+
+@dataclass(frozen=True)
+class PersonalStage:
+    """A local stage after the rounds (FedPuReL phase 2), run by every training client as the
+    `personalize` client task: the frozen global model's logits on the client's data go into
+    ctx["global_logits"], a fresh PEFT of the same type trains `steps` steps on `objective`, and
+    the client scores global + personal logits. Nothing is communicated but the metrics."""
+
+    objective: Callable  # (model, texts, y, ids, ctx) -> {"task": loss}
+    steps: int
+
+
+@dataclass
+class Recipe:
+    split: dict[str, str]  # trainable name -> GLOBAL or PRIVATE (fedsplice.core.split)
+    loss_terms: list[Callable] = field(default_factory=list)  # (params, ctx) -> scalar, added to the task loss
+    objective: Callable | None = None  # (model, texts, y, ids, ctx) -> {loss name: scalar}; None: cross-entropy
+    grad_transform: Callable | None = None  # combines per-loss gradients (FedPuReL purification)
+    trains: bool = True  # False: evaluation only (zero-shot)
+    personalize: PersonalStage | None = None  # a local stage after the rounds (FedPuReL phase 2)
+    needs_zero_shot: bool = False  # cache zero-shot logits of the training set
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    params: type  # the dataclass of the `[method]` table; an optional `check()` validates it
+    build: Callable  # (params, infos, shapes, scalings) -> Recipe
+    description: str
+    paper: str = ""
+
+
+def clone(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in params.items()}

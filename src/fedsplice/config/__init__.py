@@ -1,0 +1,30 @@
+"""Typed experiment configs from one source: nested dataclasses, read from TOML, validated per field.
+
+Every section is a dataclass; `load_config` walks the TOML table against the dataclass fields,
+so an unknown key, a wrong type or an out-of-range value fails with a one-line ConfigError that
+names the dotted field (`server.rounds`) and the fix. `--set a.b=value` overrides are applied to
+the raw table before validation, so they go through exactly the same checks.
+
+This package is a leaf: it imports nothing from fedsplice but `fedsplice.errors`. The checks that
+need a registry (zoo models, data sets, algorithms' `[method]` tables, server optimizers) are in
+`fedsplice.federation.validate`, whose `load_config` / `validate` run them after these.
+
+    checks      ROLES and the shared field checks (check_positive, check_roles)
+    task        model, peft, data, scenario: what is learned on which data
+    rounds      client, server, eval, runtime, faults: how the rounds run
+    experiment  ExperimentConfig, the embedded default, the leaf `load_config`, `to_dict`
+    parsing     TOML tables -> dataclasses (`from_dict`), `--set` overrides, reading files
+"""
+
+from fedsplice.config.checks import ROLES, check_positive, check_roles
+from fedsplice.config.experiment import DEFAULT_CONFIG, ExperimentConfig, load_config, to_dict
+from fedsplice.config.parsing import apply_overrides, from_dict, parse_value, read_toml
+from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, RuntimeConfig, ServerConfig
+from fedsplice.config.task import USER_DATA_KINDS, DataConfig, ModelConfig, PeftConfig, ScenarioConfig, user_data
+
+_roles = check_roles  # the old private name (algorithms/registry.py); removed once nothing uses it
+
+__all__ = ["DEFAULT_CONFIG", "ROLES", "USER_DATA_KINDS", "ClientConfig", "DataConfig", "EvalConfig",
+           "ExperimentConfig", "FaultsConfig", "ModelConfig", "PeftConfig", "RuntimeConfig",
+           "ScenarioConfig", "ServerConfig", "apply_overrides", "check_positive", "check_roles",
+           "from_dict", "load_config", "parse_value", "read_toml", "to_dict", "user_data"]

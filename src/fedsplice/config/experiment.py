@@ -1,0 +1,83 @@
+"""The whole experiment config, the embedded default, and the leaf loader.
+
+`load_config` parses a TOML file (or the embedded default), applies `--set` overrides and runs
+`ExperimentConfig.check()`: every check that needs nothing outside this package. The checks
+against the registries one layer up — zoo model names, built-in data set names, the algorithm's
+`[method]` table, the server optimizer's hyperparameters — are `fedsplice.federation.validate`'s;
+its `load_config` is the one the CLI and the runtimes call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedsplice.config.parsing import apply_overrides, from_dict, read_toml
+from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, RuntimeConfig, ServerConfig
+from fedsplice.config.task import DataConfig, ModelConfig, PeftConfig, ScenarioConfig
+from fedsplice.errors import ConfigError
+
+
+@dataclass
+class ExperimentConfig:
+    algorithm: str = "pfadapter"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    method: dict = field(default_factory=dict)  # the algorithm's own hyperparameters, validated by it
+    data: DataConfig = field(default_factory=DataConfig)
+    scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    def check(self) -> None:
+        """Every section's own checks, then the checks across sections. The checks against the
+        registries (zoo, data sets, algorithms, server optimizers): fedsplice.federation.validate."""
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        for f in dataclasses.fields(self):
+            sub = getattr(self, f.name)
+            if dataclasses.is_dataclass(sub):
+                sub.check()
+        trainable = self.data.num_clients - self.data.holdout_clients
+        if self.model.class_prompts and self.peft.type == "prompt":
+            raise ConfigError("model.class_prompts (an ensemble of fixed templates) cannot be used with "
+                              "peft.type = 'prompt', which learns one context from model.class_prompt; "
+                              "remove class_prompts")
+        if self.scenario.image_dominant + self.scenario.text_dominant > self.data.num_clients:
+            raise ConfigError(f"scenario.image_dominant + scenario.text_dominant "
+                              f"({self.scenario.image_dominant} + {self.scenario.text_dominant}) exceeds "
+                              f"data.num_clients ({self.data.num_clients})")
+        if self.server.clients_per_round > trainable:
+            raise ConfigError(
+                f"server.clients_per_round ({self.server.clients_per_round}) exceeds the "
+                f"{trainable} training clients (data.num_clients - data.holdout_clients)")
+        if self.faults.straggler > 0 and not 0 < self.server.round_deadline_s < self.faults.straggler_delay_s:
+            raise ConfigError(
+                f"faults.straggler = {self.faults.straggler} needs 0 < server.round_deadline_s < "
+                f"faults.straggler_delay_s ({self.faults.straggler_delay_s}); without a deadline a "
+                f"slow client is simply waited for")
+        if self.client.upload != "fp32" and self.runtime.kind == "flower":
+            raise ConfigError(f"client.upload = {self.client.upload!r} is implemented by the simulation "
+                              f"runtime only; use client.upload = 'fp32' with runtime.kind = 'flower'")
+
+
+DEFAULT_CONFIG = Path(__file__).parent.parent / "defaults" / "default.toml"
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Parse + intra-config checks only; `fedsplice.federation.validate.load_config` adds the
+    cross-checks against the zoo, the data sets, the algorithms and the server optimizers."""
+    table = read_toml(path or DEFAULT_CONFIG)
+    apply_overrides(table, overrides or [])
+    cfg = from_dict(ExperimentConfig, table)
+    cfg.check()
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

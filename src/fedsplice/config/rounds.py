@@ -1,0 +1,162 @@
+"""The sections that say how the rounds run: client, server, eval, runtime, faults.
+
+Each section is a dataclass whose `check()` validates its own fields. Whether the server
+optimizer accepts its hyperparameters is checked where the optimizers live
+(`fedsplice.federation.validate` builds it once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fedsplice.config.checks import check_positive
+from fedsplice.errors import ConfigError
+
+
+@dataclass
+class ClientConfig:
+    local_epochs: int = 1
+    max_steps: int = 0  # cap on local steps per round; 0 = whole epochs
+    batch_size: int = 16
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    logit_adjustment: float = 0.0  # τ of logit-adjusted training (Menon et al. 2021); 0 = off
+    # Upload codec of the GLOBAL tensors: fp32 sends the tensors; fp16 / int8 send the round's
+    # update (trained - received) compressed, int8 with error feedback kept on the client.
+    upload: Literal["fp32", "fp16", "int8"] = "fp32"
+
+    def check(self) -> None:
+        if self.logit_adjustment < 0:
+            raise ConfigError(f"client.logit_adjustment must be >= 0 (0 = off), got {self.logit_adjustment}")
+        check_positive("client.local_epochs", self.local_epochs)
+        check_positive("client.batch_size", self.batch_size)
+        check_positive("client.lr", self.lr)
+        if self.max_steps < 0:
+            raise ConfigError("client.max_steps must be >= 0 (0 = whole epochs)")
+        if self.weight_decay < 0:
+            raise ConfigError("client.weight_decay must be >= 0")
+
+
+@dataclass
+class ServerConfig:
+    rounds: int = 10
+    clients_per_round: int = 4
+    optimizer: Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "fedavg"
+    lr: float = 0.0  # server learning rate η; 0 = the optimizer's default (1.0 FedAvg/M, 1e-2 adaptive)
+    momentum: float = 0.9  # FedAvgM
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3  # adaptivity ε of FedAdam/FedYogi/FedAdagrad
+    bias_correction: bool = False  # Reddi et al. Alg. 2 has none; Adam-style implementations do
+    initial_accumulator: float = -1.0  # v_{-1}; negative = tau**2 (the paper)
+    # Failing clients (any runtime): a round aggregates once it holds `min_replies` valid
+    # replies; with fewer, the clients without one are asked again up to `max_retries` times,
+    # then the round is skipped (global tensors unchanged) and logged.
+    min_replies: int = 1
+    max_retries: int = 1
+    round_deadline_s: float = 0.0  # replies later than this are discarded as late; 0 = no deadline
+    # Untrusted clients: an update whose delta has an L2 norm above the bound is rejected (0 = no
+    # bound); "median" / "trimmed_mean" aggregate coordinate-wise and ignore sample counts.
+    update_norm_bound: float = 0.0
+    aggregation: Literal["mean", "median", "trimmed_mean"] = "mean"
+    trim_fraction: float = 0.1  # trimmed_mean: share cut from each end, per coordinate
+
+    def check(self) -> None:
+        check_positive("server.rounds", self.rounds)
+        check_positive("server.clients_per_round", self.clients_per_round)
+        if self.lr < 0:
+            raise ConfigError(f"server.lr must be >= 0 (0 = the optimizer's default), got {self.lr}")
+        if not 1 <= self.min_replies <= self.clients_per_round:
+            raise ConfigError(f"server.min_replies must be in [1, server.clients_per_round] = "
+                              f"[1, {self.clients_per_round}], got {self.min_replies}")
+        if not 0 <= self.max_retries <= 100:
+            raise ConfigError(f"server.max_retries must be in [0, 100], got {self.max_retries}")
+        if self.round_deadline_s < 0:
+            raise ConfigError(f"server.round_deadline_s must be >= 0 (0 = no deadline), got {self.round_deadline_s}")
+        if self.update_norm_bound < 0:
+            raise ConfigError(f"server.update_norm_bound must be >= 0 (0 = no bound), got {self.update_norm_bound}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError(f"server.trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
+
+    def optimizer_kwargs(self) -> dict:
+        """Only the hyperparameters the chosen server optimizer takes."""
+        kw: dict = {"lr": self.lr} if self.lr > 0 else {}
+        if self.optimizer == "fedavgm":
+            kw["momentum"] = self.momentum
+        if self.optimizer in ("fedadam", "fedyogi"):
+            kw.update(beta1=self.beta1, beta2=self.beta2, bias_correction=self.bias_correction)
+        if self.optimizer in ("fedadam", "fedyogi", "fedadagrad"):
+            kw["tau"] = self.tau
+            if self.initial_accumulator >= 0:
+                kw["initial_accumulator"] = self.initial_accumulator
+        return kw
+
+
+@dataclass
+class EvalConfig:
+    every: int = 1  # evaluate GM/PM every N rounds (the last round always)
+    batch_size: int = 64
+    cold_start_epochs: int = 5  # held-out clients: step 0, then after 1..N local epochs
+    many_threshold: int = 100  # many-shot classes: > this many global training samples
+    few_threshold: int = 20  # few-shot classes: < this many; medium in between
+    balancedness_sigma: float = 0.1  # σ of β(V); 0.1 and 0.01 are always reported too
+
+    def check(self) -> None:
+        check_positive("eval.every", self.every)
+        check_positive("eval.batch_size", self.batch_size)
+        if self.cold_start_epochs < 0:
+            raise ConfigError("eval.cold_start_epochs must be >= 0")
+        if not 0 <= self.few_threshold <= self.many_threshold:
+            raise ConfigError(f"eval.few_threshold ({self.few_threshold}) must be in [0, "
+                              f"eval.many_threshold ({self.many_threshold})]")
+        check_positive("eval.balancedness_sigma", self.balancedness_sigma)
+
+
+@dataclass
+class RuntimeConfig:
+    kind: Literal["simulation", "flower"] = "simulation"  # flower: Flower deployment engine (docs/flower.md)
+    # flower only: SuperNodes `fedsplice flower up` starts (node p serves clients cid % N == p), and
+    # TLS + SuperNode authentication off (loopback experiments only; warned). Flower uses
+    # server.min_replies / max_retries / round_deadline_s like the simulation does.
+    num_supernodes: int = 2
+    insecure: bool = False
+    store: Literal["memory", "disk"] = "memory"  # where PRIVATE client state lives between rounds
+    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    checkpoint_every: int = 1  # rounds between checkpoints (the last round always); 0 = none
+    keep_checkpoints: int = 2  # the newest k checkpoints are kept
+    # Frozen work computed once (DESIGN §7): tokenized inputs, frozen input features, hidden
+    # states below the first adapted layer. false = recompute everything every step (checks,
+    # benchmarks). The prefix cache holds at most cache_budget_mb; past that it computes afresh.
+    cache: bool = True
+    cache_budget_mb: int = 1024
+    cache_dir: str = ""  # "" = in memory; a folder = memory-mapped .npy files there
+
+    def check(self) -> None:
+        if self.threads < 0:
+            raise ConfigError("runtime.threads must be >= 0 (0 = torch default)")
+        check_positive("runtime.num_supernodes", self.num_supernodes)
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"runtime.checkpoint_every must be >= 0 (0 = no checkpoints), got {self.checkpoint_every}")
+        check_positive("runtime.keep_checkpoints", self.keep_checkpoints)
+        if self.cache_budget_mb < 0:
+            raise ConfigError(f"runtime.cache_budget_mb must be >= 0 (0 = no prefix cache), got {self.cache_budget_mb}")
+
+
+@dataclass
+class FaultsConfig:
+    """Injected client failures (simulation runtime), drawn per (seed, round, attempt, client)."""
+
+    dropout: float = 0.0  # probability that a sampled client never replies
+    straggler: float = 0.0  # probability that a sampled client is slow ...
+    straggler_delay_s: float = 60.0  # ... and replies after this long (late if > server.round_deadline_s)
+
+    def check(self) -> None:
+        for name in ("dropout", "straggler"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"faults.{name} must be a probability in [0, 1], got {v}")
+        if self.straggler_delay_s < 0:
+            raise ConfigError(f"faults.straggler_delay_s must be >= 0, got {self.straggler_delay_s}")
+

@@ -1,0 +1,202 @@
+"""The sections that say what is learned on which data: model, peft, data, scenario.
+
+Each section is a dataclass whose `check()` validates its own fields (one-line ConfigErrors that
+name the dotted field). Checks against registries outside this package — zoo model names, built-in
+data set names — are `fedsplice.federation.validate`'s, so `fedsplice.config` stays a leaf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from fedsplice.config.checks import ROLES, check_positive, check_roles
+from fedsplice.errors import ConfigError
+
+USER_DATA_KINDS = ("csv", "jsonl", "images")
+
+
+def user_data(spec: str) -> tuple[str, str] | None:
+    """(kind, path) of a user's data set (`csv:PATH`, `jsonl:PATH`, `images:DIR`), else None
+    (a built-in data set's name, checked against the registry one layer up)."""
+    kind, _, path = spec.partition(":")
+    return (kind, path) if kind in USER_DATA_KINDS and path else None
+
+
+@dataclass
+class ModelConfig:
+    name: str = "zoo:minilm"  # zoo:minilm, zoo:smollm2, a hub id or a local path
+    # dual_encoder: MiniLM (text) or CLIP (images; text prompts per class); vlm: a LLaVA-style
+    # vision tower (model.vision) + projector + causal LM (model.name), verbalizer scoring
+    task: Literal["dual_encoder", "encoder_head", "causal_lm", "vlm"] = "dual_encoder"
+    class_prompt: str = "a quote about {label}."  # dual encoder: the text side of each class
+    # prompt ensemble: more templates; the class embedding is the mean of the normalized
+    # embeddings of class_prompt and these (CLIP's "a photo of a {label}." family)
+    class_prompts: list[str] = field(default_factory=list)
+    vision: str = ""  # vlm: the vision tower, zoo:tiny-vit, a hub id or a local path
+    projector: Literal["linear", "mlp"] = "mlp"  # vlm: vision -> LM embeddings (trainable, GLOBAL)
+    input_template: str = "{text}"  # causal LM: e.g. "Text: {text}\nTopic:"
+    # Dual encoder with one shared encoder (MiniLM): do the adapters also encode the class
+    # prompts? False = the class side stays frozen (as CLIP-LoRA on the input tower), so class
+    # embeddings are computed once and cached; True recomputes them every step.
+    class_side_adapters: bool = False
+    logit_scale: float = 20.0  # s in s·cos(E(x), T(c)); ~20 fits MiniLM far better than CLIP's 100
+    max_length: int = 128  # tokens per input; batches are padded to their longest member only
+
+    def check(self) -> None:
+        check_positive("model.logit_scale", self.logit_scale)
+        check_positive("model.max_length", self.max_length)
+        # a `zoo:NAME` is checked against the zoo by fedsplice.federation.validate
+        if "{label}" not in self.class_prompt:
+            raise ConfigError("model.class_prompt must contain '{label}', e.g. 'a quote about {label}.'")
+        for i, t in enumerate(self.class_prompts):
+            if "{label}" not in t:
+                raise ConfigError(f"model.class_prompts[{i}] must contain '{{label}}', e.g. 'a photo of a {{label}}.'")
+        for name, t, key in [("model.class_prompt", self.class_prompt, "label"),
+                             ("model.input_template", self.input_template, "text"),
+                             *((f"model.class_prompts[{i}]", t, "label") for i, t in enumerate(self.class_prompts))]:
+            try:
+                t.format(**{key: "x"})
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(f"{name}: only {{{key}}} may be filled in ({type(e).__name__}: {e}); "
+                                  f"write a literal brace as {{{{ or }}}}") from None
+        if self.task == "vlm" and not self.vision:
+            raise ConfigError("model.vision: model.task = 'vlm' needs a vision tower, e.g. "
+                              "'zoo:tiny-vit', 'openai/clip-vit-base-patch32' or a local folder")
+        if self.vision and self.task != "vlm":
+            raise ConfigError("model.vision is only used with model.task = 'vlm'; remove it or set the task")
+        if "{text}" not in self.input_template:
+            raise ConfigError("model.input_template must contain '{text}', e.g. 'Text: {text}\\nTopic:'")
+
+
+@dataclass
+class PeftConfig:
+    type: Literal["lora", "prompt", "adapter"] = "lora"
+    # LoRA (HF peft) on attention projections by role
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    roles: list[str] = field(default_factory=lambda: list(ROLES))
+    layers: list[int] = field(default_factory=list)  # empty: every layer
+    tower: str = ""  # CLIP-style models: "text_model" or "vision_model"; empty: the only tower
+    use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
+    # CoOp prompt context on the class side of a dual encoder
+    n_ctx: int = 0  # 0: the words of model.class_prompt before {label}, initialized from them
+    class_specific: bool = False  # one context per class instead of one shared
+    portfolio: float = 0.0  # PromptFolio θ: mix a private local prompt's class features with weight θ
+    # FedCLIP feature adapter on the input embedding
+    adapter_hidden: int = 0  # 0: the embedding width
+
+    def check(self) -> None:
+        check_positive("peft.r", self.r)
+        check_positive("peft.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"peft.dropout must be in [0, 1), got {self.dropout}")
+        check_roles("peft.roles", self.roles)
+        if not self.roles:
+            raise ConfigError("peft.roles is empty; list at least one of q, k, v, o")
+        if any(i < 0 for i in self.layers):
+            raise ConfigError(f"peft.layers must be non-negative layer indices, got {self.layers}")
+        if self.n_ctx < 0 or self.adapter_hidden < 0:
+            raise ConfigError("peft.n_ctx and peft.adapter_hidden must be >= 0 (0 = automatic)")
+        if not 0.0 <= self.portfolio < 1.0:
+            raise ConfigError(f"peft.portfolio must be in [0, 1), got {self.portfolio}")
+        if self.portfolio > 0 and self.type != "prompt":
+            raise ConfigError("peft.portfolio mixes prompt contexts: set peft.type = 'prompt'")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "fortunes"  # see `fedsplice list datasets`; or csv:PATH / jsonl:PATH
+    num_clients: int = 10
+    partition: Literal["dirichlet", "iid", "shards"] = "dirichlet"
+    alpha: float = 0.5  # Dirichlet concentration (smaller = more label skew)
+    shards_per_client: int = 2
+    test_per_class: int = 20  # balanced global test set
+    max_per_class: int = 0  # cap on training samples per class; 0 = no cap
+    local_test_size: int = 40  # per client, drawn to match its training label distribution
+    holdout_clients: int = 0  # clients kept out of training for cold-start evaluation
+    # Long tail (FedPuReL): n_c = n_max·IF^(−c/(C−1)) training samples for the c-th largest
+    # class before partitioning; imbalance = 1 keeps the data as it is.
+    imbalance: float = 1.0
+    n_max: int = 0  # 0: the largest class's size
+    # Users' image data (images:DIR, csv/jsonl with an `image` column): a file that fails to
+    # decode is an error naming it; true reports each one and skips it instead.
+    skip_bad_images: bool = False
+    # Readable names for the labels of a user's data set, in label order (sorted labels): for
+    # prompts such as "a photo of a {label}."; must list exactly one name per label.
+    class_names: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        # the files of a user's data set exist; a built-in name is checked against the registry
+        # by fedsplice.federation.validate
+        kind, path = user_data(self.dataset) or ("", "")
+        if kind in ("csv", "jsonl") and not Path(path).expanduser().is_file():
+            raise ConfigError(f"data.dataset: file {path!r} not found; give an existing {kind} file")
+        if kind == "images" and not Path(path).expanduser().is_dir():
+            raise ConfigError(f"data.dataset: folder {path!r} not found; give a folder with one "
+                              f"subfolder of images per class (images:DIR)")
+        check_positive("data.num_clients", self.num_clients)
+        check_positive("data.alpha", self.alpha)
+        check_positive("data.shards_per_client", self.shards_per_client)
+        check_positive("data.test_per_class", self.test_per_class)
+        check_positive("data.local_test_size", self.local_test_size)
+        if self.max_per_class < 0:
+            raise ConfigError("data.max_per_class must be >= 0 (0 = no cap)")
+        if self.imbalance < 1:
+            raise ConfigError(f"data.imbalance (IF) must be >= 1 (1 = no long-tail cut), got {self.imbalance}")
+        if self.n_max < 0:
+            raise ConfigError("data.n_max must be >= 0 (0 = the largest class's size)")
+        if not 0 <= self.holdout_clients < self.num_clients:
+            raise ConfigError(f"data.holdout_clients must be in [0, data.num_clients) = "
+                              f"[0, {self.num_clients}), got {self.holdout_clients}")
+
+
+@dataclass
+class ScenarioConfig:
+    """Multimodal heterogeneity (PFAdapter §V), applied to the clients' data (train and local
+    test) after partitioning, from its own seeded stream; the global test set stays aligned.
+
+    missing modality   a share `missing_rate` (β) of the clients (`missing_level = "client"`)
+                       or of every client's samples ("sample") lose the `missing` modality
+                       ("either": image or text, drawn per client / per sample)
+    hybrid             `aligned_share` p of the clients stay aligned; the others lose the
+                       modality on a share β of their samples (needs missing_level = "sample")
+    modality-dominant  `image_dominant` clients lose the text and `text_dominant` clients the
+                       image on a share `dominant_rate` of their samples (I-5:T-5 = 5 and 5)
+    Gaussian noise     images of a share `noise_clients` of the clients get N(0, σ²) noise,
+                       σ = noise_std × 255, clipped to [0, 255]
+    """
+
+    missing_rate: float = 0.0
+    missing_level: Literal["client", "sample"] = "client"
+    missing: Literal["image", "text", "either"] = "either"
+    aligned_share: float = 0.0
+    image_dominant: int = 0
+    text_dominant: int = 0
+    dominant_rate: float = 0.8
+    noise_std: float = 0.0
+    noise_clients: float = 1.0
+
+    def check(self) -> None:
+        for name in ("missing_rate", "aligned_share", "dominant_rate", "noise_clients"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"scenario.{name} must be a share in [0, 1], got {v}")
+        if self.noise_std < 0:
+            raise ConfigError(f"scenario.noise_std must be >= 0 (a fraction of the pixel range), got {self.noise_std}")
+        if self.image_dominant < 0 or self.text_dominant < 0:
+            raise ConfigError("scenario.image_dominant and scenario.text_dominant must be >= 0 client counts")
+        if self.aligned_share > 0 and self.missing_rate == 0:
+            raise ConfigError("scenario.aligned_share (hybrid) needs scenario.missing_rate > 0: the share "
+                              "of samples the non-aligned clients lose")
+        if self.aligned_share > 0 and self.missing_level != "sample":
+            raise ConfigError("scenario.aligned_share (hybrid) needs scenario.missing_level = 'sample': "
+                              "the non-aligned clients lose the modality on a share missing_rate of their samples")
+        if self.missing_rate > 0 and (self.image_dominant or self.text_dominant):
+            raise ConfigError("scenario: choose missing modality (missing_rate) or modality-dominant clients "
+                              "(image_dominant / text_dominant), not both")
+
+    def active(self) -> bool:
+        return bool(self.missing_rate or self.image_dominant or self.text_dominant or self.noise_std)

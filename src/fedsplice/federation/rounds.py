@@ -1,0 +1,137 @@
+"""The one round loop, and the stages after it, over any transport.
+
+A transport is what a runtime provides: `fit(rnd, cids, down) -> [Reply]` (one round of local
+training for the sampled clients) and `run(task, cids, down) -> {cid: dict}` (a client task of
+`fedsplice.federation.tasks.TASKS`, for the clients that answered, in the order of `cids`). `down` is the serialized
+GLOBAL tensors. A transport may return fewer results than clients asked, or replies with
+`error`/`late` set: the loop treats them the same way whichever runtime sent them.
+
+Per round: the sampled clients (pre-drawn, `Experiment.sampling`) receive the GLOBAL tensors,
+train, and upload theirs; replies are validated (`gather`), the deltas averaged by sample count
+(or robustly), and the server optimizer steps. Only the global test set (GM) is scored here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from fedsplice.core import wire
+from fedsplice.core.robust import aggregate
+from fedsplice.core.server import deltas
+from fedsplice.federation.checkpoint import RoundState
+from fedsplice.federation.evaluation import evaluate_global, summarize_pm
+from fedsplice.federation.gather import gather
+
+
+@dataclass
+class Reply:
+    cid: int
+    payload: bytes  # the serialized GLOBAL tensors the client uploads
+    num_examples: int
+    stats: dict
+    up_bytes: int  # measured on what crossed the wire (here: the payload itself)
+    down_bytes: int
+    error: str = ""  # the client failed (dropout, crash, lost connection): why; no update
+    late: bool = False  # the reply came after the round deadline; it is not aggregated
+
+
+def initial_global(exp) -> dict:
+    params = exp.model.trainable()
+    return {n: params[n].detach().clone() for n in exp.global_names}
+
+
+def gm_and_pm(exp, transport, global_params: dict, gm_first: bool = False) -> dict:
+    """GM here, on the global test set; PM as the `evaluate` task on every training client.
+    (`gm_first`: the order zero-shot runs have always used; frozen-prefix caches fill in the
+    order texts are first seen, so the order is kept for bytewise-reproducible results.)"""
+    if gm_first:
+        gm = evaluate_global(exp, global_params)
+    per_client = transport.run("evaluate", exp.train_ids, wire.encode(global_params))
+    if not gm_first:
+        gm = evaluate_global(exp, global_params)
+    return {"gm": gm, "pm": summarize_pm(exp, list(per_client.values()))}
+
+
+def evaluate_only(exp, transport, on_round: Callable[[dict], None]) -> dict:
+    """Runs that train nothing (zero-shot): one evaluation, no traffic."""
+    global_params = initial_global(exp)
+    on_round({"round": 0, **gm_and_pm(exp, transport, global_params, gm_first=True)})
+    return {"global_params": global_params, "server_state": {}, "up_bytes": 0, "down_bytes": 0}
+
+
+def round_record(rnd: int, got, ok: bool, t0: float) -> dict:
+    """What metrics.jsonl logs of a round's training (evaluation is added by the caller)."""
+    stats = [r.stats for r, _ in got.accepted] if ok else []
+    record = {"round": rnd, "clients": [r.cid for r, _ in got.accepted]}
+    if stats:
+        record["train_loss"] = float(np.mean([s["loss"] for s in stats]))
+    record.update(up_bytes=got.up_bytes, down_bytes=got.down_bytes, dropped=got.count("dropped"),
+                  late=got.count("late"), rejected=got.count("rejected"), time_s=time.perf_counter() - t0)
+    if not ok:
+        record["skipped"] = True
+    if got.attempts > 1:
+        record["attempts"] = got.attempts
+    if got.events:
+        record["events"] = got.events
+    for k in (stats[0] if stats else ()):  # in a fixed order: metrics.jsonl is compared bytewise
+        if k not in ("steps", "loss") and all(k in s for s in stats):
+            record[k] = float(np.mean([s[k] for s in stats]))
+    return record
+
+
+def run_rounds(exp, store, on_round: Callable[[dict], None], *, transport, start: RoundState | None = None,
+               on_state: Callable[[RoundState], None] | None = None) -> dict:
+    """The one round loop. Calls on_round(record) after every round, then on_state(state) with
+    the server's state at the end of that round (the runner checkpoints it); `start` continues
+    from such a state (resume: round 0 is not evaluated again). Returns the final state.
+
+    A round survives failing clients: replies are validated (`gather`), and a round with fewer
+    than `server.min_replies` valid ones, after `server.max_retries` retries, is skipped (global
+    tensors and server state unchanged) and marked `"skipped": true`.
+    """
+    sc = exp.cfg.server
+    if start is None:
+        global_params = initial_global(exp)
+        server_state, up_total, down_total = exp.server_opt.init(global_params), 0, 0
+        on_round({"round": 0, **gm_and_pm(exp, transport, global_params)})
+    else:
+        global_params, server_state = dict(start.global_params), dict(start.server_state)
+        up_total, down_total = start.up_bytes, start.down_bytes
+    for rnd in range((start.round if start else 0) + 1, sc.rounds + 1):
+        t0 = time.perf_counter()
+        got = gather(transport, rnd, exp.sampling[rnd - 1], wire.encode(global_params), global_params,
+                     set(exp.private_names), min_replies=sc.min_replies, max_retries=sc.max_retries,
+                     norm_bound=sc.update_norm_bound)
+        up_total, down_total = up_total + got.up_bytes, down_total + got.down_bytes
+        ok = len(got.accepted) >= sc.min_replies
+        if ok and exp.global_names:
+            agg = aggregate([deltas(u, global_params) for _, u in got.accepted],
+                            [r.num_examples for r, _ in got.accepted], sc.aggregation, sc.trim_fraction)
+            global_params, server_state = exp.server_opt.update(agg, server_state, global_params)
+        record = round_record(rnd, got, ok, t0)
+        if rnd % exp.cfg.eval.every == 0 or rnd == sc.rounds:
+            record.update(gm_and_pm(exp, transport, global_params))
+        on_round(record)
+        if on_state is not None:
+            on_state(RoundState(rnd, global_params, server_state, up_total, down_total))
+    return {"global_params": global_params, "server_state": server_state,
+            "up_bytes": up_total, "down_bytes": down_total}
+
+
+def personalization(exp, transport, global_params: dict) -> dict:
+    """PM after the recipe's local stage (FedPuReL phase 2), run as the `personalize` task on
+    every training client; only its metrics come back."""
+    return summarize_pm(exp, list(transport.run("personalize", exp.train_ids, wire.encode(global_params)).values()))
+
+
+def cold_start(exp, transport, global_params: dict) -> dict:
+    """Held-out clients adapt the final GLOBAL tensors (the `cold_start` task); their mean curve."""
+    curves = transport.run("cold_start", exp.holdout_ids, wire.encode(global_params))
+    arr = np.array([c["accuracy"] for c in curves.values()])
+    return {"clients": list(curves), "epochs": list(range(exp.cfg.eval.cold_start_epochs + 1)),
+            "accuracy": arr.mean(0).tolist(), "accuracy_std": arr.std(0).tolist(),
+            "per_client": arr.tolist()}

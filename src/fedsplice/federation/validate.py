@@ -1,0 +1,60 @@
+"""Config checks across layers: the names and hyperparameters a config takes from the registries.
+
+`fedsplice.config` is a leaf, so `ExperimentConfig.check()` validates every field on its own and
+across sections, but cannot see the registries that live above it. This module runs that check
+and then the cross-checks, with the same one-line ConfigErrors the CLI prints (exit 2):
+
+- `model.name = "zoo:NAME"`: NAME is in the model zoo (`fedsplice.data.zoo.ZOO`);
+- `data.dataset`: a built-in data set (`fedsplice.data.datasets.DATASETS`) unless it is a user's
+  `csv:PATH` / `jsonl:PATH` / `images:DIR` (whose files the leaf checks);
+- `algorithm` + `[method]`: the algorithm exists and its typed `[method]` table validates;
+- `server.*`: the server optimizer accepts its hyperparameters (it is built once, then dropped).
+
+`load_config` is the loader for everything that runs or validates a config (CLI, runtimes);
+`fedsplice.config.load_config` only parses and runs the leaf checks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedsplice import config
+from fedsplice.algorithms import method_params
+from fedsplice.config import ExperimentConfig
+from fedsplice.core.server import make_server_optimizer
+from fedsplice.data.datasets import DATASETS
+from fedsplice.data.zoo import ZOO
+from fedsplice.errors import ConfigError
+
+
+def check_zoo_model(cfg: ExperimentConfig) -> None:
+    name = cfg.model.name
+    if name.startswith("zoo:") and name[4:] not in ZOO:
+        raise ConfigError(f"model.name: unknown zoo model {name!r}; choose one of "
+                          f"{', '.join('zoo:' + k for k in ZOO)}, a local folder or a hub id")
+
+
+def check_dataset(cfg: ExperimentConfig) -> None:
+    dataset = cfg.data.dataset
+    if config.user_data(dataset) is None and dataset not in DATASETS:
+        raise ConfigError(f"data.dataset: unknown {dataset!r}; choose one of "
+                          f"{', '.join(DATASETS)}, or csv:PATH / jsonl:PATH / images:DIR")
+
+
+def check_server_optimizer(cfg: ExperimentConfig) -> None:
+    make_server_optimizer(cfg.server.optimizer, **cfg.server.optimizer_kwargs())
+
+
+def validate(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg.check()` (the leaf's checks), then the checks against the registries; returns cfg."""
+    cfg.check()
+    check_zoo_model(cfg)
+    check_dataset(cfg)
+    method_params(cfg)  # validates `method` against the algorithm (and the algorithm's name)
+    check_server_optimizer(cfg)
+    return cfg
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """The config at `path` (None: the embedded default) with `--set` overrides, fully validated."""
+    return validate(config.load_config(path, overrides))

@@ -1,0 +1,143 @@
+"""The two sides of a dual encoder (and the input side of encoder + head).
+
+  TextEncoder  tokenized texts -> hidden states (through the frozen-prefix cache when there is
+               one) -> mean-pooled embeddings, or CLIP's projected text features
+  ClassSide    T(prompt(c)): normalized class embeddings from the template(s), the CoOp prompt
+               learner(s), or the frozen model (computed once when nothing on that side trains)
+  InputSide    E(x): text features, or CLIP's image (and caption) features; frozen and cached
+               when only the class side or an adapter trains; the FedCLIP adapter on top
+
+`zero_shot` is passed in by the caller (TaskModel.zero_shot), never stored here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedsplice.data.samples import Sample
+from fedsplice.errors import ConfigError
+from fedsplice.model.adapters import FeatureAdapter, PromptLearner
+from fedsplice.model.cache import FrozenCache, TokenCache
+from fedsplice.model.peft import adapters_off
+from fedsplice.model.prefix import TextPrefix
+from fedsplice.model.vision import ClipImagePrefix, ClipInputs, clip_text_from_embeds
+
+
+class TextEncoder:
+    def __init__(self, backbone: nn.Module, hf: nn.Module, tokens: TokenCache, is_clip: bool,
+                 prefix: TextPrefix | None = None):
+        self.backbone, self.hf, self.tokens, self.is_clip = backbone, hf, tokens, is_clip
+        self.prefix = prefix
+
+    def encode(self, enc, texts: list[str]) -> torch.Tensor:
+        if self.prefix is None:
+            return self.backbone(**enc).last_hidden_state
+        return self.prefix.encode(enc, texts)
+
+    def embed(self, texts: list[str]) -> torch.Tensor:
+        enc = self.tokens(texts)
+        out = self.encode(enc, texts)
+        mask = enc["attention_mask"].unsqueeze(-1).to(out.dtype)
+        return (out * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean pooling (sentence-transformers)
+
+    def embed_text(self, texts: list[str]) -> torch.Tensor:
+        """T(texts): CLIP's projected text features, else mean-pooled hidden states."""
+        if self.is_clip:
+            return self.hf.get_text_features(**self.tokens(list(texts))).pooler_output
+        return self.embed(texts)
+
+
+class ClassSide:
+    """Class embeddings [C, D], normalized. `trains_text` (`model.class_side_adapters`, or CLIP
+    with LoRA in its text tower): the class side changes as LoRA trains, so it is recomputed."""
+
+    def __init__(self, text: TextEncoder, class_names: list[str], templates: list[str], peft_type: str,
+                 trains_text: bool, cache_on: bool, prompt: PromptLearner | None = None,
+                 prompt_local: PromptLearner | None = None, portfolio: float = 0.0):
+        self.text, self.class_names, self.templates = text, class_names, templates
+        self.peft_type, self.trains_text, self.cache_on = peft_type, trains_text, cache_on
+        self.prompt, self.prompt_local, self.portfolio = prompt, prompt_local, portfolio
+        self.frozen_emb: torch.Tensor | None = None
+
+    def embeddings(self, zero_shot: bool) -> torch.Tensor:
+        if zero_shot or self.peft_type == "adapter":
+            return self.frozen()
+        if self.peft_type == "prompt":
+            e = self.from_prompt(self.prompt)
+            if self.prompt_local is not None:  # PromptFolio: a portfolio of global and local features
+                th = self.portfolio
+                e = F.normalize((1 - th) * e + th * self.from_prompt(self.prompt_local), dim=-1)
+            return e
+        if not self.trains_text:
+            return self.frozen()
+        return self.from_templates()
+
+    def from_templates(self) -> torch.Tensor:
+        """Normalized class embeddings; a prompt ensemble averages its templates' (CLIP)."""
+        es = [F.normalize(self.text.embed_text(self.prompts(t)), dim=-1) for t in self.templates]
+        return es[0] if len(es) == 1 else F.normalize(torch.stack(es).mean(0), dim=-1)
+
+    def prompts(self, template: str) -> list[str]:
+        return [template.format(label=c) for c in self.class_names]
+
+    def frozen(self) -> torch.Tensor:
+        if self.frozen_emb is None or not self.cache_on:  # frozen work, computed once
+            with torch.no_grad(), adapters_off(self.text.backbone, self.peft_type):
+                self.frozen_emb = self.from_templates()
+        return self.frozen_emb
+
+    def word_embeddings(self) -> nn.Embedding:
+        if self.text.is_clip:
+            return self.text.hf.text_model.embeddings.token_embedding
+        return self.text.backbone.get_input_embeddings()
+
+    def from_prompt(self, learner: PromptLearner) -> torch.Tensor:
+        embeds, mask = learner.inputs(self.word_embeddings())
+        if self.text.is_clip:
+            return F.normalize(clip_text_from_embeds(self.text.hf, embeds, mask), dim=-1)
+        out = self.text.backbone(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(out.dtype)
+        return F.normalize((out * m).sum(1) / m.sum(1), dim=-1)
+
+
+class InputSide:
+    """E(x) [B, D]. With LoRA it trains through the encoder; with prompts or an adapter the
+    encoder is frozen on this side, so its features are computed without gradients (and cached
+    per input when `features` is given); the adapter, outside zero-shot, maps them."""
+
+    def __init__(self, text: TextEncoder, peft_type: str, adapter: FeatureAdapter | None = None,
+                 features: FrozenCache | None = None, clip_inputs: ClipInputs | None = None):
+        self.text, self.peft_type, self.adapter = text, peft_type, adapter
+        self.features, self.clip_inputs = features, clip_inputs
+
+    @staticmethod
+    def clip(text: TextEncoder, processor, image_prefix: ClipImagePrefix | None, captions_frozen: bool) -> ClipInputs:
+        """CLIP's E(x); with a frozen text tower (and caching on) captions are encoded once."""
+        fn = text.embed_text
+        if captions_frozen:
+            captions = FrozenCache({"kind": "clip-captions"}, 1 << 62)
+            fn = lambda ts: torch.stack(captions.rows(ts, text.embed_text))  # noqa: E731
+        return ClipInputs(text.hf, processor, fn, image_prefix)
+
+    def __call__(self, items: list, zero_shot: bool) -> torch.Tensor:
+        if self.peft_type == "lora":
+            return self.embed(items)
+        with torch.no_grad():  # the encoder is frozen on the input side for prompts and adapters
+            f = self.frozen(items)
+        return f if (self.adapter is None or zero_shot) else self.adapter(f)
+
+    def frozen(self, items: list) -> torch.Tensor:
+        if self.features is None:
+            return self.embed(items)
+        return torch.stack(self.features.rows(items, self.embed))
+
+    def embed(self, items: list) -> torch.Tensor:
+        """E(x): text encoder for texts; CLIP's image (and caption) features for samples."""
+        if self.clip_inputs is not None:
+            return self.clip_inputs(items)
+        if any(isinstance(s, Sample) for s in items):
+            raise ConfigError("data.dataset holds images but model.name is a text encoder; use a CLIP "
+                              "checkpoint (dual_encoder) or model.task = 'vlm'")
+        return self.text.embed(items)

@@ -1,0 +1,120 @@
+"""The trainable parts of a backbone and their metadata.
+
+Builders: LoRA injected through HF peft (by role, layer and tower), CoOp prompt learners, the
+FedCLIP feature adapter and an encoder's linear head (fedsplice.model.adapters holds the modules
+themselves). Metadata: `param_infos` (role, LoRA factor, layer and kind of every trainable tensor,
+what splits are written in) and `lora_scalings` (s of ΔW = s·B·A, for the orthogonality loss).
+
+Every random init draws from a generator seeded by cfg.seed, never from the global stream: LoRA's
+A init (drawn by peft from torch's RNG) runs inside a forked, locally seeded RNG.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from fedsplice.config import PeftConfig
+from fedsplice.core.split import ParamInfo
+from fedsplice.errors import ConfigError
+from fedsplice.model.adapters import FeatureAdapter, PromptLearner
+from fedsplice.model.loading import target_regex
+
+LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
+
+
+def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int, mtype: str):
+    """`base` wrapped by peft with LoRA on pc.roles × pc.layers × pc.tower."""
+    from peft import LoraConfig, get_peft_model  # heavy: imported when a LoRA model is built
+
+    regex = target_regex(rmap, pc.roles, pc.layers, pc.tower)
+    lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, target_modules=regex,
+                      use_rslora=pc.use_rslora, bias="none")
+    # LoRA A init draws from torch's RNG: seed it locally so the global stream is untouched.
+    with torch.random.fork_rng(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft probing deprecated HF helpers
+        torch.manual_seed(seed)
+        try:
+            return get_peft_model(base, lcfg)
+        except ValueError as e:
+            raise ConfigError(f"peft: no module of this {mtype} backbone matches roles {pc.roles}, "
+                              f"layers {pc.layers or 'all'}, tower {pc.tower or '(any)'} ({e}); "
+                              f"check peft.layers / peft.tower") from None
+
+
+def hf_model(backbone: nn.Module, peft_type: str) -> nn.Module:
+    """The HF model under peft's wrapper (the backbone itself without LoRA)."""
+    return backbone.get_base_model() if peft_type == "lora" else backbone
+
+
+def adapters_off(backbone: nn.Module, peft_type: str):
+    """A context in which the backbone runs without its LoRA (the frozen model)."""
+    return backbone.disable_adapter() if peft_type == "lora" else nullcontext()
+
+
+def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class_names: list[str],
+                  pc: PeftConfig, gen: torch.Generator, positions: int | None):
+    """(prompt, prompt_local): the CoOp context, and PromptFolio's local one when portfolio > 0
+    (drawn after the global one, from the same generator)."""
+    def make():
+        return PromptLearner(tokenizer, word_embeddings, template, class_names, pc.n_ctx, pc.class_specific, gen)
+
+    prompt = make()
+    local = make() if pc.portfolio > 0 else None
+    if positions and prompt.mask.shape[1] > positions:
+        raise ConfigError(f"peft.n_ctx: the longest class sequence has {prompt.mask.shape[1]} "
+                          f"tokens, CLIP's text tower takes {positions}; lower peft.n_ctx or shorten "
+                          f"model.class_prompt / the class names")
+    return prompt, local
+
+
+def build_adapter(hidden: int, pc: PeftConfig, gen: torch.Generator) -> FeatureAdapter:
+    return FeatureAdapter(hidden, pc.adapter_hidden or hidden, gen)
+
+
+def build_head(hidden: int, num_classes: int, gen: torch.Generator) -> nn.Linear:
+    """A linear head with nn.Linear's default init bounds (weight), zero bias, seeded."""
+    head = nn.Linear(hidden, num_classes)
+    with torch.no_grad():
+        bound = 1.0 / hidden**0.5
+        head.weight.copy_(torch.empty_like(head.weight).uniform_(-bound, bound, generator=gen))
+        head.bias.zero_()
+    return head
+
+
+def param_infos(names, rmap: dict[str, str]) -> dict[str, ParamInfo]:
+    """Role, LoRA factor, layer and kind of each trainable parameter name."""
+    infos = {}
+    for name in names:
+        if ".lora_A." in name or ".lora_B." in name:
+            factor = "A" if ".lora_A." in name else "B"
+            module = name.split(f".lora_{factor}.")[0]
+            role = next((r for r, s in rmap.items() if module.endswith("." + s)), None)
+            m = LAYER.match(module)
+            infos[name] = ParamInfo(role, factor, m.group(1) if m else module, "lora")
+        else:  # head, prompt, prompt_local, adapter, projector: named by their module
+            infos[name] = ParamInfo(None, None, None, name.split(".")[0])
+    return infos
+
+
+def lora_scalings(named_modules) -> dict[str, float]:
+    """LoRA scaling s (alpha/r, or alpha/sqrt(r) with rsLoRA) for each LoRA tensor name."""
+    out = {}
+    for mname, mod in named_modules:
+        if hasattr(mod, "scaling") and isinstance(mod.scaling, dict) and "default" in mod.scaling:
+            for f in ("A", "B"):
+                out[f"{mname}.lora_{f}.default.weight"] = float(mod.scaling["default"])
+    return out
+
+
+def check_roles(infos: dict[str, ParamInfo], roles, mtype: str, rmap: dict[str, str]) -> None:
+    """Every role asked for must have matched a module: a split by roles would miss it silently."""
+    found = {i.role for i in infos.values() if i.kind == "lora"}
+    missing = [r for r in roles if r not in found]
+    if missing:
+        raise ConfigError(f"peft.roles: role(s) {missing} match no module of this {mtype} backbone "
+                          f"(role map {rmap}); choose roles it has or another model")

@@ -1,0 +1,100 @@
+"""One scorer per task: a batch of inputs (texts, or `Sample`s holding an image and/or a text) ->
+class logits [B, C]. Each is called as scorer(items, class_emb, zero_shot).
+
+  dual_encoder  s·cos(E(x), T(prompt(c)))  — zero-shot before any training (MiniLM; CLIP, whose
+                E is the image tower and T the text tower)
+  encoder_head  Linear(meanpool(E(x)))      — a trainable head (FedPer keeps it private)
+  causal_lm     Σ log p(answer_c | prompt(x)) — verbalizer scoring (SmolLM2, Llama)
+  vlm           the same with projected image tokens before the prompt (LLaVA-style)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedsplice.data.samples import Sample
+from fedsplice.errors import ConfigError
+from fedsplice.model.cache import FrozenCache
+from fedsplice.model.encoders import ClassSide, InputSide
+from fedsplice.model.verbalizer import verbalizer_logits
+from fedsplice.model.vision import image_key, vision_tokens
+
+
+class DualEncoderScorer:
+    def __init__(self, inputs: InputSide, classes: ClassSide, logit_scale: float):
+        self.inputs, self.classes, self.logit_scale = inputs, classes, logit_scale
+
+    def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
+        # With class-side adapters the class embeddings change every step while training;
+        # evaluation passes them in once per model.
+        ce = self.classes.embeddings(zero_shot) if class_emb is None else class_emb
+        return self.logit_scale * F.normalize(self.inputs(items, zero_shot), dim=-1) @ ce.T
+
+
+class EncoderHeadScorer:
+    def __init__(self, inputs: InputSide, head: nn.Linear):
+        self.inputs, self.head = inputs, head
+
+    def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
+        return self.head(self.inputs(items, zero_shot))
+
+
+def lm_prompts(template: str, items: list) -> list[str]:
+    """The prompt of each input: a sample's text (never its key), "" when it has none."""
+    text = [(s.text if isinstance(s, Sample) else s) for s in items]
+    return [template.format(text=t if t is not None else "") for t in text]
+
+
+class CausalLMScorer:
+    """Verbalizer scoring of the class names (each with a leading space) after the prompt."""
+
+    def __init__(self, lm: nn.Module, tokenizer, class_names: list[str], template: str):
+        self.lm, self.tokenizer, self.template = lm, tokenizer, template
+        self.answers = [" " + c for c in class_names]
+
+    def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
+        if any(isinstance(s, Sample) and s.has_image for s in items):
+            raise ConfigError("data.dataset holds images but model.task = 'causal_lm' reads text only; "
+                              "set model.task = 'vlm' and model.vision")
+        return verbalizer_logits(self.lm, self.tokenizer, lm_prompts(self.template, items), self.answers)
+
+
+class ImageTokens:
+    """Projected image tokens per sample (None without an image). The frozen tower's output is
+    cached per image when `cache` is given (keyed by its pixels: easy-VQA asks ~10 questions per
+    image, and |notext copies share it); the projector trains, so it always runs."""
+
+    def __init__(self, tower: nn.Module, processor, projector: nn.Module, cache: FrozenCache | None):
+        self.tower, self.processor, self.projector, self.cache = tower, processor, projector, cache
+
+    def _tower(self, imgs: list) -> list[torch.Tensor]:
+        if self.cache is None:
+            return vision_tokens(self.tower, self.processor, imgs)
+        by_key = {image_key(s): s for s in imgs}
+        return self.cache.rows([image_key(s) for s in imgs],
+                               lambda ks: vision_tokens(self.tower, self.processor, [by_key[k] for k in ks]))
+
+    def __call__(self, items: list) -> list[torch.Tensor | None]:
+        has = [i for i, s in enumerate(items) if isinstance(s, Sample) and s.has_image]
+        out: list[torch.Tensor | None] = [None] * len(items)
+        if not has:
+            return out
+        feats = self._tower([items[i] for i in has])
+        projected = self.projector(torch.stack(feats))  # one call: a tower gives every image T tokens
+        for i, f in zip(has, projected):
+            out[i] = f
+        return out
+
+
+class VLMScorer:
+    """Verbalizer scoring with each sample's image tokens placed before its prompt."""
+
+    def __init__(self, lm: CausalLMScorer, image_tokens: ImageTokens):
+        self.lm, self.image_tokens = lm, image_tokens
+
+    def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
+        lm = self.lm
+        return verbalizer_logits(lm.lm, lm.tokenizer, lm_prompts(lm.template, items), lm.answers,
+                                 prefix=self.image_tokens(items))

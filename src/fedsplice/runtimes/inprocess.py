@@ -1,0 +1,59 @@
+"""The in-process runtime: every client task runs in this process, one after another, on one
+backbone. It only moves tasks and results (`fedsplice.federation`): no math here.
+
+Injected failures (`[faults]`) are drawn per (seed, round, attempt, client) from their own
+stream, so a resumed run fails the same clients. A dropped or late client does not run at all:
+its PRIVATE state does not advance (the server cancels a late client's task at the deadline,
+so its work is discarded whole).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fedsplice.federation import Reply, client_task, fit_client, streams, wire
+from fedsplice.federation import run_rounds as federation_run_rounds
+
+
+class InProcess:
+    def __init__(self, exp, store, progress: Callable[[], None] | None = None):
+        self.exp, self.store, self.progress = exp, store, progress
+        self._attempts: dict[int, int] = {}  # round -> fit calls so far (a retry draws anew)
+
+    def _fault(self, rnd: int, attempt: int, cid: int) -> str:
+        f, deadline = self.exp.cfg.faults, self.exp.cfg.server.round_deadline_s
+        if f.dropout <= 0 and f.straggler <= 0:
+            return ""
+        u_drop, u_slow = streams.rng(self.exp.cfg, streams.FAULTS, rnd, attempt, cid).random(2)
+        if u_drop < f.dropout:
+            return "dropout"
+        if u_slow < f.straggler and 0 < deadline < f.straggler_delay_s:
+            return "late"
+        return ""
+
+    def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]:
+        attempt = self._attempts.get(rnd, 0)
+        self._attempts[rnd] = attempt + 1
+        out = []
+        for cid in cids:
+            fault = self._fault(rnd, attempt, cid)
+            if fault:
+                out.append(Reply(cid, b"", 0, {}, 0, len(down), error="" if fault == "late" else
+                                 "dropout (simulated)", late=fault == "late"))
+                continue
+            up, st = fit_client(self.exp, self.store, cid, rnd, down)
+            out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
+            if self.progress:
+                self.progress()
+        return out
+
+    def run(self, task: str, cids: list[int], down: bytes) -> dict[int, dict]:
+        g = wire.decode(down)
+        return {c: client_task(task, self.exp, self.store, c, g) for c in cids}
+
+
+def run_rounds(exp, store, on_round: Callable[[dict], None], **kwargs) -> dict:
+    """`fedsplice.federation.run_rounds` on this runtime (a notebook's or a test's shortcut)."""
+    if kwargs.get("transport") is None:
+        kwargs["transport"] = InProcess(exp, store, kwargs.pop("progress", None))
+    return federation_run_rounds(exp, store, on_round, **kwargs)
