@@ -113,29 +113,92 @@ def toy_jsonl(tmp_path_factory) -> Path:
 
 # ----------------------------------------------------------------------------- configs
 
+# The budget of a tiny run (clients, samples, steps, rounds), apart from any model or method.
+TINY_RUN = {
+    "data.num_clients": "4",
+    "data.holdout_clients": "1",
+    "data.test_per_class": "6",
+    "data.local_test_size": "6",
+    "client.max_steps": "2",
+    "client.batch_size": "8",
+    "server.rounds": "2",
+    "server.clients_per_round": "2",
+    "eval.cold_start_epochs": "1",
+}
+
 TINY_BUDGET = {
     "seed": "0",
     "model.task": '"dual_encoder"',
     "model.max_length": "32",
     "peft.r": "4",
     "peft.alpha": "8.0",
-    "data.num_clients": "4",
-    "data.holdout_clients": "1",
     "data.partition": '"dirichlet"',
     "data.alpha": "1.0",
-    "data.test_per_class": "6",
     "data.max_per_class": "0",
-    "data.local_test_size": "6",
     "client.local_epochs": "1",
-    "client.max_steps": "2",
-    "client.batch_size": "8",
     "client.lr": "0.01",
-    "server.rounds": "2",
-    "server.clients_per_round": "2",
     "eval.batch_size": "64",
-    "eval.cold_start_epochs": "1",
     "runtime.threads": "1",  # tiny models: more threads only add contention (50x slower measured)
+    **TINY_RUN,
 }
+
+# The smallest runs of all (config fuzzing, checks that fail before training): 3 clients, all
+# trained, one step of 4 samples, one round, LoRA r = 2.
+MICRO_BUDGET = {
+    "model.max_length": "32",
+    "peft.r": "2",
+    "peft.alpha": "4.0",
+    "data.num_clients": "3",
+    "data.holdout_clients": "0",
+    "data.test_per_class": "4",
+    "data.local_test_size": "4",
+    "data.max_per_class": "0",
+    "client.max_steps": "1",
+    "client.batch_size": "4",
+    "server.rounds": "1",
+    "server.clients_per_round": "2",
+    "eval.cold_start_epochs": "1",
+    "runtime.threads": "1",
+}
+
+# Shipped configs on the real offline zoo (slow tests): a budget that checks plumbing, not accuracy.
+ZOO_SMALL = {
+    "server.rounds": "1",
+    "client.max_steps": "2",
+    "data.test_per_class": "5",
+    "data.local_test_size": "10",
+    "data.holdout_clients": "1",
+    "eval.cold_start_epochs": "1",
+}
+
+
+def merged(*budgets: dict, **overrides) -> dict:
+    """The budgets merged left to right, then `overrides` (`server__rounds=3`: Python values,
+    str values taken as TOML text, as in `make_cfg`)."""
+    out: dict = {}
+    for b in budgets:
+        out.update(b)
+    out.update({k.replace("__", "."): _toml_value(v) for k, v in overrides.items()})
+    return out
+
+
+def set_args(*budgets: dict, **overrides) -> list[str]:
+    """`--set key=value` arguments for the CLI from `merged(*budgets, **overrides)`."""
+    return [a for k, v in merged(*budgets, **overrides).items() for a in ("--set", f"{k}={v}")]
+
+
+def as_table(sets: dict) -> dict:
+    """Dotted keys with TOML values -> the nested table a config file holds."""
+    import tomllib
+
+    out: dict = {}
+    for key, value in sets.items():
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = tomllib.loads(f"v = {value}")["v"]
+    return out
 
 
 def _toml_value(v) -> str:
@@ -168,3 +231,11 @@ def make_cfg(model_dir, dataset_path, **overrides):
 @pytest.fixture(scope="session")
 def cfg_factory():
     return make_cfg
+
+
+@pytest.fixture
+def tiny_cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
+    """`tiny_cfg(**overrides)`: a tiny-budget config on the tiny BERT and the toy data set."""
+    def make(**kw):
+        return cfg_factory(tiny_bert_dir, toy_jsonl, **kw)
+    return make

@@ -300,7 +300,7 @@ class FakeGrid:
     def __init__(self, cfg_text: str, tmp: Path, n: int, tamper=None, silent=()):
         from flwr.app import Context, RecordDict
 
-        from fedsplice.runtimes.flower.app import CONFIG_KEY
+        from fedsplice.runtimes.flower.transport import CONFIG_KEY
 
         self.nodes = {1000 + i: Context(run_id=7, node_id=1000 + i, state=RecordDict(), run_config={CONFIG_KEY: cfg_text},
                                         node_config={"partition-id": i, "num-partitions": n,
@@ -311,7 +311,7 @@ class FakeGrid:
         return list(self.nodes)
 
     def push_messages(self, messages):
-        from fedsplice.runtimes.flower.app import client_app
+        from fedsplice.runtimes.flower.client import client_app
 
         ids = []
         for m in messages:
@@ -352,9 +352,9 @@ def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
         return exp, records, _lines(tmp_path / "events.jsonl"), grid
 
     yield run
-    from fedsplice.runtimes.flower.app import _Node
+    from fedsplice.runtimes.flower.client import Node
 
-    _Node._cached, _Node._key = None, ()  # the in-process "node" kept an experiment alive
+    Node._cached, Node._key = None, ()  # the in-process "node" kept an experiment alive
 
 
 def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_bert_dir, toy_jsonl):
@@ -479,14 +479,15 @@ def test_flower_app_is_a_valid_flower_app(cfg_factory, tiny_bert_dir, toy_jsonl,
     from flwr.cli.config_utils import load_and_validate
 
     from fedsplice.app.cli import main
-    from fedsplice.runtimes.flower.app import CONFIG_KEY, config_from_text
+    from fedsplice.runtimes.flower.transport import CONFIG_KEY
+    from fedsplice.federation import config_from_text
 
     cfg = _write_cfg(cfg_factory(tiny_bert_dir, toy_jsonl), tmp_path / "cfg.toml")
     assert main(["flower", "app", str(cfg), "--app-dir", str(tmp_path / "app"), "--out", "/srv/run"]) == 0
     conf, _ = load_and_validate(tmp_path / "app" / "pyproject.toml")
     app = conf["tool"]["flwr"]["app"]
-    assert app["components"] == {"serverapp": "fedsplice.runtimes.flower.app:server_app",
-                                 "clientapp": "fedsplice.runtimes.flower.app:client_app"}
+    assert app["components"] == {"serverapp": "fedsplice.app.flower.server:server_app",
+                                 "clientapp": "fedsplice.runtimes.flower.client:client_app"}
     assert conf["project"]["dependencies"] == []  # nothing for Flower to install (no CUDA torch)
     back = config_from_text(app["config"][CONFIG_KEY])
     assert back.runtime.kind == "flower" and back.algorithm == "pfadapter"

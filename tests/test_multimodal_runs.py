@@ -14,6 +14,8 @@ from fedsplice.core import wire
 from fedsplice.data import zoo
 from fedsplice.app.cli import main
 
+from conftest import TINY_RUN, ZOO_SMALL, set_args
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ["circle", "square", "triangle"]
 
@@ -37,13 +39,23 @@ def run(args: list[str], out: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-TINY = ["server.rounds=1", "server.clients_per_round=2", "data.num_clients=4", "data.test_per_class=4",
-        "data.local_test_size=6", "data.holdout_clients=1", "eval.cold_start_epochs=1", "client.max_steps=2",
-        "client.batch_size=8"]
+def records(out: Path) -> list[dict]:
+    return [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def sets(xs):
-    return [a for x in xs for a in ("--set", x)]
+def check_gm(r: dict, out: Path, test_size: int) -> None:
+    """results.json's GM is the last metrics.jsonl record's, and its accuracy is a count of
+    correct answers on the balanced global test set: mean of the per-class accuracies, k/n."""
+    assert r["gm"] == records(out)[-1]["gm"] and r["zero_shot_gm"] == records(out)[0]["gm"]
+    for gm in (r["gm"], r["zero_shot_gm"]):
+        per_class = gm["class_accuracy"]
+        assert len(per_class) == r["num_classes"] and None not in per_class
+        assert gm["accuracy"] == pytest.approx(sum(per_class) / len(per_class), abs=1e-12)
+        correct = gm["accuracy"] * test_size
+        assert correct == pytest.approx(round(correct), abs=1e-9), (correct, test_size)
+
+
+TINY = set_args(TINY_RUN, server__rounds=1, data__test_per_class=4)
 
 
 def test_vlm_pfadapter_sends_only_q_k_lora_and_the_projector(tmp_path, vqa_jsonl, monkeypatch):
@@ -52,13 +64,14 @@ def test_vlm_pfadapter_sends_only_q_k_lora_and_the_projector(tmp_path, vqa_jsonl
     sent = []
     encode = wire.encode
     monkeypatch.setattr(wire, "encode", lambda t, *a, **k: sent.append(sorted(t)) or encode(t, *a, **k))
-    common = [f"model.name='{llama}'", "model.task='vlm'", f"model.vision='{vit}'", "model.projector='linear'",
-              "model.input_template='question: {text} answer:'", f"data.dataset='jsonl:{vqa_jsonl}'", *TINY]
-    pf = run(["configs/pfadapter-easyvqa.toml", *sets(common)], tmp_path / "pf")
+    common = set_args({"model.name": f"'{llama}'", "model.task": "'vlm'", "model.vision": f"'{vit}'",
+                       "model.projector": "'linear'", "model.input_template": "'question: {text} answer:'",
+                       "data.dataset": f"'jsonl:{vqa_jsonl}'"}) + TINY
+    pf = run(["configs/pfadapter-easyvqa.toml", *common], tmp_path / "pf")
     names = {n for payload in sent for n in payload}
     assert names and all(".q_proj." in n or ".k_proj." in n or n.startswith("projector.") for n in names)
     assert any(n.startswith("projector.") for n in names)
-    fa = run(["configs/fedavg-lora-easyvqa.toml", *sets(common)], tmp_path / "fa")
+    fa = run(["configs/fedavg-lora-easyvqa.toml", *common], tmp_path / "fa")
     # tiny Llama: q,o 32 wide, k,v 16 (GQA); r = 8 -> q,k LoRA 8·(32+32) + 8·(32+16) per layer
     lora_qk, lora_vo, proj = 2 * (8 * 64 + 8 * 48), 2 * (8 * 48 + 8 * 64), 32 * 32 + 32
     assert pf["params"] == {"global": lora_qk + proj, "private": lora_vo}
@@ -66,25 +79,42 @@ def test_vlm_pfadapter_sends_only_q_k_lora_and_the_projector(tmp_path, vqa_jsonl
     ratio = pf["communication"]["up_bytes"] / fa["communication"]["up_bytes"]
     assert ratio == pytest.approx((lora_qk + proj) / (lora_qk + lora_vo + proj), abs=0.02)
     assert pf["random_weights"] == [] and pf["vision"] == str(vit)
+    for r, out in ((pf, tmp_path / "pf"), (fa, tmp_path / "fa")):
+        check_gm(r, out, test_size=3 * 4)
 
 
 def test_clip_fedpurel_on_user_images_with_a_missing_modality_scenario(tmp_path, vqa_jsonl):
+    from fedsplice.federation.experiment import build
+    from fedsplice.federation.validate import load_config
+
     clip = zoo.tiny_clip(tmp_path / "clip")
-    r = run(["configs/fedpurel-lora-fmnist.toml", *sets([
-        f"model.name='{clip}'", f"data.dataset='jsonl:{vqa_jsonl}'", "data.imbalance=1.0", "data.n_max=0",
-        "method.personal_steps=1", "scenario.missing_rate=0.5", "scenario.missing='either'", *TINY])],
-        tmp_path / "fp")
-    assert r["zero_shot_gm"]["accuracy"] >= 0 and "tkl" in r["gm"] and r["purified_fraction"] >= 0
-    sc = json.loads((tmp_path / "fp" / "scenario.json").read_text())
+    out = tmp_path / "fp"
+    r = run(["configs/fedpurel-lora-fmnist.toml", *set_args({
+        "model.name": f"'{clip}'", "data.dataset": f"'jsonl:{vqa_jsonl}'", "data.imbalance": "1.0",
+        "data.n_max": "0", "method.personal_steps": "1", "scenario.missing_rate": "0.5",
+        "scenario.missing": "'either'"}), *TINY], out)
+    check_gm(r, out, test_size=3 * 4)
+    recs = records(out)
+    # the zero-shot model against itself: TKL 0; and the zero-shot accuracy is what the cached
+    # zero-shot logits of a fresh build of the same config score on the global test set
+    assert r["zero_shot_gm"]["tkl"] == 0.0 and "tkl" in r["gm"]
+    exp = build(load_config(out / "config.toml"))
+    n = exp.data.global_test_size
+    zs = exp.caches["zero_shot_test"][:n].argmax(1).numpy()
+    assert r["zero_shot_gm"]["accuracy"] == pytest.approx(float((zs == exp.data.test_labels[:n]).mean()), abs=1e-12)
+    # purified_fraction: the mean over rounds of the share of local steps that were purified
+    steps = [x["purified_steps"] for x in recs if "purified_steps" in x]
+    assert len(steps) == 1 and r["purified_fraction"] == pytest.approx(sum(steps) / len(steps), abs=1e-12)
+    assert recs[-1]["phase"] == "personalization" and r["pm"] == recs[-1]["pm"]
+    sc = json.loads((out / "scenario.json").read_text())
     assert sc["totals"]["missing_clients"] == 2  # round(0.5 x 4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["pfadapter-easyvqa.toml", "fedavg-lora-easyvqa.toml"])
 def test_easyvqa_configs_run_on_smollm2_and_are_labelled_random(tmp_path, config, capsys):
-    small = ["server.rounds=1", "client.max_steps=2", "client.batch_size=8", "data.test_per_class=3",
-             "data.local_test_size=6", "data.holdout_clients=1", "eval.cold_start_epochs=1"]
-    assert main(["run", str(ROOT / "configs" / config), "--out", str(tmp_path / "r"), *sets(small)]) == 0
+    small = set_args(ZOO_SMALL, data__test_per_class=3, data__local_test_size=6, client__batch_size=8)
+    assert main(["run", str(ROOT / "configs" / config), "--out", str(tmp_path / "r"), *small]) == 0
     r = json.loads((tmp_path / "r" / "results.json").read_text())
     assert r["random_weights"] == ["model.vision = zoo:tiny-vit"] and r["num_classes"] == 13
     assert "RANDOM WEIGHTS (model.vision = zoo:tiny-vit)" in capsys.readouterr().out
@@ -92,15 +122,15 @@ def test_easyvqa_configs_run_on_smollm2_and_are_labelled_random(tmp_path, config
     qk, vo, proj = 30 * (8 * (576 + 576) + 8 * (576 + 192)), 30 * (8 * (576 + 192) + 8 * (576 + 576)), 32 * 576 + 576
     want = {"global": qk + proj, "private": vo} if config.startswith("pfadapter") else {"global": qk + vo + proj, "private": 0}
     assert r["params"] == want
-    assert 0 <= r["gm"]["accuracy"] <= 1 and r["cold_start"]["epochs"] == [0, 1]
+    check_gm(r, tmp_path / "r", test_size=13 * 3)
+    assert r["cold_start"]["epochs"] == [0, 1]
 
 
 @pytest.mark.slow
 def test_fedpurel_clip_config_on_fashion_mnist(tmp_path):
-    small = ["server.rounds=1", "client.max_steps=2", "data.test_per_class=5", "data.local_test_size=10",
-             "method.personal_steps=1", "data.n_max=40"]
+    small = set_args(ZOO_SMALL, method__personal_steps=1, data__n_max=40)
     assert main(["run", str(ROOT / "configs" / "fedpurel-lora-fmnist.toml"), "--out", str(tmp_path / "r"),
-                 "--quiet", *sets(small)]) == 0
+                 "--quiet", *small]) == 0
     r = json.loads((tmp_path / "r" / "results.json").read_text())
     assert r["random_weights"] == ["model.name = zoo:tiny-clip"] and r["num_classes"] == 10
     assert r["train_counts"][0] == 40 and min(r["train_counts"]) == 1  # n_max 40, IF 100 -> 40 … 0.4 -> 1

@@ -15,20 +15,21 @@ import tomllib
 from fedsplice.config import ExperimentConfig, from_dict
 from fedsplice.core import wire
 from fedsplice.core.robust import check_update
-from fedsplice.federation import streams
 from fedsplice.federation.experiment import Client, Experiment, build
 from fedsplice.federation.rounds import Reply, cold_start, evaluate_only, gm_and_pm, personalization, run_rounds
 from fedsplice.federation.store import DiskStore, make_store
 from fedsplice.federation.tasks import TASKS, accepts
 from fedsplice.federation.tasks import fit as fit_client
 from fedsplice.federation.tasks import run_task as client_task
-from fedsplice.federation.validate import load_config, validate
+from fedsplice.federation.streams import FAULTS, rng
+from fedsplice.federation.validate import load_config
+from fedsplice.federation.validate import validate as validate_config
 
-__all__ = ["Client", "DiskStore", "Experiment", "Reply", "TASKS", "accepts", "build", "check_update",
+__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Reply", "TASKS", "accepts", "build", "check_update",
            "client_task", "cold_start", "config_from_text", "evaluate_only", "fit_client", "gm_and_pm",
-           "load_config", "make_store", "personalization", "run_rounds", "streams", "validate", "wire"]
+           "load_config", "make_store", "personalization", "rng", "run_rounds", "validate_config", "wire"]
 
 
 def config_from_text(text: str) -> ExperimentConfig:
     """An ExperimentConfig from resolved TOML text (a run config on the wire), validated in full."""
-    return validate(from_dict(ExperimentConfig, tomllib.loads(text)))
+    return validate_config(from_dict(ExperimentConfig, tomllib.loads(text)))

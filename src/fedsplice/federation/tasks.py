@@ -134,14 +134,14 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
     return {"accuracy": accs}
 
 
-_RUN = {"evaluate": evaluate, "personalize": personalize, "cold_start": cold_start}
+RUN = {"evaluate": evaluate, "personalize": personalize, "cold_start": cold_start}  # runtimes call run_task
 
 
 def run_task(task: str, exp, store, cid: int, global_params: dict) -> dict:
     """Run client task `task` (one of TASKS) for client `cid`; what it returns is all that leaves."""
-    if task not in _RUN:
+    if task not in RUN:
         raise ValueError(f"unknown client task {task!r}; one of {', '.join(TASKS)}")
-    return _RUN[task](exp, store, cid, global_params)
+    return RUN[task](exp, store, cid, global_params)
 
 
 def accepts(exp, task: str, cid: int) -> bool:

@@ -40,6 +40,22 @@ def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.nd
     return {"task": F.cross_entropy(logits + ctx.get("logit_offset", 0.0), y)}
 
 
+def backward(losses: dict, total, plist: list, grad_transform, sums: dict) -> None:
+    """Set every parameter's .grad: of the summed losses, or, with a grad transform, the
+    transform's combination of each loss's own gradient (adding its statistics to `sums`)."""
+    if grad_transform is None:
+        total.backward()
+        return
+    grads = {k: [g if g is not None else torch.zeros_like(p) for g, p in zip(
+        torch.autograd.grad(v, plist, retain_graph=True, allow_unused=True), plist)]
+        for k, v in losses.items()}
+    final, tstats = grad_transform(grads)
+    for p, g in zip(plist, final):
+        p.grad = g
+    for k, v in tstats.items():
+        sums[k] = sums.get(k, 0.0) + float(v)
+
+
 def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, loss_terms,
                 keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: dict,
                 objective=None, grad_transform=None, ids: np.ndarray | None = None,
@@ -79,17 +95,7 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
                 losses["task"] = losses["task"] + v
             total = sum(losses.values())
             opt.zero_grad(set_to_none=True)
-            if grad_transform is None:
-                total.backward()
-            else:
-                grads = {k: [g if g is not None else torch.zeros_like(p) for g, p in zip(
-                    torch.autograd.grad(v, plist, retain_graph=True, allow_unused=True), plist)]
-                    for k, v in losses.items()}
-                final, tstats = grad_transform(grads)
-                for p, g in zip(plist, final):
-                    p.grad = g
-                for k, v in tstats.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+            backward(losses, total, plist, grad_transform, sums)
             opt.step()
             steps += 1
             sums["loss"] = sums.get("loss", 0.0) + float(total.detach())

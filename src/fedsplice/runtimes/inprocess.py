@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from fedsplice.federation import Reply, client_task, fit_client, streams, wire
+from fedsplice.federation import FAULTS, Reply, client_task, fit_client, rng, wire
 from fedsplice.federation import run_rounds as federation_run_rounds
 
 
@@ -24,7 +24,7 @@ class InProcess:
         f, deadline = self.exp.cfg.faults, self.exp.cfg.server.round_deadline_s
         if f.dropout <= 0 and f.straggler <= 0:
             return ""
-        u_drop, u_slow = streams.rng(self.exp.cfg, streams.FAULTS, rnd, attempt, cid).random(2)
+        u_drop, u_slow = rng(self.exp.cfg, FAULTS, rnd, attempt, cid).random(2)
         if u_drop < f.dropout:
             return "dropout"
         if u_slow < f.straggler and 0 < deadline < f.straggler_delay_s:

@@ -51,7 +51,7 @@ def write_app(folder: Path, cfg, out: Path, *, min_nodes: int, node_wait_s: floa
     """A Flower App folder (pyproject.toml only) whose components are fedsplice's installed
     ServerApp/ClientApp and whose run config carries the resolved experiment config."""
     from fedsplice.config import to_dict
-    from fedsplice.runtimes.flower.app import CONFIG_KEY, MIN_NODES_KEY, NODE_WAIT_KEY, OUT_KEY
+    from fedsplice.runtimes.flower.transport import CONFIG_KEY, MIN_NODES_KEY, NODE_WAIT_KEY, OUT_KEY
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -66,8 +66,8 @@ def write_app(folder: Path, cfg, out: Path, *, min_nodes: int, node_wait_s: floa
         },
         "tool": {"flwr": {"app": {
             "publisher": "fedsplice",
-            "components": {"serverapp": "fedsplice.runtimes.flower.app:server_app",
-                           "clientapp": "fedsplice.runtimes.flower.app:client_app"},
+            "components": {"serverapp": "fedsplice.app.flower.server:server_app",
+                           "clientapp": "fedsplice.runtimes.flower.client:client_app"},
             "config": {CONFIG_KEY: tomli_w.dumps(to_dict(cfg)), OUT_KEY: str(Path(out).resolve()),
                        MIN_NODES_KEY: int(min_nodes), NODE_WAIT_KEY: float(node_wait_s)},
         }}},
@@ -94,7 +94,7 @@ def up(cfg, out: Path, *, supernodes: int | None = None, insecure: bool | None =
     import dataclasses
 
     from fedsplice.app import rundir
-    from fedsplice.runtimes.flower.app import STATUS_FILE
+    from fedsplice.runtimes.flower.transport import STATUS_FILE
 
     rt = cfg.runtime
     n = supernodes or rt.num_supernodes

@@ -34,8 +34,8 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedsplice import __version__
-from fedsplice.federation import DiskStore, accepts, build, client_task, config_from_text, fit_client, validate, wire
+from fedsplice.version import __version__
+from fedsplice.federation import DiskStore, accepts, build, client_task, config_from_text, fit_client, validate_config, wire
 from fedsplice.runtimes.flower.records import finite_json, from_record, to_record
 from fedsplice.runtimes.flower.transport import (CONFIG_KEY, GLOBAL_KEY, RESULT_KEY, TASK_KEY, UP_PREFIX,
                                                  client_fingerprint, owned)
@@ -61,7 +61,7 @@ class Node:
         cfg = config_from_text(str(context.run_config[CONFIG_KEY]))
         if "data-path" in nc:
             cfg.data.dataset = str(nc["data-path"])
-            validate(cfg)
+            validate_config(cfg)
         self.exp = build(cfg)
         root = Path(str(nc.get("state-dir", Path.home() / ".cache" / "fedsplice" / "flower-state")))
         self.store = DiskStore(root.expanduser() / f"run-{context.run_id}")

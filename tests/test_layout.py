@@ -1,0 +1,67 @@
+"""The shape of the house (DESIGN §9-§10): the layer contracts, file and function sizes."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "fedsplice"
+MAX_FILE, MAX_FUNC = 400, 60
+# a file or function may be longer only if its docstring says why, starting with this phrase
+WHY = "Longer than"
+
+
+def test_import_contracts_hold():
+    """.importlinter: layers, config a leaf, core pure, runtimes on federation's public API, no cycles."""
+    lint = Path(sys.executable).parent / "lint-imports"
+    r = subprocess.run([str(lint), "--config", str(ROOT / ".importlinter")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "BROKEN" not in r.stdout and r.stdout.count("KEPT") >= 7
+
+
+def _sizes():
+    for p in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(p.read_text())
+        n = len(p.read_text().splitlines())
+        yield p, tree, n
+
+
+def test_files_are_short_or_say_why():
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p, tree, n in _sizes()
+            if n > MAX_FILE and WHY not in (ast.get_docstring(tree) or "")]
+    assert not long, f"files over {MAX_FILE} lines without a '{WHY} …' reason in their docstring: {long}"
+
+
+def test_functions_are_short_or_say_why():
+    long = []
+    for p, tree, _ in _sizes():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNC and WHY not in (ast.get_docstring(node) or ""):
+                    long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({size} lines)")
+    assert not long, f"functions over {MAX_FUNC} lines without a '{WHY} …' reason in their docstring: {long}"
+
+
+@pytest.mark.parametrize("bad, rule", [
+    ("from fedsplice.federation import build\n", "config is a leaf"),
+    ("import transformers\n", "core imports only torch and numpy"),
+])
+def test_the_contracts_can_fail(tmp_path, bad, rule):
+    """The linter really reads our tree: an upward import in a copy of it breaks a contract."""
+    import shutil
+
+    copy = tmp_path / "src"
+    shutil.copytree(ROOT / "src" / "fedsplice", copy / "fedsplice", ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / "fedsplice" / ("config/checks.py" if "leaf" in rule else "core/split.py")
+    target.write_text(target.read_text() + "\n" + bad)
+    lint = Path(sys.executable).parent / "lint-imports"
+    r = subprocess.run([str(lint), "--config", str(ROOT / ".importlinter")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env={"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"})
+    assert r.returncode != 0 and f"{rule}" in r.stdout and "BROKEN" in r.stdout, r.stdout[-3000:]
