@@ -75,10 +75,10 @@ def cmd_validate(args) -> None:
 
 def cmd_list(args) -> None:
     if args.what == "algorithms":
-        from fedsplice.algorithms.registry import ALGORITHMS
+        from fedsplice.algorithms import available
 
-        for name, a in ALGORITHMS.items():
-            print(f"{name:12s} {a.description}")
+        for name, a in available().items():  # built-ins, registered ones and installed entry points
+            print(f"{name:12s} {a.description}" + (f"  [{a.paper}]" if a.paper else ""))
         print("server optimizers: fedavg, fedavgm, fedadam, fedyogi, fedadagrad ([server] optimizer)")
     elif args.what == "datasets":
         from fedsplice.data.datasets import describe_datasets

@@ -22,7 +22,6 @@ from fedsplice.config.parsing import apply_overrides, from_dict, parse_value, re
 from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, RuntimeConfig, ServerConfig
 from fedsplice.config.task import USER_DATA_KINDS, DataConfig, ModelConfig, PeftConfig, ScenarioConfig, user_data
 
-_roles = check_roles  # the old private name (algorithms/registry.py); removed once nothing uses it
 
 __all__ = ["DEFAULT_CONFIG", "ROLES", "USER_DATA_KINDS", "ClientConfig", "DataConfig", "EvalConfig",
            "ExperimentConfig", "FaultsConfig", "ModelConfig", "PeftConfig", "RuntimeConfig",

