@@ -68,32 +68,43 @@ def test_int8_payload_is_about_a_quarter():
     assert n <= small - 100 < small < 0.27 * full + 400 and n * 2 < half < 0.5 * full + 300
 
 
-def test_malformed_coded_payload_is_rejected_not_raised():
+def test_malformed_coded_payload_raises_in_decode_and_is_rejected_by_gather():
+    """`wire.decode_update` raises on a malformed upload (documented); the round's `gather`
+    turns that into a rejected reply with the reason, and the round goes on without it."""
     from safetensors.torch import save
 
+    from fedsplice.federation import Reply
+
     ref = _tensors(1)
-    bad = save({k: torch.zeros(v.shape, dtype=torch.int8) for k, v in ref.items()},
-               metadata={wire.CODEC_KEY: "int8-delta"})  # no scales
-    with pytest.raises(KeyError):  # no scales
-        wire.decode_update(bad, ref)
-    other = save({"x": torch.zeros(1)}, metadata={wire.CODEC_KEY: "zip"})
+    no_scales = save({k: torch.zeros(v.shape, dtype=torch.int8) for k, v in ref.items()},
+                     metadata={wire.CODEC_KEY: "int8-delta"})
+    with pytest.raises(KeyError):
+        wire.decode_update(no_scales, ref)
+    unknown = save({"x": torch.zeros(1)}, metadata={wire.CODEC_KEY: "zip"})
     with pytest.raises(ValueError, match="codec"):
-        wire.decode_update(other, ref)
+        wire.decode_update(unknown, ref)
+    good, _ = wire.compress(_tensors(0), ref, "int8", {})
 
+    class T:
+        def fit(self, rnd, cids, down):
+            return [Reply(c, payload, 10, {}, len(payload), len(down))
+                    for c, payload in zip(cids, (no_scales, unknown, good))]
 
-@pytest.fixture
-def cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
-    def make(**kw):
-        return cfg_factory(tiny_bert_dir, toy_jsonl, **kw)
-    return make
+    got = gather(T(), 1, [0, 1, 2], wire.encode(ref), ref, set(), min_replies=1, max_retries=1, norm_bound=0.0)
+    assert got.events == [
+        {"client": 0, "event": "rejected", "reason": "undecodable payload (KeyError)", "attempt": 0},
+        {"client": 1, "event": "rejected", "reason": "undecodable payload (ValueError)", "attempt": 0}]
+    assert got.attempts == 1 and [r.cid for r, _ in got.accepted] == [2]
+    want = wire.decode_update(good, ref)
+    assert all(torch.equal(got.accepted[0][1][k], want[k]) for k in ref)
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
-def test_compressed_run_uploads_less_and_keeps_its_residual_private(cfg, codec):
-    exp = build(cfg(client__upload=codec, server__rounds=3))
+def test_compressed_run_uploads_less_and_keeps_its_residual_private(tiny_cfg, codec):
+    exp = build(tiny_cfg(client__upload=codec, server__rounds=3))
     store, rec = MemoryStore(), []
     run_rounds(exp, store, rec.append)
-    ref = build(cfg(server__rounds=3))
+    ref = build(tiny_cfg(server__rounds=3))
     rec32 = []
     run_rounds(ref, MemoryStore(), rec32.append)
     ratio = rec[1]["up_bytes"] / rec32[1]["up_bytes"]
@@ -110,8 +121,8 @@ def test_compressed_run_uploads_less_and_keeps_its_residual_private(cfg, codec):
     assert sorted(wire.decode(up)) == sorted(exp.global_names)
 
 
-def test_gather_decodes_a_coded_upload_against_what_was_sent(cfg):
-    exp = build(cfg(client__upload="int8"))
+def test_gather_decodes_a_coded_upload_against_what_was_sent(tiny_cfg):
+    exp = build(tiny_cfg(client__upload="int8"))
     g = {n: exp.init_params[n] for n in exp.global_names}
 
     class T:
@@ -131,6 +142,6 @@ def test_gather_decodes_a_coded_upload_against_what_was_sent(cfg):
         assert any(not torch.equal(tensors[n], g[n]) for n in g)
 
 
-def test_compressed_upload_is_simulation_only(cfg):
+def test_compressed_upload_is_simulation_only(tiny_cfg):
     with pytest.raises(ConfigError, match="client.upload"):
-        cfg(client__upload="int8", runtime__kind="flower")
+        tiny_cfg(client__upload="int8", runtime__kind="flower")

@@ -13,7 +13,7 @@ from fedsplice.config import ExperimentConfig, ScenarioConfig, from_dict
 from fedsplice.data.datasets import TextDataset
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import make_clients
-from fedsplice.federation.streams import SCENARIO, rng
+from fedsplice.core.streams import SCENARIO, rng
 from fedsplice.data.samples import Sample
 from fedsplice.data.scenarios import apply_scenario, count_of, gaussian_noise, noise_tag, summary_line
 

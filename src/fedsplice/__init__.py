@@ -41,4 +41,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted((set(globals()) | set(_LAZY)) - {"TYPE_CHECKING", "annotations"})

@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from fedsplice.config import ScenarioConfig
+from fedsplice.core import streams
 from fedsplice.data.datasets import TextDataset
 from fedsplice.data.partition import Client
 from fedsplice.data.samples import Sample, modalities
@@ -50,7 +51,7 @@ def gaussian_noise(image: np.ndarray, sigma: float, key: str, seed: int) -> np.n
     a generator seeded by (seed, sample key) only, so the same key gets the same pixels."""
     digest = hashlib.sha256(str(key).encode()).digest()
     words = np.frombuffer(digest[:16], dtype=np.uint32).tolist()
-    z = np.random.default_rng([seed, 0x5CE7A410, *words]).standard_normal(image.shape)
+    z = np.random.default_rng([seed, streams.SCENARIO_NOISE, *words]).standard_normal(image.shape)
     return np.clip(np.rint(image.astype(np.float64) + sigma * z), 0, 255).astype(np.uint8)
 
 

@@ -3,7 +3,7 @@ loop, evaluation, the client-state store and checkpoints. Runtimes use only the 
 
 - `experiment`: `build(cfg) -> Experiment` (data, clients, model, recipe, server optimizer).
 - `tasks`: the client tasks (fit, evaluate, personalize, cold_start): every client-side stage.
-- `train`: the one local training loop. `streams`: every random stream of a run.
+- `train`: the one local training loop (random streams: `fedsplice.core.streams`).
 - `rounds`: the round loop and the stages after it, over any transport.
 - `evaluation`, `metrics`: GM, PM and the long-tail metrics. `gather`: one round's replies.
 - `store`, `checkpoint`: PRIVATE state per client; resumable server state.
@@ -21,7 +21,7 @@ from fedsplice.federation.store import DiskStore, make_store
 from fedsplice.federation.tasks import TASKS, accepts
 from fedsplice.federation.tasks import fit as fit_client
 from fedsplice.federation.tasks import run_task as client_task
-from fedsplice.federation.streams import FAULTS, rng
+from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation.validate import load_config
 from fedsplice.federation.validate import validate as validate_config
 

@@ -14,7 +14,7 @@ import torch
 from fedsplice.data import partition as P
 from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.algorithms import Recipe, build_recipe, clone
-from fedsplice.federation.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, rng
+from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, rng
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.config import ExperimentConfig
 from fedsplice.data.datasets import TextDataset, load_dataset

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fedsplice.core import wire
-import fedsplice.federation.streams as streams
+from fedsplice.core import streams
 from fedsplice.federation.evaluation import score
 from fedsplice.federation.metrics import classification_metrics
 from fedsplice.federation.train import local_train

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fedsplice.config import ExperimentConfig
+from fedsplice.core import streams
 from fedsplice.core.split import ParamInfo
 from fedsplice.errors import ConfigError
 from fedsplice.model import peft
@@ -31,8 +32,6 @@ from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_l
 from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens,
                                      VLMScorer, lm_prompts)
 from fedsplice.model.vision import Projector, load_vision_tower
-
-_PROJECTOR_SEED = 7919  # the projector's own stream: text-side inits stay as without a vision tower
 
 
 class TaskModel(nn.Module):
@@ -72,7 +71,7 @@ class TaskModel(nn.Module):
             peft.check_roles(self.param_infos(), pc.roles, bb.model_type, self.rmap)
         if self.task == "vlm":
             self.vision, self.image_processor, vh = load_vision_tower(cfg.model.vision)
-            pgen = torch.Generator().manual_seed(cfg.seed + _PROJECTOR_SEED)
+            pgen = torch.Generator().manual_seed(cfg.seed + streams.PROJECTOR)
             self.projector = Projector(vh, bb.hidden, cfg.model.projector, pgen)
 
     def _build_parts(self, cfg: ExperimentConfig, bb: Backbone) -> None:

@@ -90,8 +90,9 @@ class Proc:
         return self.popen.poll() is None
 
     def remember(self) -> None:
-        try:
-            kids = self.handle.children(recursive=True) if self.handle else []
+        """Record its descendants now, to signal them later even if they leave its tree."""
+        try:  # is_running: not a reaped pid that another process took meanwhile
+            kids = self.handle.children(recursive=True) if self.handle and self.handle.is_running() else []
         except _GONE:
             return
         for k in kids:
