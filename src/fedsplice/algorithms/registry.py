@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import typing
+import warnings
 from importlib.metadata import entry_points
 from typing import Callable
 
@@ -51,35 +51,60 @@ def _as_algorithm(obj, where: str) -> Algorithm:
         return obj
     if not callable(obj):
         raise ConfigError(f"algorithm: {where} is neither an Algorithm nor a build function")
-    first = next(iter(inspect.signature(obj).parameters), None)
-    params = typing.get_type_hints(obj).get(first, NoParams) if first else NoParams
+    try:
+        first = next(iter(inspect.signature(obj).parameters), None)
+        # only the first parameter's annotation matters (others may name TYPE_CHECKING-only types)
+        raw = inspect.signature(obj).parameters[first].annotation if first else inspect.Parameter.empty
+        if isinstance(raw, str):
+            raw = eval(raw, getattr(inspect.unwrap(obj), "__globals__", {}))  # noqa: S307 - the user's own module
+    except Exception as e:  # noqa: BLE001 - any failure to read the signature is a config error
+        raise ConfigError(f"algorithm: cannot read {where}'s first parameter ({type(e).__name__}: {e}); annotate "
+                          f"it with the [method] dataclass, e.g. def build(p: MyParams, infos, shapes, scalings)") from None
+    params = NoParams if raw is inspect.Parameter.empty else raw
     if not dataclasses.is_dataclass(params):
         raise ConfigError(f"algorithm: {where}'s first parameter must be annotated with a dataclass, got {params!r}")
-    return Algorithm(params, obj, (obj.__doc__ or "").strip().split("\n")[0])
+    return Algorithm(params, obj, (getattr(obj, "__doc__", None) or "").strip().split("\n")[0])
 
 
 def _load_reference(ref: str) -> Algorithm:
     module, _, attr = ref.partition(":")
     try:
         obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, ValueError (":x"), TypeError (".m:x"), …
         raise ConfigError(f"algorithm: cannot load {ref!r} ({type(e).__name__}: {e}); give "
                           f"'package.module:object' importable from this Python") from None
     return _as_algorithm(obj, repr(ref))
 
 
+def _load_entry_point(ep) -> Algorithm:
+    try:
+        obj = ep.load()
+    except Exception as e:  # noqa: BLE001 - a broken plugin is a config error naming it
+        raise ConfigError(f"algorithm: entry point {ep.name} = {ep.value!r} (group {ENTRY_POINT_GROUP}) "
+                          f"fails to load ({type(e).__name__}: {e}); fix or uninstall that package") from None
+    return _as_algorithm(obj, f"entry point {ep.value!r}")
+
+
 def _from_entry_points(name: str) -> Algorithm | None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
-            return _as_algorithm(ep.load(), f"entry point {ep.value!r}")
+            return _load_entry_point(ep)
     return None
 
 
 def available() -> dict[str, Algorithm]:
-    """Every algorithm a config can name: the registry plus installed entry points."""
+    """Every algorithm a config can name: the registry plus installed entry points. A broken or
+    shadowed entry point is listed with its problem as the description, never raised."""
     out = dict(ALGORITHMS)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        out.setdefault(ep.name, _as_algorithm(ep.load(), f"entry point {ep.value!r}"))
+        if ep.name in out:
+            warnings.warn(f"entry point {ep.name} = {ep.value!r} is shadowed by the registered algorithm "
+                          f"of the same name", stacklevel=2)
+            continue
+        try:
+            out[ep.name] = _load_entry_point(ep)
+        except ConfigError as e:
+            out[ep.name] = Algorithm(NoParams, lambda *a: None, f"BROKEN: {e}")
     return out
 
 

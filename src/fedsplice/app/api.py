@@ -122,9 +122,10 @@ class RunResult:
 
     def __repr__(self) -> str:  # the headline numbers; the dicts are one attribute away
         up = self.communication.get("up_bytes_per_round", 0.0)
+        gm, pm = self.gm.get("accuracy", float("nan")), self.pm.get("accuracy", float("nan"))
         rnd = f", RANDOM WEIGHTS {list(self.random_weights)}" if self.random_weights else ""
         return (f"RunResult({self.algorithm}, {self.rounds} rounds, seed {self.seed}, "
-                f"GM acc {self.gm.get('accuracy', float('nan')):.4f}, PM acc {self.pm.get('accuracy', float('nan')):.4f}, "
+                f"GM acc {gm:.4f}, PM acc {pm:.4f}, "
                 f"up {up:,.0f} B/round, out={str(self.out)!r}{rnd})")
 
     def records(self) -> list[dict[str, Any]]:

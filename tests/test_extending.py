@@ -1,0 +1,187 @@
+"""docs/extending.md, run as written: its FedRep module, its three registration routes, and the
+claims it makes about the split and the head-then-adapters schedule, on the tiny BERT."""
+
+import dataclasses
+import json
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+import fedsplice
+from fedsplice.algorithms import registry
+from fedsplice.core import wire
+from fedsplice.federation import build, fit_client
+from fedsplice.federation.store import MemoryStore
+
+from conftest import TINY_BUDGET
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "extending.md"
+CONFIG_LINE = 'CONFIG, SETS = None, ["server.rounds=2"]  # None: the embedded default (MiniLM, fortunes)'
+
+
+def block(marker: str, lang: str) -> str:
+    m = re.search(rf"<!-- {re.escape(marker)} -->\n```{lang}\n(.*?)\n```", DOC.read_text(), re.S)
+    assert m, f"docs/extending.md lost its {marker!r} block"
+    return m.group(1) + "\n"
+
+
+def tiny_sets(model_dir, data) -> list[str]:
+    """The tiny budget as --set items, with an encoder + head model; 2 epochs capped at 8 steps, so
+    an update has 5 head steps (the doc's head_steps) and then 3 adapter steps."""
+    sets = {k: v for k, v in TINY_BUDGET.items() if k != "model.task"}
+    sets.update({"model.name": json.dumps(str(model_dir)), "data.dataset": json.dumps(f"jsonl:{data}"),
+                 "model.task": '"encoder_head"', "client.local_epochs": "2", "client.max_steps": "8"})
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+@pytest.fixture
+def mypkg(tmp_path, monkeypatch):
+    """The doc's module saved as mypkg/fedrep.py on sys.path; a registry of this test's own."""
+    pkg = tmp_path / "src" / "mypkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fedrep.py").write_text(block("file: mypkg/fedrep.py", "python"))
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    for name in ("mypkg", "mypkg.fedrep"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(registry, "ALGORITHMS", dict(registry.ALGORITHMS))
+    return pkg
+
+
+@pytest.fixture
+def wire_names(monkeypatch):
+    """The tensor names of every payload encoded for the wire (down, up and evaluation tasks)."""
+    seen: list[list[str]] = []
+    orig = wire.encode
+
+    def spy(tensors):
+        seen.append(sorted(tensors))
+        return orig(tensors)
+
+    monkeypatch.setattr(wire, "encode", spy)
+    return seen
+
+
+def _sizes(model_dir) -> tuple[int, int]:
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    return c["hidden_size"], c["num_hidden_layers"]
+
+
+def test_the_module_is_short_and_the_doc_says_how_long():
+    code = block("file: mypkg/fedrep.py", "python")
+    n = len(code.splitlines())
+    assert n < 60
+    text = DOC.read_text()
+    assert f"in one\n{n}-line file" in text or f"in one {n}-line file" in text
+    assert f"on your `PYTHONPATH` ({n} lines)" in text
+
+
+def test_register_route_runs_and_splits_adapters_from_head(mypkg, wire_names, tiny_bert_dir, toy_jsonl, tmp_path,
+                                                           monkeypatch):
+    code = block("example: register", "python")
+    assert code.count(CONFIG_LINE) == 1
+    sets = tiny_sets(tiny_bert_dir, toy_jsonl) + ["server.rounds=2"]
+    code = code.replace(CONFIG_LINE, f"CONFIG, SETS = None, {sets!r}")
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {"__name__": "extending_example"}
+    exec(compile(code, str(DOC), "exec"), ns)
+    res = ns["res"]
+    assert res.out.resolve() == (tmp_path / "runs" / "fedrep").resolve()
+    assert res.algorithm == res.method == "fedrep"
+    assert fedsplice.list_algorithms()["fedrep"].paper == "https://arxiv.org/abs/2102.07078"
+    cfg = res.config()
+    assert (cfg.algorithm, cfg.method, cfg.model.task) == ("fedrep", {"head_steps": 5}, "encoder_head")
+    # by hand: LoRA r = 4 on q,k,v,o of every layer (A: r x h, B: h x r) is GLOBAL; the 3-class head PRIVATE
+    h, layers = _sizes(tiny_bert_dir)
+    r, classes = cfg.peft.r, 3
+    assert res.params == {"global": layers * 4 * 2 * r * h, "private": h * classes + classes}
+    # on the wire: exactly the LoRA tensors, every time; never the head
+    names = {n for payload in wire_names for n in payload}
+    assert wire_names and all(payload == sorted(names) for payload in wire_names if payload)
+    assert len(names) == layers * 4 * 2 and all("lora_A" in n or "lora_B" in n for n in names)
+    assert not any(n.startswith("head.") for n in names)
+    assert res.communication["up_bytes"] > 0 and res.cold_start is not None
+    assert [r["round"] for r in res.records()] == [0, 1, 2]
+
+
+def test_config_file_route_runs_the_same_method(mypkg, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
+    toml = tmp_path / "fedrep.toml"
+    toml.write_text(block("file: fedrep.toml", "toml"))
+    sets = tiny_sets(tiny_bert_dir, toy_jsonl)
+    by_file = fedsplice.load_config(toml, sets)
+    assert by_file.algorithm == "mypkg.fedrep:build" and by_file.method == {"head_steps": 5}
+    ref = registry.get_algorithm("mypkg.fedrep:build")
+    assert ref.params.__name__ == "FedRepParams" and ref.params.__module__ == "mypkg.fedrep"
+    a = fedsplice.run(by_file, tmp_path / "by-file")
+    # the same method registered by name, on the same config otherwise: the same numbers
+    from mypkg.fedrep import FedRepParams, build as fedrep_build
+
+    fedsplice.register_algorithm("fedrep", FedRepParams, fedrep_build)
+    by_name = fedsplice.load_config(toml, [*sets, "algorithm=fedrep"])
+    assert {k: v for k, v in dataclasses.asdict(by_name).items() if k != "algorithm"} == \
+        {k: v for k, v in dataclasses.asdict(by_file).items() if k != "algorithm"}
+    b = fedsplice.run(by_name, tmp_path / "by-name")
+    assert (a.algorithm, b.algorithm) == ("mypkg.fedrep:build", "fedrep")
+    for field in ("gm", "pm", "communication", "params", "cold_start"):
+        assert getattr(a, field) == getattr(b, field), field
+
+
+def test_entry_point_route(mypkg, tmp_path, monkeypatch, tiny_bert_dir, toy_jsonl):
+    """The doc's pyproject snippet, installed as a distribution's entry_points.txt."""
+    eps = tomllib.loads(block("file: pyproject.toml", "toml"))["project"]["entry-points"]
+    assert list(eps) == [registry.ENTRY_POINT_GROUP]
+    dist = tmp_path / "site" / "mypkg-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mypkg\nVersion: 0.1\n")
+    lines = [f"[{registry.ENTRY_POINT_GROUP}]"] + [f"{k} = {v}" for k, v in eps[registry.ENTRY_POINT_GROUP].items()]
+    (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert "fedrep" not in registry.ALGORITHMS
+    algo = registry.get_algorithm("fedrep")
+    from mypkg import fedrep
+
+    assert algo.build is fedrep.build and algo.params is fedrep.FedRepParams
+    assert fedsplice.list_algorithms()["fedrep"].build is fedrep.build
+    cfg = fedsplice.load_config(None, [*tiny_sets(tiny_bert_dir, toy_jsonl), "algorithm=fedrep",
+                                       "method={head_steps=2}"])
+    assert cfg.method == {"head_steps": 2}
+
+
+@pytest.mark.parametrize("head_steps, head_moves, adapters_move", [(0, False, True), (1, True, True),
+                                                                   (8, True, False)])
+def test_schedule_head_first_then_adapters(mypkg, tiny_bert_dir, toy_jsonl, head_steps, head_moves, adapters_move):
+    """One client's local update (8 steps): with head_steps covering it the uploaded adapters are
+    the received ones, bit for bit, and only the head moved; with 0 the head stays at its init."""
+    cfg = fedsplice.load_config(None, [*tiny_sets(tiny_bert_dir, toy_jsonl), 'algorithm="mypkg.fedrep:build"',
+                                       f"method={{head_steps={head_steps}}}"])
+    exp = build(cfg)
+    assert exp.private_names == ["head.bias", "head.weight"]
+    assert exp.global_names and all("lora_" in n for n in exp.global_names)
+    store = MemoryStore()
+    down = {n: exp.init_params[n] for n in exp.global_names}
+    up, stats = fit_client(exp, store, exp.train_ids[0], 0, wire.encode(down))
+    n = len(exp.clients[exp.train_ids[0]].train_idx)
+    assert stats["steps"] == min(8, 2 * -(-n // 8)) > 1  # 2 epochs of batches of 8, capped at 8 steps
+    sent = wire.decode(up)
+    assert sorted(sent) == exp.global_names
+    kept = store.get(exp.train_ids[0])
+    moved_head = any(not torch.equal(kept[f"param/{n}"], exp.init_params[n]) for n in exp.private_names)
+    moved_adapters = any(not torch.equal(sent[n], down[n]) for n in exp.global_names)
+    assert (moved_head, moved_adapters) == (head_moves, adapters_move)
+    assert all(p.requires_grad for p in exp.model.trainable().values())  # the objective restored them
+    assert sorted(exp.model.trainable()) == sorted(exp.init_params)
+
+
+def test_fedrep_errors_name_the_fix(mypkg, tiny_bert_dir, toy_jsonl, tmp_path):
+    with pytest.raises(fedsplice.ConfigError, match="method.head_steps must be >= 0"):
+        fedsplice.load_config(None, [*tiny_sets(tiny_bert_dir, toy_jsonl), 'algorithm="mypkg.fedrep:build"',
+                                     "method={head_steps=-1}"])
+    cfg = fedsplice.load_config(None, [*tiny_sets(tiny_bert_dir, toy_jsonl), 'algorithm="mypkg.fedrep:build"',
+                                       "method={}", "model.task=dual_encoder"])  # validates: no model yet
+    with pytest.raises(fedsplice.ConfigError, match="model.task = 'encoder_head'"):
+        fedsplice.run(cfg, tmp_path / "no-head")
