@@ -49,9 +49,11 @@ from fedsplice.model.taskmodel import TaskModel  # noqa: E402
 from fedsplice.config import ExperimentConfig  # noqa: E402
 from fedsplice.federation.validate import load_config  # noqa: E402
 from fedsplice.data.datasets import load_dataset  # noqa: E402
-from fedsplice.federation.experiment import STREAM_CLIENT, apply_long_tail, build, make_clients, rng  # noqa: E402
+from fedsplice.core.streams import CLIENT as STREAM_CLIENT  # noqa: E402
+from fedsplice.core.streams import rng, seed_torch  # noqa: E402
+from fedsplice.federation.experiment import apply_long_tail, build, make_clients  # noqa: E402
 from fedsplice.federation.metrics import classification_metrics  # noqa: E402
-from fedsplice.federation.simulation import _client_seed, train_context  # noqa: E402
+from fedsplice.federation.tasks import train_context  # noqa: E402
 from fedsplice.core.split import GLOBAL, PRIVATE, names_in  # noqa: E402
 from fedsplice.federation.train import local_train  # noqa: E402
 
@@ -72,7 +74,7 @@ _DATA: dict[str, SimpleNamespace] = {}
 
 def load_data(cfg: ExperimentConfig) -> SimpleNamespace:
     """The data set and every client's indices, exactly as experiment.build makes them. The
-    namespace has what simulation.train_context and _client_seed read from an Experiment."""
+    namespace has what tasks.train_context and streams.seed_torch read from an Experiment."""
     key = repr(cfg)
     if key not in _DATA:
         d = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
@@ -125,7 +127,7 @@ def make_client_app(cfg: ExperimentConfig) -> ClientApp:
         # objective runs an extra frozen forward per step for the zero-shot logits.
         ctx = train_context(lite, cid, received, round=rnd)
         t1 = time.perf_counter()
-        _client_seed(lite, rnd, cid)  # as simulation.fit_client: same dropout and data order
+        seed_torch(cfg, rnd, cid)  # as federation.tasks.fit: same dropout and data order
         new_opt, stats = local_train(
             model, texts, d.train_labels[c.train_idx], cfg=cfg.client, loss_terms=recipe.loss_terms,
             objective=recipe.objective, grad_transform=recipe.grad_transform, ids=c.train_idx,

@@ -40,7 +40,8 @@ def main() -> None:
     from fedsplice.core import losses
     from fedsplice.federation.validate import load_config
     from fedsplice.federation.experiment import build
-    from fedsplice.algorithms.fedpurel import align_objective, purification
+    from fedsplice.algorithms.fedpurel import align_objective
+    from fedsplice.core.purify import purification
     from fedsplice.core.losses import Orthogonality
     from fedsplice.federation.train import local_train
 
