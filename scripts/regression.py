@@ -10,10 +10,12 @@ Whichever `fedsplice` that interpreter imports is the code under test: the insta
 or another checkout through PYTHONPATH=<checkout>/src.
 
 A run's metrics.jsonl and results.json are normalised (the wall-clock fields in VOLATILE are
-dropped, then every record is re-serialised with json.dumps(sort_keys=True); NaN stays NaN) and
+dropped, then every record is re-serialised with json.dumps(sort_keys=True): one line per round
+in metrics.jsonl, indent=1 in results.json so that a difference shows as one line; NaN stays
+NaN) and
 written as <dir>/<stem>/metrics.jsonl and <dir>/<stem>/results.json. `record` writes them into
 --out-dir; `check` writes them into a temp folder, compares them with --golden, prints one row
-per config (same / DIFF / MISSING / FAILED) and the first differing line, and exits 1 on any
+per config (same / DIFF / FAILED) with the first differing line and field, and exits 1 on any
 difference. Stdlib only.
 """
 
@@ -32,23 +34,36 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 DEFAULT = "default"  # stem of the embedded default config (no CONFIG argument)
+# What the overrides depend on, of the embedded default (src/fedsplice/defaults/default.toml;
+# not read from there, as the package layout may change under the set).
+DEFAULT_TABLE = {"algorithm": "pfadapter", "model": {"name": "zoo:minilm"}}
 FILES = ("metrics.jsonl", "results.json")
 
 # Valid for every shipped config: 2 rounds of 2 clients, 2 local steps, at most 8 training
 # samples per class, 4 test samples per class, 8 local test samples per client, 1 cold-start
 # epoch, one torch thread (the same summation order on every machine).
-OVERRIDES = [
-    "server.rounds=2",
-    "server.clients_per_round=2",
-    "client.max_steps=2",
-    "data.max_per_class=8",
-    "data.test_per_class=4",
-    "data.local_test_size=8",
-    "eval.cold_start_epochs=1",
-    "runtime.threads=1",
-]
+OVERRIDES = {
+    "server.rounds": "2",
+    "server.clients_per_round": "2",
+    "client.max_steps": "2",
+    "data.max_per_class": "8",
+    "data.test_per_class": "4",
+    "data.local_test_size": "8",
+    "eval.cold_start_epochs": "1",
+    "runtime.threads": "1",
+}
+# SmolLM2 (135M, 30 layers; causal LM and VLM configs) scores every answer of every test sample:
+# a smaller budget on top, so that the whole record stays within ~10 minutes on 2 cores.
+SMOLLM2_OVERRIDES = {
+    "data.max_per_class": "4",
+    "data.test_per_class": "1",
+    "data.local_test_size": "2",
+    "client.batch_size": "4",
+    "model.max_length": "32",
+    "eval.every": "2",
+}
 # Only for algorithms that take the key (method.* is validated per algorithm).
-METHOD_OVERRIDES = {"fedpurel": ["method.personal_steps=2"]}
+METHOD_OVERRIDES = {"fedpurel": {"method.personal_steps": "2"}}
 
 # Keys dropped at any depth: they differ between two runs of the same config.
 VOLATILE = {"time_s"}
@@ -63,12 +78,13 @@ def stems() -> list[str]:
 
 
 def overrides(stem: str) -> list[str]:
-    """The --set overrides of one config."""
-    if stem == DEFAULT:
-        algorithm = "pfadapter"  # src/fedsplice/defaults/default.toml
-    else:
-        algorithm = tomllib.loads((CONFIGS / f"{stem}.toml").read_text()).get("algorithm", "pfadapter")
-    return OVERRIDES + METHOD_OVERRIDES.get(algorithm, [])
+    """The --set overrides (KEY=VALUE) of one config."""
+    table = DEFAULT_TABLE if stem == DEFAULT else tomllib.loads((CONFIGS / f"{stem}.toml").read_text())
+    chosen = dict(OVERRIDES)
+    if table.get("model", {}).get("name") == "zoo:smollm2":
+        chosen.update(SMOLLM2_OVERRIDES)
+    chosen.update(METHOD_OVERRIDES.get(table.get("algorithm"), {}))
+    return [f"{k}={v}" for k, v in chosen.items()]
 
 
 def run(stem: str, run_dir: Path) -> None:
@@ -125,9 +141,38 @@ def first_difference(golden: Path, fresh: Path) -> str | None:
             a = gl[i] if i < len(gl) else "<end of file>"
             b = fl[i] if i < len(fl) else "<end of file>"
             if a != b:
-                return f"{name} line {i + 1}:\n  golden: {a}\n  now:    {b}"
+                where = _first_field(a, b)
+                if not where and name.endswith(".json"):  # one value of an indented file: its path
+                    where = _first_field(g.read_text(), f.read_text())
+                return f"{name} line {i + 1}{where}:\n  golden: {a}\n  now:    {b}"
         return f"{name}: differs in line endings or trailing bytes"
     return None
+
+
+def _first_field(a: str, b: str) -> str:
+    """', field KEY.PATH (golden X, now Y)' for two JSON texts, or '' when not both JSON."""
+    try:
+        x, y = json.loads(a), json.loads(b)
+    except ValueError:
+        return ""
+
+    def walk(x, y, path):
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                found = walk(x.get(k, "<absent>"), y.get(k, "<absent>"), f"{path}.{k}")
+                if found:
+                    return found
+        elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+            for i, (u, v) in enumerate(zip(x, y)):
+                found = walk(u, v, f"{path}[{i}]")
+                if found:
+                    return found
+        elif json.dumps(x) != json.dumps(y):
+            field = path.lstrip(".") or "(whole value)"
+            return f", field {field} (golden {json.dumps(x)[:200]}, now {json.dumps(y)[:200]})"
+        return ""
+
+    return walk(x, y, "")
 
 
 def check_one(stem: str, golden_dir: Path) -> str | None:

@@ -387,7 +387,10 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
                       method=f'{{personal_steps = 2, granularity = "{granularity}"}}',
                       data__imbalance=3.0, eval__many_threshold=40, eval__few_threshold=20,
                       data__holdout_clients=0, data__num_clients=3)
-    # watch phase 2: what goes over the wire, and whether the GLOBAL tensors move
+    # watch phase 2: what goes over the wire, which clients run it, and what they are given
+    from fedsplice.app import runner
+    from fedsplice.federation import tasks
+
     wire_calls = []
     for name in ("encode", "decode"):
         orig = getattr(wire, name)
@@ -400,21 +403,28 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
         return orig_fit(self, rnd, *a)
 
     monkeypatch.setattr(simulation.InProcess, "fit", fit)
-    seen = {}
-    orig_personalize = fp.personalize
+    steps = _count_local_steps(monkeypatch)
+    seen = {"clients": [], "given": []}
+    orig_phase2, orig_task = runner.personalization, tasks.personalize
 
-    def spy(exp, global_params, **kw):
-        seen["global_before"] = {n: t.clone() for n, t in global_params.items()}
-        seen["wire_before"], seen["fits_before"] = len(wire_calls), len(fits)
-        out = orig_personalize(exp, global_params, **kw)
-        seen["wire_after"], seen["fits_after"] = len(wire_calls), len(fits)
+    def phase2(exp, transport, global_params):
+        seen["global"] = {n: t.clone() for n, t in global_params.items()}
+        seen["wire_before"], seen["fits_before"], seen["steps_before"] = len(wire_calls), len(fits), len(steps)
+        seen["stage"] = exp.recipe.personalize
+        out = orig_phase2(exp, transport, global_params)
+        seen["wire"] = wire_calls[seen["wire_before"]:]
+        seen["fits_after"], seen["steps"] = len(fits), steps[seen["steps_before"]:]
         seen["global_after"] = global_params
-        seen["model_after"] = {n: p.detach().clone() for n, p in exp.model.trainable().items()}
-        seen["kw"] = kw
-        seen["n_clients"] = len(out)
+        seen["train_ids"] = list(exp.train_ids)
         return out
 
-    monkeypatch.setattr(fp, "personalize", spy)  # the recipe binds fp.personalize at build time
+    def task(exp, store, cid, global_params):
+        seen["clients"].append(cid)
+        seen["given"].append({n: t.clone() for n, t in global_params.items()})
+        return orig_task(exp, store, cid, global_params)
+
+    monkeypatch.setattr(runner, "personalization", phase2)
+    monkeypatch.setitem(tasks.RUN, "personalize", task)
     out = tmp_path / "run"
     results = run_experiment(cfg, out, quiet=True)
 
@@ -422,12 +432,18 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
     assert saved["algorithm"] == "fedpurel-lora" and saved["rounds"] == 2
     assert saved["train_counts"] == [54, 31, 18]  # long_tail_counts(3, 54, 3)
     for side in ("gm", "pm"):
+        m = saved[side]
         for key in ("many", "medium", "few", "balancedness", "tkl", "head_bias"):
-            assert key in saved[side], (side, key)
-        for key in ("many", "medium", "few"):  # every group has a class at these thresholds
-            assert 0.0 <= saved[side][key] <= 1.0
-        assert 0.0 < saved[side]["balancedness"] <= 1.0
-        assert saved[side]["tkl"] >= 0.0
+            assert key in m, (side, key)
+        # thresholds 40 / 20 put one class in each group (54 > 40, 20 <= 31 <= 40, 18 < 20): each
+        # group's accuracy is that class's; β(V) = (1/C²)·Σ_ij exp(−(a_i − a_j)²/σ) by hand
+        a = m["class_accuracy"]
+        assert None not in a and (m["many"], m["medium"], m["few"]) == (a[0], a[1], a[2])
+        for sigma in (0.1, 0.01):
+            beta = sum(math.exp(-(x - y) ** 2 / sigma) for x in a for y in a) / 9
+            assert m[f"balancedness_{sigma}"] == pytest.approx(beta, rel=1e-12), (side, sigma)
+        assert m["balancedness"] == m["balancedness_0.1"]  # eval.balancedness_sigma = 0.1
+        assert m["tkl"] >= 0.0  # a KL divergence
     lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in lines] == [0, 1, 2, 2]
     last = lines[-1]
@@ -442,14 +458,16 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
     assert all(r["align_loss"] >= 0.0 for r in lines[1:3])
     # communication is phase 1's only
     assert results["communication"]["up_bytes"] == sum(r["up_bytes"] for r in lines[1:3])
-    # phase 2: every training client, nothing over the wire, no fit, GLOBAL tensors unchanged
-    assert seen["n_clients"] == 3
-    assert seen["kw"] == {"lam": 0.9, "steps": 2}
-    assert seen["wire_after"] == seen["wire_before"] and seen["fits_after"] == seen["fits_before"]
-    assert set(seen["global_after"]) == set(seen["global_before"])
-    for n, t in seen["global_before"].items():
-        assert torch.equal(seen["global_after"][n], t), n
-        assert torch.equal(seen["model_after"][n], t), n  # the model is left with φ_g loaded
+    # phase 2: the `personalize` client task on every training client, personal_steps = 2 local
+    # steps each, the GLOBAL tensors sent down once (decoded once in-process), no upload, no fit
+    assert seen["stage"].steps == 2
+    assert sorted(seen["clients"]) == sorted(seen["train_ids"]) and len(seen["train_ids"]) == 3
+    assert seen["steps"] == [2, 2, 2]
+    assert seen["wire"] == ["encode", "decode"] and seen["fits_after"] == seen["fits_before"]
+    assert set(seen["global_after"]) == set(seen["global"])
+    for n, t in seen["global"].items():
+        assert torch.equal(seen["global_after"][n], t), n  # the server's GLOBAL tensors unchanged
+        assert all(torch.equal(g[n], t) for g in seen["given"]), n  # what every client was given
 
 
 def _count_local_steps(monkeypatch) -> list[int]:
@@ -470,20 +488,25 @@ def _count_local_steps(monkeypatch) -> list[int]:
 
 
 def test_personalize_predicts_global_plus_residual(purel_exp, monkeypatch):
-    """Phase 2 scores softmax(l_G + l_P): with λ = 1 and an lr of 0 the residual branch stays at
+    """Phase 2 scores softmax(l_G + l_P): with λ = 1 and an lr of 1e-30 the residual branch stays at
     its fresh init, so l_P is the fresh model's logits; compare the PM counts by hand."""
     import dataclasses
+
+    from fedsplice.algorithms.recipe import PersonalStage
+    from fedsplice.federation import tasks
+    from fedsplice.federation.store import MemoryStore
 
     exp = purel_exp
     params = exp.model.trainable()
     global_params = {n: params[n].detach().clone() for n in exp.global_names}
     steps = _count_local_steps(monkeypatch)
-    cfg0 = exp.cfg
+    cfg0, recipe = exp.cfg, exp.recipe
     exp.cfg = dataclasses.replace(cfg0, client=dataclasses.replace(cfg0.client, lr=1e-30))
+    exp.recipe = dataclasses.replace(recipe, personalize=PersonalStage(fp.residual_objective(1.0), 1))
     try:
-        out = fp.personalize(exp, global_params, lam=1.0, steps=1)
+        out = [tasks.personalize(exp, MemoryStore(), cid, global_params) for cid in exp.train_ids]
     finally:
-        exp.cfg = cfg0
+        exp.cfg, exp.recipe = cfg0, recipe
     assert steps == [1] * len(exp.train_ids)
     d = exp.data
     exp.model.load_params({n: t.clone() for n, t in exp.init_params.items()})
