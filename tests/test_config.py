@@ -197,6 +197,10 @@ def test_server_optimizer_kwargs_only_what_it_takes():
                                              "tau": 1e-3, "initial_accumulator": 0.0}
     cfg = load_config(None, ["server.optimizer=fedadagrad"])
     assert cfg.server.optimizer_kwargs() == {"tau": 1e-3}
+    cfg = load_config(None, ["server.optimizer=fedadagrad", "server.beta1=0.5"])  # forwarded, not ignored
+    assert cfg.server.optimizer_kwargs() == {"tau": 1e-3, "beta1": 0.5}
+    cfg = load_config(None, ["server.optimizer=fedadam", "server.beta1=0.0"])
+    assert cfg.server.optimizer_kwargs()["beta1"] == 0.0
 
 
 @pytest.mark.parametrize("overrides", [

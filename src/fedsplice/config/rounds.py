@@ -46,7 +46,9 @@ class ServerConfig:
     optimizer: Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "fedavg"
     lr: float = 0.0  # server learning rate η; 0 = the optimizer's default (1.0 FedAvg/M, 1e-2 adaptive)
     momentum: float = 0.9  # FedAvgM
-    beta1: float = 0.9
+    # momentum on the pseudo-gradient (Reddi et al. Alg. 2); negative = the optimizer's default:
+    # 0.9 for FedAdam/FedYogi, 0.0 for FedAdagrad (the paper's analysed and run FedAdagrad)
+    beta1: float = -1.0
     beta2: float = 0.99
     tau: float = 1e-3  # adaptivity ε of FedAdam/FedYogi/FedAdagrad
     bias_correction: bool = False  # Reddi et al. Alg. 2 has none; Adam-style implementations do
@@ -86,7 +88,10 @@ class ServerConfig:
         if self.optimizer == "fedavgm":
             kw["momentum"] = self.momentum
         if self.optimizer in ("fedadam", "fedyogi"):
-            kw.update(beta1=self.beta1, beta2=self.beta2, bias_correction=self.bias_correction)
+            kw.update(beta1=self.beta1 if self.beta1 >= 0 else 0.9, beta2=self.beta2,
+                      bias_correction=self.bias_correction)
+        if self.optimizer == "fedadagrad" and self.beta1 >= 0:
+            kw["beta1"] = self.beta1
         if self.optimizer in ("fedadam", "fedyogi", "fedadagrad"):
             kw["tau"] = self.tau
             if self.initial_accumulator >= 0:
