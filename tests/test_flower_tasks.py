@@ -74,15 +74,15 @@ def test_phase2_and_cold_start_run_on_the_nodes_and_equal_the_simulation(purel_c
 def test_phase2_messages_carry_only_global_tensors_down_and_metrics_up(purel_cfg, tmp_path, monkeypatch):
     _, exp, _ = _flower_run(purel_cfg, tmp_path, monkeypatch)
     audit = [json.loads(x) for x in (tmp_path / "wire.jsonl").read_text().splitlines()]
-    kinds = {a["kind"] for a in audit}
-    assert {"train.personalize", "train.cold_start"} <= kinds
+    kinds = {(a["dir"], a["kind"]) for a in audit}
+    assert {(d, k) for d in ("down", "up") for k in ("train.personalize", "train.cold_start")} <= kinds
     for a in audit:
         assert a["private_hits"] == [], a
         if a["kind"] in ("train.personalize", "train.cold_start"):
             if a["dir"] == "down":
                 assert a["arrays"] == {"global": sorted(exp.global_names)}
             else:
-                assert a["arrays"] == {}  # only the task's metrics, as JSON
+                assert a["arrays"] == {} and a["bytes"] > 0  # only the task's metrics, as JSON
     down = [a for a in audit if a["kind"] == "train.personalize" and a["dir"] == "down"]
     assert sorted(c for a in down for c in a["cids"]) == exp.train_ids
     cold = [a for a in audit if a["kind"] == "train.cold_start" and a["dir"] == "down"]

@@ -320,7 +320,7 @@ class FlowerTransport:
             self.totals["eval_down_bytes"] += self._sent.get(node, 0)
             if err:
                 continue
-            w, res, err = self._result(task, rnd, node, ncids, rep)
+            w, res, err = self._result(kind, rnd, node, ncids, rep)
             self.totals["eval_up_bytes"] += w.total
             if err:
                 self._event("reply_refused", node, ncids, err, rnd)
