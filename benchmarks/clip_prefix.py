@@ -38,7 +38,7 @@ def main() -> None:
 
     from fedsplice.data import tiny, zoo
     from fedsplice.model.taskmodel import TaskModel
-    from fedsplice.config import ClientConfig, ExperimentConfig, ModelConfig, PeftConfig
+    from fedsplice.config import ClientConfig, DataConfig, ExperimentConfig, ModelConfig, PeftConfig
     from fedsplice.data.datasets import load_dataset
     from fedsplice.federation.train import local_train
 
@@ -58,8 +58,8 @@ def main() -> None:
                 "LoRA in layers 10-11, prefix cache": ([10, 11], True)}
     times: dict[str, list[float]] = {}
     for name, (layers, cache) in variants.items():
-        ec = ExperimentConfig(model=ModelConfig(name=str(tmp), class_prompt="a photo of a {label}."),
-                              peft=PeftConfig(tower="vision_model", layers=layers))
+        ec = ExperimentConfig(model=ModelConfig(name=str(tmp)), peft=PeftConfig(tower="vision_model", layers=layers),
+                              data=DataConfig(class_prompt="a photo of a {label}."))
         ec.runtime.cache = cache
         m = TaskModel(ec, ds.class_names)
         cc = ClientConfig(batch_size=16, max_steps=steps, lr=1e-3)

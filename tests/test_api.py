@@ -159,7 +159,7 @@ def test_load_config_overrides_both_forms(example):
     assert c.method == {"global_roles": ["q"], "ortho_lambda": 0.0}
     assert fedsplice.load_config(tiny, "server.rounds=4").server.rounds == 4  # one item as a str
     # strings stay strings, whatever they look like
-    assert fedsplice.load_config(tiny, {"model.class_prompt": "[1, 2] {label}"}).model.class_prompt == "[1, 2] {label}"
+    assert fedsplice.load_config(tiny, {"data.class_prompt": "[1, 2] {label}"}).data.class_prompt == "[1, 2] {label}"
     d = fedsplice.load_config(None)  # the embedded default
     assert (d.algorithm, d.model.name, d.data.dataset) == ("pfadapter", "zoo:minilm", "fortunes")
 

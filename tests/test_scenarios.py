@@ -343,7 +343,7 @@ def test_build_and_runner_write_the_scenario(cfg_factory, clip_dir, toy_jsonl, t
 
     monkeypatch.setattr(E, "load_dataset", lambda *a, **k: synthetic(per_class=14))
     small = dict(server__rounds=1, server__clients_per_round=1, data__holdout_clients=0, client__max_steps=1,
-                 model__class_prompt='"a photo of a {label}."', peft__tower='"vision_model"')
+                 data__class_prompt='"a photo of a {label}."', peft__tower='"vision_model"')
     cfg = cfg_factory(clip_dir, toy_jsonl, scenario__missing_rate=0.5, scenario__missing="either",
                       scenario__noise_std=0.1, **small)
     exp = E.build(cfg)

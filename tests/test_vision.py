@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fedsplice.data import zoo
 from fedsplice.model.taskmodel import TaskModel
-from fedsplice.config import ExperimentConfig, ModelConfig, PeftConfig
+from fedsplice.config import DataConfig, ExperimentConfig, ModelConfig, PeftConfig
 from fedsplice.errors import ConfigError
 from fedsplice.data.samples import Sample
 from fedsplice.core.split import GLOBAL, PRIVATE, by_roles
@@ -42,10 +42,9 @@ def samples(n=6, seed=0, text=True):
 
 
 def clip_model(clip_dir, ensemble=True, **peft):
-    cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, class_prompt="a photo of a {label}.",
-                                             class_prompts=["a drawing of a {label}."] if ensemble else [],
-                                             logit_scale=100.0),
-                           peft=PeftConfig(**peft))
+    cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, logit_scale=100.0), peft=PeftConfig(**peft),
+                           data=DataConfig(class_prompt="a photo of a {label}.",
+                                           class_prompts=["a drawing of a {label}."] if ensemble else []))
     cfg.check()
     return TaskModel(cfg, CLASSES)
 
@@ -196,9 +195,9 @@ def test_vision_tower_loads_from_a_clip_checkpoint_and_errors(clip_dir, tmp_path
     with pytest.raises(ConfigError, match="model.vision"):
         ModelConfig(task="vlm", name="zoo:smollm2").check()
     with pytest.raises(ConfigError, match="class_prompts\\[0\\]"):
-        ModelConfig(class_prompts=["no label here"]).check()
-    with pytest.raises(ConfigError, match=r"model.class_prompts\[0\]: only \{label\}.*KeyError: 'kind'"):
-        ModelConfig(class_prompts=["a {label} of {kind}"]).check()
+        DataConfig(class_prompts=["no label here"]).check()
+    with pytest.raises(ConfigError, match=r"data.class_prompts\[0\]: only \{label\}.*KeyError: 'kind'"):
+        DataConfig(class_prompts=["a {label} of {kind}"]).check()
 
 
 def test_text_models_refuse_images_and_causal_lm_reads_the_text(tiny_bert_dir, llama_dir):
@@ -266,9 +265,9 @@ def test_clip_image_prefix_cache_reproduces_the_full_forward(clip_dir, tower, la
     """LoRA above layer l0 (or only in the text tower): the frozen bottom of the vision tower is
     cached per image and the rest runs on it; logits equal the uncached model's, trained or not."""
     def model(cache):
-        cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, class_prompt="a photo of a {label}.",
-                                                 logit_scale=100.0),
-                               peft=PeftConfig(tower=tower, layers=layers))
+        cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, logit_scale=100.0),
+                               peft=PeftConfig(tower=tower, layers=layers),
+                               data=DataConfig(class_prompt="a photo of a {label}."))
         cfg.runtime.cache = cache
         return TaskModel(cfg, CLASSES)
 

@@ -67,9 +67,12 @@ def cmd_results(args) -> None:
 
 
 def cmd_validate(args) -> None:
-    from fedsplice.federation.validate import load_config
+    from fedsplice.data.report import summary_lines
+    from fedsplice.federation.validate import check_data, load_config
 
     cfg = load_config(args.config, args.set)
+    if not args.no_data:
+        print("\n".join(summary_lines(check_data(cfg))))
     print(f"ok: {args.config or 'embedded default'} ({cfg.algorithm}, {cfg.model.name}, {cfg.data.dataset})")
 
 
@@ -136,8 +139,9 @@ def main(argv=None) -> int:
     rr.add_argument("--command", help=argparse.SUPPRESS)  # how the page says it was made (make results)
     rr.add_argument("--quiet", action="store_true")
     rr.set_defaults(fn=cmd_results)
-    v = sub.add_parser("validate", help="check a config without running it")
+    v = sub.add_parser("validate", help="check a config and read its data, without loading a model")
     v.add_argument("config", nargs="?", type=Path)
+    v.add_argument("--no-data", action="store_true", help="check the config only; do not read the data")
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     v.set_defaults(fn=cmd_validate)
     ls = sub.add_parser("list", help="list algorithms, datasets or models")

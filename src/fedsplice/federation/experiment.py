@@ -74,23 +74,32 @@ def apply_long_tail(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
     n_max = cfg.data.n_max or int(counts.max())
     keep = P.long_tail_subsample(data.train_labels, n_max, cfg.data.imbalance, rng(cfg, LONG_TAIL),
                                  class_order=order)
+    if data.report:
+        data.report["dropped"]["long_tail"] = len(data.train_labels) - len(keep)
     data.train_texts = [data.train_texts[i] for i in keep]
     data.train_labels = data.train_labels[keep]
     return data
 
 
-def build(cfg: ExperimentConfig) -> Experiment:
-    if cfg.runtime.threads:
-        torch.set_num_threads(cfg.runtime.threads)
+def build_data(cfg: ExperimentConfig) -> tuple[TextDataset, list[Client], dict]:
+    """The data part of `build`, without a model: the data set, split and long-tail cut; the
+    clients; the realised scenario. `fedsplice validate` runs it to check the data."""
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
-                        max_per_class=cfg.data.max_per_class or None,
-                        skip_bad_images=cfg.data.skip_bad_images, class_names=cfg.data.class_names)
+                        max_per_class=cfg.data.max_per_class or None, skip_bad_images=cfg.data.skip_bad_images,
+                        class_names=cfg.data.class_names, test=cfg.data.test)
     data = apply_long_tail(cfg, data)
     clients = make_clients(cfg, data)
     scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, SCENARIO), seed=cfg.seed)
+    return data, clients, scenario
+
+
+def build(cfg: ExperimentConfig) -> Experiment:
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    data, clients, scenario = build_data(cfg)
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     train_ids, holdout_ids = list(range(n_train)), list(range(n_train, cfg.data.num_clients))
-    model = TaskModel(cfg, data.class_names)
+    model = TaskModel(cfg, data.class_names, cfg.data.class_prompt or data.class_prompt)
     params = model.trainable()
     recipe = build_recipe(cfg, model.param_infos(), {n: p.shape for n, p in params.items()},
                           model.scalings())

@@ -10,6 +10,8 @@ and then the cross-checks, with the same one-line ConfigErrors the CLI prints (e
 - `algorithm` + `[method]`: the algorithm exists and its typed `[method]` table validates;
 - `server.*`: the server optimizer accepts its hyperparameters (it is built once, then dropped).
 
+`check_data` then reads the data as a run would (no model): `fedsplice validate` runs it.
+
 `load_config` is the loader for everything that runs or validates a config (CLI, runtimes);
 `fedsplice.config.load_config` only parses and runs the leaf checks.
 """
@@ -23,8 +25,10 @@ from fedsplice.algorithms import method_params
 from fedsplice.config import ExperimentConfig
 from fedsplice.core.server import make_server_optimizer
 from fedsplice.data.datasets import DATASETS
+from fedsplice.data.report import data_report
 from fedsplice.data.zoo import ZOO
 from fedsplice.errors import ConfigError
+from fedsplice.federation.experiment import build_data
 
 
 def check_zoo_model(cfg: ExperimentConfig) -> None:
@@ -53,6 +57,15 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     method_params(cfg)  # validates `method` against the algorithm (and the algorithm's name)
     check_server_optimizer(cfg)
     return cfg
+
+
+def check_data(cfg: ExperimentConfig) -> dict:
+    """Read the data as a run would — files, headers, labels, the split, the clients' shares, the
+    scenario — without loading a model (a built-in set is fetched once, as a run would); returns
+    the data report (`fedsplice.data.report`)."""
+    data, clients, _ = build_data(cfg)
+    n_train = cfg.data.num_clients - cfg.data.holdout_clients
+    return data_report(data, clients, list(range(n_train, cfg.data.num_clients)))
 
 
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:

@@ -68,7 +68,7 @@ def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class
     if positions and prompt.mask.shape[1] > positions:
         raise ConfigError(f"peft.n_ctx: the longest class sequence has {prompt.mask.shape[1]} "
                           f"tokens, CLIP's text tower takes {positions}; lower peft.n_ctx or shorten "
-                          f"model.class_prompt / the class names")
+                          f"data.class_prompt / the class names")
     return prompt, local
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from fedsplice.config import ExperimentConfig
 from fedsplice.core import streams
 from fedsplice.core.split import ParamInfo
+from fedsplice.data.datasets import class_prompt_of
 from fedsplice.errors import ConfigError
 from fedsplice.model import peft
 from fedsplice.model.cache import FrozenCache, TokenCache
@@ -35,8 +36,10 @@ from fedsplice.model.vision import Projector, load_vision_tower
 
 
 class TaskModel(nn.Module):
-    def __init__(self, cfg: ExperimentConfig, class_names: list[str]):
+    def __init__(self, cfg: ExperimentConfig, class_names: list[str], class_prompt: str = ""):
+        """class_prompt: the class side's template; empty: data.class_prompt, else the data set's own."""
         super().__init__()
+        self.class_prompt = class_prompt or cfg.data.class_prompt or class_prompt_of(cfg.data.dataset)
         self.task = cfg.model.task
         self.mcfg = cfg.model
         self.pcfg = cfg.peft
@@ -62,7 +65,7 @@ class TaskModel(nn.Module):
         if pc.type == "prompt":
             we = bb.model.text_model.embeddings.token_embedding if self.is_clip else bb.model.get_input_embeddings()
             self.prompt, self.prompt_local = peft.build_prompts(
-                self.tokenizer, we, self.mcfg.class_prompt, self.class_names, pc, gen, bb.text_positions)
+                self.tokenizer, we, self.class_prompt, self.class_names, pc, gen, bb.text_positions)
         if pc.type == "adapter":
             self.adapter = peft.build_adapter(bb.hidden, pc, gen)
         if self.task == "encoder_head":
@@ -89,7 +92,7 @@ class TaskModel(nn.Module):
         # CLIP with LoRA in its text tower: the class side changes as it trains
         trains_text = cfg.model.class_side_adapters or (
             self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
-        self._classes = ClassSide(self._text, self.class_names, [self.mcfg.class_prompt, *self.mcfg.class_prompts],
+        self._classes = ClassSide(self._text, self.class_names, [self.class_prompt, *cfg.data.class_prompts],
                                   pc.type, trains_text, self.cache_on, self.prompt, self.prompt_local, pc.portfolio)
         lm_task = self.task in ("causal_lm", "vlm")
         # prompt/adapter: the input side is frozen whole, so its pooled features are cached

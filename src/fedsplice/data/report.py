@@ -1,0 +1,70 @@
+"""What happened to the data: sizes per class and per client, the split, what was dropped and why.
+
+`data_report` is results.json's "data" table (and data.json beside it); `summary_lines` is what
+`fedsplice run` and `fedsplice validate` print. Drops are counted by reason:
+
+    duplicates         exact copies (same label, same content) in a user's training data
+    cap                training samples beyond data.max_per_class
+    long_tail          training samples cut to the long-tail profile (data.imbalance)
+    test_pool_unused   an official test split's samples beyond the balanced test set
+    unused_split_rows  rows whose `split` is val / valid / validation / dev
+    blank_lines        blank lines of a JSONL file
+    bad_images         images that did not decode (data.skip_bad_images = true)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedsplice.data.datasets import TextDataset
+from fedsplice.data.partition import Client
+
+# how a drop reads in the console, with the field that controls it
+REASONS = {"duplicates": "exact duplicates", "cap": "over data.max_per_class", "long_tail": "cut by data.imbalance",
+           "test_pool_unused": "official test samples beyond data.test_per_class",
+           "unused_split_rows": "val/dev rows", "blank_lines": "blank lines", "bad_images": "bad images"}
+
+
+def _counts(labels: np.ndarray, c: int) -> list[int]:
+    return np.bincount(np.asarray(labels, dtype=np.int64), minlength=c)[:c].tolist()
+
+
+def data_report(data: TextDataset, clients: list[Client], holdout_ids: list[int] = ()) -> dict:
+    """Sizes of everything a run trains and tests on, the split and the drops (JSON-ready)."""
+    c = data.num_classes
+    g = data.global_test_size
+    held = set(holdout_ids)
+    rep = data.report or {}
+    return {
+        "source": rep.get("source", data.source),
+        "split": rep.get("split", ""),
+        "class_names": list(data.class_names),
+        "train_size": len(data.train_texts),
+        "global_test_size": g,
+        "train_per_class": _counts(data.train_labels, c),
+        "global_test_per_class": _counts(data.test_labels[:g], c),
+        "clients": [{"cid": k.cid, "role": "holdout" if k.cid in held else "train",
+                     "train": len(k.train_idx), "local_test": len(k.test_idx),
+                     "train_per_class": _counts(data.train_labels[k.train_idx], c),
+                     "local_test_per_class": _counts(data.test_labels[k.test_idx], c)} for k in clients],
+        "dropped": {k: v for k, v in rep.get("dropped", {}).items() if v},
+        "notes": list(rep.get("notes", [])),
+        "warnings": list(rep.get("warnings", [])),
+    }
+
+
+def summary_lines(rep: dict) -> list[str]:
+    """A few lines a person reads before the rounds start; warnings last, prefixed."""
+    tr, te = rep["train_per_class"], rep["global_test_per_class"]
+    sizes = [k["train"] for k in rep["clients"]]
+    tests = [k["local_test"] for k in rep["clients"]]
+    lines = [f"data: {rep['source']}; {len(rep['class_names'])} classes",
+             f"  split: {rep['split']}",
+             f"  train {rep['train_size']} ({min(tr)}-{max(tr)} per class); global test {rep['global_test_size']} "
+             f"({min(te)}-{max(te)} per class)",
+             f"  {len(sizes)} clients: train {min(sizes)}-{max(sizes)} each, local test {min(tests)}-{max(tests)} each"]
+    if rep["dropped"]:
+        lines.append("  dropped: " + ", ".join(f"{v} {REASONS.get(k, k)}" for k, v in rep["dropped"].items()))
+    lines += [f"  note: {n}" for n in rep["notes"]]
+    lines += [f"warning: {w}" for w in rep["warnings"]]
+    return lines

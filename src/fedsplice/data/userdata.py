@@ -1,0 +1,228 @@
+"""Users' own data: CSV / JSONL files and image folders, with the train / test split they give.
+
+    csv:PATH / jsonl:PATH   records with `label` and `text` and/or `image` (a path relative to the
+                            file's folder); an optional `split` column: `train` or `test` (`val`,
+                            `valid`, `validation` and `dev` rows are not used, and are counted);
+                            other columns are ignored, and named in the data report
+    images:DIR              DIR/<label>/<image>
+    data.test               a second file or folder, in the same forms, holding the test split
+
+`load_user` returns the parsed form that `fedsplice.data.datasets.load_dataset` splits:
+{class_names, texts (the training pool, one list per class), test_texts (the given test split
+per class, or None: carve one), source, split, dropped, notes}. Classes are the training labels
+sorted (numerically when all are integers, so 2 < 10; else alphabetically), and
+`data.class_names` names them in that order. A test label that no training row has is refused.
+Exact duplicates (same label, same content) are dropped from the training pool and counted; a
+given test split is used as it is.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedsplice.data import images as imagedata
+from fedsplice.data.samples import Sample
+from fedsplice.data.text import normalize_ws
+from fedsplice.errors import ConfigError
+
+TRAIN, TEST = "train", "test"
+UNUSED_SPLITS = ("val", "valid", "validation", "dev")
+KNOWN_COLUMNS = ("label", "text", "image", "split")
+
+
+@dataclass
+class Records:
+    rows: list[tuple[int, str, str | None, str | None, str | None]]  # line, label, text, image, split
+    ignored_columns: list[str] = field(default_factory=list)
+    blank_lines: int = 0
+
+
+def read_text(path: Path) -> str:
+    """The file as UTF-8 (a byte-order mark is allowed); a bad byte is named by its line and its
+    offset in the whole file."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"{path} line {line}: not UTF-8 text ({e.reason}: byte {raw[e.start:e.start + 1]!r} at "
+                          f"offset {e.start} of the file, column {col}); save the file as UTF-8") from None
+
+
+def _split_of(row: dict, where: str) -> str | None:
+    if "split" not in row or row["split"] is None:
+        return None
+    value = str(row["split"]).strip().lower()
+    if value not in (TRAIN, TEST, *UNUSED_SPLITS):
+        raise ConfigError(f"{where}: `split` is {row['split']!r}; write train or test (val/dev rows are "
+                          f"not used), or drop the column to have a test set carved")
+    return value
+
+
+def _record(row, line: int, path: Path, kind: str) -> tuple:
+    where = f"{path} line {line}"
+    if not isinstance(row, dict) or row.get("label") is None:
+        raise ConfigError(f"{where}: missing field `label`; every record needs `label` and "
+                          f"`text` and/or `image` (rename your columns/keys)")
+    text, image = row.get("text"), row.get("image")
+    text = None if text is None or (kind == "csv" and text == "") else normalize_ws(str(text))
+    image = str(image).strip() if image is not None and str(image).strip() else None
+    if text == "":
+        raise ConfigError(f"{where}: `text` is empty or whitespace only; write the text, or "
+                          f"leave the field out when the record has an `image`")
+    if text is None and image is None:
+        raise ConfigError(f"{where}: no `text` and no `image` (missing or empty); every "
+                          f"record needs a non-empty `text` and/or an `image`")
+    return line, str(row["label"]).strip(), text, image, _split_of(row, where)
+
+
+def read_records(path: str | Path, kind: str) -> Records:
+    """The records of a user's CSV (header row) or JSONL file. Every record needs `label` and a
+    `text` and/or an `image`. A field that is absent, null, or an empty CSV cell is missing; a
+    text of only whitespace (or a JSON "") is an error. Blank JSONL lines are skipped and counted;
+    texts are whitespace-normalised."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data.dataset = '{kind}:{path}': no such file {path}; give the path of an "
+                          f"existing {kind.upper()} file with fields `label` and `text` and/or `image`")
+    out = Records([])
+    text = read_text(path)
+    extra: set[str] = set()
+    if kind == "csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        fields = reader.fieldnames or []
+        if "label" not in fields or not {"text", "image"} & set(fields):
+            missing = "label" if "label" not in fields else "text"
+            raise ConfigError(f"{path}: missing column `{missing}` in the header row (found {fields}); "
+                              f"the CSV needs columns `label` and `text` and/or `image`")
+        extra = set(fields) - set(KNOWN_COLUMNS)
+        for i, row in enumerate(reader, start=2):
+            out.rows.append(_record(row, i, path, kind))
+    else:
+        for i, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                out.blank_lines += 1
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line must be one "
+                                  f"object with `label` and `text` and/or `image`") from None
+            extra |= set(row) - set(KNOWN_COLUMNS) if isinstance(row, dict) else set()
+            out.rows.append(_record(row, i, path, kind))
+    if not out.rows:
+        raise ConfigError(f"{path}: no records; add rows with fields `label` and `text` and/or `image`")
+    out.ignored_columns = sorted(extra)
+    return out
+
+
+def _items(kind: str, path: str, skip_bad_images: bool) -> tuple[list, list[str], list, dict]:
+    """(samples, labels, splits, facts) of one file or folder; a record with an `image` becomes a
+    Sample keyed by content, a text-only record stays a plain str."""
+    file = Path(path).expanduser()
+    log = imagedata.BadImageLog(skip_bad_images)
+    if kind == "images":
+        samples, labels = imagedata.read_image_folder(path, skip_bad_images)
+        return samples, labels, [None] * len(samples), {"bad_images": log.skipped}
+    recs = read_records(file, kind)
+    items, labels, splits = [], [], []
+    for line, label, text, image, split in recs.rows:
+        if image is not None:
+            img = file.parent / image
+            if not img.is_file():
+                raise ConfigError(f"{file} line {line}: image file {image!r} not found (looked for {img}); "
+                                  f"fix the path, relative to the {kind.upper()} file's folder")
+            got = log.decode(img, f"{file} line {line}: image ")
+            if got is None:
+                continue
+            text = Sample(imagedata.content_key(image, got[1], text), got[0], text)
+        items.append(text)
+        labels.append(label)
+        splits.append(split)
+    log.summary(str(file))
+    if not items:
+        raise ConfigError(f"{file}: every image was skipped as bad; fix or replace them")
+    return items, labels, splits, {"bad_images": log.skipped, "blank_lines": recs.blank_lines,
+                                   "ignored_columns": recs.ignored_columns}
+
+
+def sorted_labels(labels) -> list[str]:
+    """Distinct labels, numerically when all are integers (so 2 < 10), else alphabetically."""
+    uniq = set(labels)
+    try:
+        return sorted(uniq, key=int)
+    except ValueError:
+        return sorted(uniq)
+
+
+def _per_class(items, labels, index) -> list[list]:
+    out: list[list] = [[] for _ in index]
+    for x, lab in zip(items, labels):
+        out[index[lab]].append(x)
+    return out
+
+
+def _dedupe_count(per_class: list[list]) -> tuple[list[list], int]:
+    kept, dropped = [], 0
+    for items in per_class:
+        seen: set = set()
+        keep = [x for x in items if not (x in seen or seen.add(x))]
+        dropped += len(items) - len(keep)
+        kept.append(keep)
+    return kept, dropped
+
+
+def _spec(kind: str, path: str) -> str:
+    return f"{kind}:{path}"
+
+
+def load_user(kind: str, path: str, *, test: tuple[str, str] | None = None,
+              skip_bad_images: bool = False) -> dict:
+    """The parsed form of a user's data (see the module docstring); `test` = (kind, path) of a
+    separate test file (data.test)."""
+    items, labels, splits, facts = _items(kind, path, skip_bad_images)
+    given = [s for s in splits if s is not None]
+    source = f"user {'image folder' if kind == 'images' else 'file'} {Path(path).expanduser()}"
+    dropped = {"duplicates": 0, "blank_lines": facts.get("blank_lines", 0), "bad_images": facts["bad_images"],
+               "unused_split_rows": sum(s in UNUSED_SPLITS for s in given)}
+    notes = [f"columns not used: {', '.join(facts['ignored_columns'])}"] if facts.get("ignored_columns") else []
+    if given and test is not None:
+        raise ConfigError(f"data.test: {path} already has a `split` column; give the test split one way: "
+                          f"drop data.test, or drop the column")
+    if given:
+        tr = [(x, y) for x, y, s in zip(items, labels, splits) if s == TRAIN]
+        te = [(x, y) for x, y, s in zip(items, labels, splits) if s == TEST]
+        if not tr or not te:
+            raise ConfigError(f"{path}: the `split` column has no `{TRAIN if not tr else TEST}` rows; give both "
+                              f"train and test rows, or drop the column to have a test set carved")
+        split = f"given: the `split` column of {Path(path).expanduser()}"
+    elif test is not None:
+        tx, ty, _, tfacts = _items(*test, skip_bad_images)
+        dropped["bad_images"] += tfacts["bad_images"]
+        tr, te = list(zip(items, labels)), list(zip(tx, ty))
+        split = f"given: data.test = {_spec(*test)!r}"
+    else:
+        names = sorted_labels(labels)
+        texts, dropped["duplicates"] = _dedupe_count(_per_class(items, labels, {c: i for i, c in enumerate(names)}))
+        return {"class_names": names, "texts": texts, "test_texts": None, "source": source, "split": None,
+                "dropped": dropped, "notes": notes}
+    names = sorted_labels(y for _, y in tr)
+    unseen = sorted_labels({y for _, y in te} - set(names))
+    if unseen:
+        n = sum(y in unseen for _, y in te)
+        raise ConfigError(f"the test split has label(s) {unseen} ({n} rows) that no training row has; a model "
+                          f"cannot learn them: add training rows with those labels, or remove the test rows")
+    index = {c: i for i, c in enumerate(names)}
+    texts, dropped["duplicates"] = _dedupe_count(_per_class([x for x, _ in tr], [y for _, y in tr], index))
+    test_texts = _per_class([x for x, _ in te], [y for _, y in te], index)
+    train_set = {x for t in texts for x in t}
+    leaked = sum(x in train_set for t in test_texts for x in t)
+    if leaked:
+        notes.append(f"{leaked} test rows also appear in the training split (exact copies): GM overstates")
+    return {"class_names": names, "texts": texts, "test_texts": test_texts, "source": source, "split": split,
+            "dropped": dropped, "notes": notes}
