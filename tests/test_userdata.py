@@ -1,0 +1,153 @@
+"""Users' own data: the split they give is used exactly, drops are counted, the report states the
+sizes, and `fedsplice validate` reads the data (and refuses bad files) without loading a model."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from fedsplice.app.cli import main
+from fedsplice.data.datasets import GENERIC_PROMPT, class_prompt_of, load_dataset
+from fedsplice.data.partition import local_test_indices
+from fedsplice.data.report import data_report, summary_lines
+from fedsplice.errors import ConfigError
+
+
+def write_csv(path, rows, fields=("label", "text", "split")):
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(fields))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def reviews(n=60):
+    """n rows: label pos/neg alternating, every 4th row is test, one val row, one exact duplicate."""
+    rows = [{"label": "pos" if i % 2 else "neg", "text": f"review {i}", "split": "test" if i % 4 == 0 else "train",
+             "stars": i % 5} for i in range(n)]
+    rows.append({"label": "neg", "text": "a held-out val row", "split": "Val", "stars": 1})
+    rows.append(dict(rows[1]))  # an exact duplicate of a training row
+    return rows
+
+
+def test_split_column_is_used_exactly(tmp_path):
+    p = write_csv(tmp_path / "r.csv", reviews(), ("label", "text", "split", "stars"))
+    ds = load_dataset(f"csv:{p}", seed=5, test_per_class=1)  # test_per_class plays no part
+    want_test = {(f"review {i}", "pos" if i % 2 else "neg") for i in range(0, 60, 4)}
+    assert {(t, ds.class_names[y]) for t, y in zip(ds.test_texts, ds.test_labels)} == want_test
+    assert len(ds.test_texts) == 15
+    want_train = {f"review {i}" for i in range(60) if i % 4}
+    assert set(ds.train_texts) == want_train and len(ds.train_texts) == 45  # the duplicate dropped
+    rep = ds.report
+    assert rep["split"].startswith("given: the `split` column")
+    assert rep["dropped"]["duplicates"] == 1 and rep["dropped"]["unused_split_rows"] == 1
+    assert rep["dropped"]["cap"] == 0
+    assert rep["notes"] == ["columns not used: stars"]
+    assert rep["warnings"] and "fewer than 10" in rep["warnings"][0]  # 7 and 8 test rows per class
+
+
+def test_data_test_file_is_used_exactly_and_cap_counted(tmp_path):
+    train = write_csv(tmp_path / "train.csv", [{"label": str(c), "text": f"t{c}-{i}"} for c in (2, 10) for i in range(30)],
+                      ("label", "text"))
+    test = tmp_path / "test.jsonl"
+    test.write_text("\n".join(json.dumps({"label": c, "text": f"q{c}-{i}"}) for c in (10, 2, 2) for i in range(3)) + "\n")
+    ds = load_dataset(f"csv:{train}", test=f"jsonl:{test}", max_per_class=20)
+    assert ds.class_names == ["2", "10"]  # numeric labels sort as numbers
+    assert np.bincount(ds.test_labels).tolist() == [6, 3]
+    assert sorted(ds.test_texts) == sorted(f"q{c}-{i}" for c in (10, 2, 2) for i in range(3))
+    assert np.bincount(ds.train_labels).tolist() == [20, 20]
+    assert ds.report["dropped"]["cap"] == 20
+    assert ds.report["split"] == f"given: data.test = 'jsonl:{test}'"
+
+
+def test_test_only_label_is_refused(tmp_path):
+    rows = [{"label": "a", "text": f"x{i}", "split": "train"} for i in range(4)]
+    rows += [{"label": "b", "text": "y", "split": "test"}, {"label": "a", "text": "z", "split": "test"}]
+    with pytest.raises(ConfigError, match=r"test split has label\(s\) \['b'\] \(1 rows\) that no training row has"):
+        load_dataset(f"csv:{write_csv(tmp_path / 'r.csv', rows)}")
+
+
+def test_split_errors(tmp_path):
+    bad = write_csv(tmp_path / "b.csv", [{"label": "a", "text": "x", "split": "holdout"}])
+    with pytest.raises(ConfigError, match=r"b\.csv line 2: `split` is 'holdout'; write train or test"):
+        load_dataset(f"csv:{bad}")
+    only = write_csv(tmp_path / "o.csv", [{"label": "a", "text": "x", "split": "train"}])
+    with pytest.raises(ConfigError, match="has no `test` rows"):
+        load_dataset(f"csv:{only}")
+    both = write_csv(tmp_path / "t.csv", [{"label": "a", "text": "x", "split": "test"}])
+    with pytest.raises(ConfigError, match="already has a `split` column"):
+        load_dataset(f"csv:{only}", test=f"csv:{both}")
+    with pytest.raises(ConfigError, match="data.test: 'fortunes' is a built-in data set"):
+        load_dataset("fortunes", test=f"csv:{both}")
+
+
+def test_encoding_error_names_line_and_file_offset(tmp_path):
+    p = tmp_path / "e.csv"
+    head = "label,text\n" + "".join(f"a,row number {i:05d}\n" for i in range(800))  # > 8 KiB before it
+    p.write_bytes(head.encode() + b"b,bad \xff byte\n")
+    offset = len(head.encode()) + len("b,bad ")
+    with pytest.raises(ConfigError, match=rf"e\.csv line 802: not UTF-8.*at offset {offset} of the file, column 7"):
+        load_dataset(f"csv:{p}")
+
+
+def test_bom_header_and_blank_lines(tmp_path):
+    p = tmp_path / "bom.csv"
+    p.write_bytes("\ufefflabel,text\na,one\nb,two\na,three\nb,four\n".encode("utf-8"))
+    assert load_dataset(f"csv:{p}", test_per_class=1).class_names == ["a", "b"]
+    j = tmp_path / "blank.jsonl"
+    j.write_text('{"label": "a", "text": "1"}\n\n{"label": "b", "text": "2"}\n\n'
+                 '{"label": "a", "text": "3"}\n{"label": "b", "text": "4"}\n')
+    assert load_dataset(f"jsonl:{j}", test_per_class=1).report["dropped"]["blank_lines"] == 2
+
+
+def test_local_test_skips_classes_the_given_test_lacks():
+    rng = np.random.default_rng(0)
+    idx = local_test_indices(np.array([0, 0, 1, 1, 1, 2]), np.array([0, 0, 2, 2]), 6, 3, rng)
+    # class 1 has no test rows: the quota goes to classes 0 and 2 by their training shares (2:1)
+    assert np.bincount(np.array([0, 0, 2, 2])[idx], minlength=3).tolist() == [4, 0, 2]
+
+
+def test_prompt_template_belongs_to_the_data():
+    assert class_prompt_of("fortunes") == "a quote about {label}."
+    assert class_prompt_of("fashion_mnist") == "a photo of a {label}."
+    assert class_prompt_of("csv:/x.csv") == GENERIC_PROMPT == "{label}."
+
+
+def test_report_sizes(tmp_path, tiny_cfg):
+    from fedsplice.federation.experiment import build_data
+
+    cfg = tiny_cfg()
+    data, clients, _ = build_data(cfg)
+    rep = data_report(data, clients, [len(clients) - 1])
+    assert rep["train_size"] == len(data.train_texts) == sum(k["train"] for k in rep["clients"])
+    assert rep["global_test_per_class"] == np.bincount(data.test_labels).tolist()
+    for k, c in zip(rep["clients"], clients):
+        assert sum(k["train_per_class"]) == len(c.train_idx) and sum(k["local_test_per_class"]) == len(c.test_idx)
+    assert rep["clients"][-1]["role"] == "holdout"
+    text = "\n".join(summary_lines(rep))
+    assert f"train {len(data.train_texts)}" in text and f"{len(clients)} clients" in text
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """validate must not build a model: any attempt fails the test."""
+    import fedsplice.model.taskmodel as tm
+
+    def boom(*a, **k):
+        raise AssertionError("validate loaded a model")
+    monkeypatch.setattr(tm.TaskModel, "__init__", boom)
+
+
+def test_validate_reads_the_data_without_a_model(tmp_path, capsys, no_model):
+    nolabel = write_csv(tmp_path / "n.csv", [{"sentence": "x", "text": "y"}], ("sentence", "text"))
+    assert main(["validate", "--set", f'data.dataset="csv:{nolabel}"']) == 2
+    assert "missing column `label`" in capsys.readouterr().err
+    rows = [{"label": "ab"[i % 2], "text": f"t{i}"} for i in range(200)]
+    small = write_csv(tmp_path / "s.csv", rows, ("label", "text"))
+    assert main(["validate", "--set", f'data.dataset="csv:{small}"', "--set", "data.num_clients=500",
+                 "--set", "data.holdout_clients=0"]) == 2
+    assert "data.num_clients = 500" in capsys.readouterr().err
+    assert main(["validate", "--set", f'data.dataset="csv:{small}"', "--set", "data.max_per_class=0"]) == 0
+    out = capsys.readouterr().out
+    assert "split: carved (no split given): 20 per class" in out and "train 160 (80-80 per class)" in out
