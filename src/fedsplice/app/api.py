@@ -91,7 +91,8 @@ class RunResult:
     tail runs `many`, `medium`, `few`, `balancedness`, ...); `communication` holds `up_bytes`,
     `down_bytes`, `up_bytes_per_round`, `down_bytes_per_round`, `up_bytes_per_client_round`
     (measured on the serialized payloads); `params` is `{"global": n, "private": n}` (parameter
-    counts of the split). `cold_start` is None unless the run held clients out."""
+    counts of the split). `cold_start` is None unless the run held clients out. An undefined
+    metric (a binary `auc` over a test set of one class) is None: results.json is strict JSON."""
 
     algorithm: str  # the label in tables: pfadapter, fedyogi-lora, local, fedper+fedadam, ...
     method: str  # the config's `algorithm` (a registered name or "package.module:build")
@@ -121,11 +122,10 @@ class RunResult:
                    random_weights=tuple(raw.get("random_weights", ())), time_s=raw.get("time_s"), out=out, raw=raw)
 
     def __repr__(self) -> str:  # the headline numbers; the dicts are one attribute away
-        up = self.communication.get("up_bytes_per_round", 0.0)
-        gm, pm = self.gm.get("accuracy", float("nan")), self.pm.get("accuracy", float("nan"))
+        up = self.communication.get("up_bytes_per_round") or 0.0
         rnd = f", RANDOM WEIGHTS {list(self.random_weights)}" if self.random_weights else ""
         return (f"RunResult({self.algorithm}, {self.rounds} rounds, seed {self.seed}, "
-                f"GM acc {gm:.4f}, PM acc {pm:.4f}, "
+                f"GM acc {_num(self.gm.get('accuracy'))}, PM acc {_num(self.pm.get('accuracy'))}, "
                 f"up {up:,.0f} B/round, out={str(self.out)!r}{rnd})")
 
     def records(self) -> list[dict[str, Any]]:
@@ -137,6 +137,11 @@ class RunResult:
     def config(self) -> ExperimentConfig:
         """The run's resolved config (its config.toml), validated."""
         return load_config(self.out / "config.toml")
+
+
+def _num(v) -> str:
+    """A metric for display; an undefined one (null in results.json) is "n/a"."""
+    return "n/a" if v is None or v != v else f"{v:.4f}"
 
 
 def load_result(out: PathLike) -> RunResult:

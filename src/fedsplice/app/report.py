@@ -27,7 +27,7 @@ img{max-width:100%;border:1px solid #ddd;margin:.5em .5em 0 0}figure{display:inl
 figcaption{font-size:12px;color:#555}pre{background:#f6f6f6;padding:.7em;overflow:auto;font-size:12px}"""
 
 
-NUM = re.compile(r"^[-−+]?[\d.,]+( ± [\d.,]+)?$|^—$")  # table cells set right-aligned
+NUM = re.compile(r"^[-−+]?[\d.,]+( ± [\d.,]+)?$|^—$|^n/a$")  # table cells set right-aligned
 
 
 def _markdown() -> MarkdownIt:
@@ -96,6 +96,11 @@ def _img(png: Path) -> str:
             f"<figcaption>{html.escape(png.name)}</figcaption></figure>")
 
 
+def _num(v, spec: str = ".4f") -> str:
+    """A metric cell; an undefined one (null in the JSON, or NaN) is "n/a"."""
+    return "n/a" if v is None or v != v else format(v, spec)
+
+
 def _section(d: Path, title: str) -> str:
     """A comparison folder (table.md + plots) or a run folder (results.json + metrics.jsonl)."""
     parts = [f"<h2>{html.escape(title)}</h2>"]
@@ -107,9 +112,8 @@ def _section(d: Path, title: str) -> str:
         rows = ["| | accuracy | F1 macro | balancedness |", "|---|---|---|---|"]
         for k in ("gm", "pm"):
             m = r[k]
-            rows.append(f"| {k.upper()} | {m['accuracy']:.4f} | {m['f1_macro']:.4f} | "
-                        f"{m['balancedness']:.4f} |" if "balancedness" in m else
-                        f"| {k.upper()} | {m['accuracy']:.4f} | {m['f1_macro']:.4f} | — |")
+            beta = _num(m["balancedness"]) if "balancedness" in m else "—"
+            rows.append(f"| {k.upper()} | {_num(m.get('accuracy'))} | {_num(m.get('f1_macro'))} | {beta} |")
         parts.append(f"<p>{html.escape(r['algorithm'])} on {html.escape(r['dataset'])} with "
                      f"{html.escape(r['model'])}, {r['rounds']} rounds, seed {r['seed']}; upload "
                      f"{c['up_bytes']:,} B in total, {c['up_bytes_per_round']:,.0f} B per round.</p>")
@@ -122,7 +126,7 @@ def _section(d: Path, title: str) -> str:
         ev = [x for x in recs if "gm" in x and "phase" not in x]
         if ev:
             t = ["| round | GM acc | PM acc | up bytes |", "|---|---|---|---|"]
-            t += [f"| {x['round']} | {x['gm']['accuracy']:.4f} | {x['pm']['accuracy']:.4f} | "
+            t += [f"| {x['round']} | {_num(x['gm'].get('accuracy'))} | {_num(x['pm'].get('accuracy'))} | "
                   f"{x.get('up_bytes', 0):,} |" for x in ev]
             parts.append(md_to_html("\n".join(t)))
         if (d / "config.toml").is_file():

@@ -103,7 +103,8 @@ def value(r: dict, metric: str) -> float | None:
     if metric.startswith("cold-start e"):
         cs = r.get("cold_start") or {}
         e = int(metric.removeprefix("cold-start e"))
-        return float(cs["accuracy"][cs["epochs"].index(e)]) if e in cs.get("epochs", []) else None
+        v = cs["accuracy"][cs["epochs"].index(e)] if e in cs.get("epochs", []) else None
+        return None if v is None else float(v)  # null: undefined in results.json
     return C._get(r, dict(C.METRICS)[metric])
 
 

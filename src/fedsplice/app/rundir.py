@@ -13,7 +13,7 @@ from pathlib import Path
 import tomli_w
 
 from fedsplice.algorithms.registry import display_name
-from fedsplice.data.assets import atomic_write_bytes, atomic_write_json, atomic_write_text
+from fedsplice.data.assets import atomic_write_bytes, atomic_write_json, atomic_write_text, dumps
 from fedsplice.config import ExperimentConfig, to_dict
 from fedsplice.errors import ConfigError
 
@@ -54,14 +54,15 @@ def write_config(out: Path, cfg: ExperimentConfig) -> None:
 
 
 class MetricsLog:
-    """metrics.jsonl, one line per round; rewritten atomically so a crash never leaves half a line."""
+    """metrics.jsonl, one line per round; rewritten atomically so a crash never leaves half a line.
+    Lines are strict JSON: an undefined metric (NaN) is null, and records() gives it back as None."""
 
     def __init__(self, path: Path):
         self.path = path
         self.lines: list[str] = []
 
     def append(self, record: dict) -> None:
-        self.lines.append(json.dumps(record))
+        self.lines.append(dumps(record))
         atomic_write_text(self.path, "\n".join(self.lines) + "\n")
 
     def records(self) -> list[dict]:
@@ -96,9 +97,14 @@ def plot_accuracy(out: Path, records: list[dict], title: str) -> None:
     import matplotlib.pyplot as plt
 
     ev = [r for r in records if "gm" in r and "phase" not in r]  # rounds only
+
+    def acc(r: dict, part: str) -> float:  # an undefined metric (null) is a gap in the line
+        v = r[part]["accuracy"]
+        return float("nan") if v is None else v
+
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
-    ax.plot([r["round"] for r in ev], [r["gm"]["accuracy"] for r in ev], "o-", label="GM (global test)")
-    ax.plot([r["round"] for r in ev], [r["pm"]["accuracy"] for r in ev], "s-", label="PM (mean over clients)")
+    ax.plot([r["round"] for r in ev], [acc(r, "gm") for r in ev], "o-", label="GM (global test)")
+    ax.plot([r["round"] for r in ev], [acc(r, "pm") for r in ev], "s-", label="PM (mean over clients)")
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy")
     ax.set_title(title)

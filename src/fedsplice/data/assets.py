@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -19,6 +20,8 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
+
+import numpy as np
 
 from fedsplice.errors import AssetError
 
@@ -73,13 +76,56 @@ def check_manifest(root: Path, files: list[str], count: int, digest: str, what: 
                          f"expected {digest[:16]}…; delete {refetch} and fetch again")
 
 
+def strict_json(obj):
+    """`obj` with every non-finite float (NaN, ±Inf; numpy's too) replaced by None, numpy
+    scalars and arrays as Python values and tuples as lists: an undefined metric is `null` in
+    strict JSON, never Python's bare `NaN` token, which other JSON parsers reject."""
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return strict_json(obj.tolist())
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    """json.dumps of strict_json(obj); allow_nan=False makes a missed non-finite value an error."""
+    return json.dumps(strict_json(obj), allow_nan=False, **kw)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (os.umask can only swap it, racing threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)  # no /proc (not Linux): swap and restore
+    os.umask(old)
+    return old
+
+
+def share_mode(path, directory: bool = False) -> None:
+    """Give a mkstemp file (0600) or mkdtemp folder (0700) the mode a plain open()/mkdir() would
+    have, so collaborators can read outputs when the umask lets them."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write-then-rename so readers never see a partial file."""
+    """Write-then-rename so readers never see a partial file; the file respects the umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -94,7 +140,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(path, dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> None:
@@ -118,6 +164,7 @@ def materialize(dest: Path, build) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
     try:
+        share_mode(tmp, directory=True)
         build(tmp)
         (tmp / ".complete").write_text("ok\n")
         if (dest / ".complete").exists():  # another process finished first

@@ -46,6 +46,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fedsplice.config import ExperimentConfig, to_dict
+from fedsplice.data.assets import dumps, share_mode
 from fedsplice.errors import ConfigError, FedspliceError
 
 FORMAT = 1
@@ -182,6 +183,7 @@ class Checkpointer:
         name = f"round-{state.round:06d}"
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{name}.tmp"))
         try:
+            share_mode(tmp, directory=True)  # mkdtemp's 0700 would hide the checkpoint from the group
             files: dict[str, int] = {}
 
             def put(rel: str, data: bytes) -> None:
@@ -207,7 +209,7 @@ class Checkpointer:
                 "python_random": _jsonable(random.getstate()),
                 "numpy_random": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             }
-            _write(tmp / "state.json", (json.dumps(meta) + "\n").encode())  # last: marks it whole
+            _write(tmp / "state.json", (dumps(meta) + "\n").encode())  # last: marks it whole
             _fsync_dir(tmp / "clients")
             _fsync_dir(tmp)
             final = self.root / name

@@ -12,6 +12,7 @@ object tree itself. HTTP/TLS framing is not counted (it depends on the transport
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,9 +122,26 @@ def split_bytes(total: int, parts: int) -> list[int]:
 
 
 def finite_json(x):
-    """json.dumps default: numpy / torch scalars as Python numbers."""
+    """json.dumps default for the wire: numpy / torch scalars as Python numbers. A NaN metric
+    stays NaN there (Python's json reads it back), so the server's summaries over clients equal
+    the simulation's; files go through strict_record instead."""
     if isinstance(x, (np.generic,)):
         return x.item()
     if isinstance(x, torch.Tensor) and x.numel() == 1:
         return x.item()
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def strict_record(x):
+    """`x` as strict JSON values for a file (events.jsonl, wire.jsonl): scalars as finite_json
+    gives them, non-finite floats as None (null). The runtime's copy of
+    fedsplice.data.assets.strict_json, which runtimes may not import."""
+    if isinstance(x, dict):
+        return {k: strict_record(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_record(v) for v in x]
+    if isinstance(x, np.generic) or (isinstance(x, torch.Tensor) and x.numel() == 1):
+        x = finite_json(x)
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
