@@ -135,6 +135,9 @@ TINY_BUDGET = {
     "data.partition": '"dirichlet"',
     "data.alpha": "1.0",
     "data.max_per_class": "0",
+    # the toy set is a user's file, whose own template would be "{label}."; the unit tests were
+    # written against this one (and a CoOp prompt with n_ctx = 0 needs words before {label})
+    "data.class_prompt": '"a quote about {label}."',
     "client.local_epochs": "1",
     "client.lr": "0.01",
     "eval.batch_size": "64",

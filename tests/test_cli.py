@@ -82,12 +82,13 @@ def test_missing_dataset_file(capsys, tmp_path, tiny_bert_dir):
 def test_validate_ok(capsys, tmp_path):
     assert main(["validate"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("ok: embedded default (pfadapter, zoo:minilm, fortunes)")
+    assert out.splitlines()[-1].startswith("ok: embedded default (pfadapter, zoo:minilm, fortunes)")
+    assert "split: carved (no split given): 20 per class" in out  # it read the data
     p = tmp_path / "c.toml"
     p.write_text('algorithm = "lora"\n[server]\nrounds = 2\noptimizer = "fedyogi"\n')
-    assert main(["validate", str(p)]) == 0
+    assert main(["validate", "--no-data", str(p)]) == 0
     out, _ = capsys.readouterr()
-    assert out.startswith(f"ok: {p} (lora, ")
+    assert out.startswith(f"ok: {p} (lora, ")  # --no-data: the config alone
 
 
 def test_list_algorithms(capsys):
@@ -121,7 +122,7 @@ def test_console_script_exits_2_without_traceback(tmp_path):
     assert "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [
         p.stderr.strip()] and p.stderr.startswith("fedsplice: error: server.roundz")
-    ok = subprocess.run([sys.executable, "-m", "fedsplice.app.cli", "validate"],
+    ok = subprocess.run([sys.executable, "-m", "fedsplice.app.cli", "validate", "--no-data"],
                         capture_output=True, text=True, env=env, timeout=60)
     assert ok.returncode == 0 and ok.stdout.startswith("ok:")
 

@@ -151,3 +151,26 @@ def test_validate_reads_the_data_without_a_model(tmp_path, capsys, no_model):
     assert main(["validate", "--set", f'data.dataset="csv:{small}"', "--set", "data.max_per_class=0"]) == 0
     out = capsys.readouterr().out
     assert "split: carved (no split given): 20 per class" in out and "train 160 (80-80 per class)" in out
+
+
+def test_run_prints_and_records_the_sizes(tmp_path, tiny_cfg, capsys):
+    from fedsplice.app.runner import run_experiment
+
+    res = run_experiment(tiny_cfg(), tmp_path / "run", quiet=True, echo=print)
+    out = capsys.readouterr().out
+    rep = res["data"]
+    assert rep == json.loads((tmp_path / "run" / "data.json").read_text())
+    assert rep == json.loads((tmp_path / "run" / "results.json").read_text())["data"]
+    assert rep["train_size"] == sum(k["train"] for k in rep["clients"]) == sum(rep["train_per_class"])
+    assert [k["role"] for k in rep["clients"]].count("holdout") == 1
+    assert f"train {rep['train_size']} (" in out and rep["split"] in out
+    assert "warning: the global test set has fewer than 10 samples" in out  # 6 per class in the tiny budget
+
+
+def test_generic_prompt_and_coop_without_words_before_the_label(tiny_cfg):
+    from fedsplice.federation.experiment import build
+
+    exp = build(tiny_cfg(data__class_prompt='""'))  # the toy set is a user's file: its own template
+    assert exp.model.class_prompt == GENERIC_PROMPT
+    with pytest.raises(ConfigError, match=r"peft.n_ctx = 0 starts the context.*'\{label\}.' has none"):
+        build(tiny_cfg(algorithm="promptfl", peft__type="prompt", data__class_prompt='"{label}."'))

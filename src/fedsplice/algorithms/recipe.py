@@ -38,6 +38,13 @@ class Recipe:
     trains: bool = True  # False: evaluation only (zero-shot)
     personalize: PersonalStage | None = None  # a local stage after the rounds (FedPuReL phase 2)
     needs_zero_shot: bool = False  # cache zero-shot logits of the training set
+    # References (fedsplice.algorithms.references). pooled: one model trains alone on the union of
+    # every training client's data each round (centralized); nothing is federated, no traffic.
+    pooled: bool = False
+    # prior: predict the constant logits log p(class) of training labels instead of running the
+    # model (trains=False): "global" pools the training clients' labels for GM and PM; "local"
+    # uses each client's own labels for its PM (GM: the pooled prior).
+    prior: str | None = None
 
 
 @dataclass(frozen=True)

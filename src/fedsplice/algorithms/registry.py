@@ -22,12 +22,14 @@ from fedsplice.algorithms.baselines import BASELINES, LORA_BASELINES
 from fedsplice.algorithms.fedpurel import FEDPUREL
 from fedsplice.algorithms.pfadapter import PFADAPTER
 from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe
+from fedsplice.algorithms.references import REFERENCES
 from fedsplice.config import from_dict
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
 ENTRY_POINT_GROUP = "fedsplice.algorithms"
-ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "pfadapter": PFADAPTER, **LORA_BASELINES}
+ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "pfadapter": PFADAPTER, **LORA_BASELINES,
+                                    **REFERENCES}  # references last: the sanity rows of a table
 
 
 def register_algorithm(name: str, params_type: type = NoParams, build: Callable | None = None, *,
@@ -149,7 +151,7 @@ def display_name(cfg) -> str:
     opt = cfg.server.optimizer
     if cfg.algorithm == "lora":
         name = f"{opt}-lora"
-    elif opt == "fedavg" or cfg.algorithm in ("local", "zeroshot"):
+    elif opt == "fedavg" or cfg.algorithm in ("local", "zeroshot", *REFERENCES):  # no server step
         name = cfg.algorithm
     else:
         name = f"{cfg.algorithm}+{opt}"

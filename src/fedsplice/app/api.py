@@ -153,14 +153,15 @@ def load_result(out: PathLike) -> RunResult:
 
 
 def run(cfg: ExperimentConfig | PathLike, out: PathLike | None = None, *, overwrite: bool = False,
-        quiet: bool = True) -> RunResult:
+        quiet: bool = True, progress=None) -> RunResult:
     """Run one experiment into the run directory `out` (None: runs/<algorithm>-<time>) and return
     its RunResult. `cfg` is a config from `load_config` (validated again here, so edits made to
     it are checked) or a path to a TOML file. With `runtime.kind = "flower"` the run goes to
     Flower's deployment engine on this machine, as `fedsplice run` does (docs/flower.md).
 
     An existing non-empty `out` is refused unless `overwrite=True`. `quiet=False` prints the
-    progress bar and the round lines to stderr, as the CLI does."""
+    progress bar and the round lines to stderr, as the CLI does. `progress(event)` receives each
+    stage's progress as a dict (stage, round, done/total client tasks, eta_s; simulation only)."""
     from fedsplice.app.rundir import default_out
     from fedsplice.app.runner import run_experiment
 
@@ -171,16 +172,22 @@ def run(cfg: ExperimentConfig | PathLike, out: PathLike | None = None, *, overwr
 
         run_flower(cfg, out, overwrite=overwrite, quiet=quiet)
     else:
-        run_experiment(cfg, out, overwrite=overwrite, quiet=quiet)
+        run_experiment(cfg, out, overwrite=overwrite, quiet=quiet, progress=progress)
     return RunResult.from_dir(out)
 
 
 def resume(out: PathLike, *, quiet: bool = True) -> RunResult:
     """Continue the run in `out` from its last complete checkpoint, with its own config.toml
-    (`fedsplice resume`); the result equals an uninterrupted run's, apart from `time_s`."""
+    (`fedsplice resume`); the result equals an uninterrupted run's, apart from `time_s`. A Flower
+    run restarts on Flower (its local deployment; a remote one gets a ConfigError saying how)."""
+    from fedsplice.app.flower.cli import resume_flower
+    from fedsplice.app.flower.resume import is_flower_run
     from fedsplice.app.runner import resume_experiment
 
-    resume_experiment(Path(out), quiet=quiet)
+    if is_flower_run(Path(out)):
+        resume_flower(Path(out), quiet=quiet)
+    else:
+        resume_experiment(Path(out), quiet=quiet)
     return RunResult.from_dir(out)
 
 

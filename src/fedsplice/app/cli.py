@@ -29,9 +29,15 @@ def cmd_run(args) -> None:
 
 
 def cmd_resume(args) -> None:
+    from fedsplice.app.flower.resume import is_flower_run
     from fedsplice.app.runner import console, print_table, resume_experiment
 
-    results = resume_experiment(Path(args.run_dir), quiet=args.quiet)
+    if is_flower_run(Path(args.run_dir)):  # on the Flower deployment that ran it (docs/flower.md)
+        from fedsplice.app.flower.cli import resume_flower
+
+        results = resume_flower(Path(args.run_dir), quiet=args.quiet)
+    else:
+        results = resume_experiment(Path(args.run_dir), quiet=args.quiet)
     if not args.quiet:
         print_table(results)
         console.print(f"results: {Path(args.run_dir) / 'results.json'}")
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
     r.add_argument("--overwrite", action="store_true", help="reuse a non-empty run directory")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(fn=cmd_run)
-    rs = sub.add_parser("resume", help="continue a killed run from its last complete checkpoint")
+    rs = sub.add_parser("resume", help="continue a killed run (also a Flower one) from its last complete checkpoint")
     rs.add_argument("run_dir", metavar="RUN_DIR", help="the --out of the run (its config.toml is used)")
     rs.add_argument("--quiet", action="store_true")
     rs.set_defaults(fn=cmd_resume)

@@ -55,7 +55,26 @@ def plan_entries(entries: list[tuple[str, Path, list[str]]], seeds: int, out: Pa
     return runs
 
 
-def _one(cfg, d: Path, threads: int) -> dict:
+class RunLines:
+    """One run's progress as lines on stderr, `run 2/6 lora seed 1: round 3/10 evaluate: 40/140
+    client tasks, 1:02 elapsed, ETA 2:15`: a `progress` for the runner. It pickles, so a --jobs
+    worker prints its own run's lines (the workers share the terminal, one line at a time)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def __call__(self, event: dict) -> None:
+        from fedsplice.app.runner import progress_line
+
+        self.say(progress_line(event))
+
+    def say(self, text: str) -> None:
+        from fedsplice.app.runner import console
+
+        console.print(f"{self.prefix}: {text}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _one(cfg, d: Path, threads: int, lines: RunLines | None = None) -> dict:
     """One run, resumed from its checkpoints when it has any (also the body of a --jobs worker)."""
     from fedsplice.federation.checkpoint import DIRNAME
     from fedsplice.app.runner import resume_experiment, run_experiment
@@ -64,19 +83,23 @@ def _one(cfg, d: Path, threads: int) -> dict:
         import torch
 
         torch.set_num_threads(threads)
-    if (d / DIRNAME).exists():
-        return resume_experiment(d, quiet=True)
-    return run_experiment(cfg, d, overwrite=d.exists(), quiet=True)
+    resume = (d / DIRNAME).exists()
+    if lines is not None:  # the build (model, data) can take a while: say so first
+        lines.say(f"{'resuming' if resume else 'starting'} in {d}")
+    if resume:
+        return resume_experiment(d, quiet=True, progress=lines)
+    return run_experiment(cfg, d, overwrite=d.exists(), quiet=True, progress=lines)
 
 
 def run_all(runs, quiet: bool = False, jobs: int = 1) -> list[dict]:
-    """Run (or resume, or skip) every planned run; returns their results in plan order.
+    """Run (or resume, or skip) every planned run; returns their results in plan order. Unless
+    quiet, each run streams its progress lines (`RunLines`) and a line with its result.
     jobs > 1 runs that many at once, each in its own process with cores / jobs torch threads."""
     import os
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
 
-    from fedsplice.app.runner import console
+    from fedsplice.app.runner import acc_text, clock, console
 
     if jobs < 1:
         raise ConfigError(f"compare: --jobs must be >= 1, got {jobs}")
@@ -87,29 +110,30 @@ def run_all(runs, quiet: bool = False, jobs: int = 1) -> list[dict]:
             results[i] = json.loads((d / "results.json").read_text())
         else:
             todo.append(i)
+    lines = {i: None if quiet else RunLines(f"run {n}/{len(todo)} {runs[i][0]} seed {runs[i][1]}")
+             for n, i in enumerate(todo, 1)}
     t_start, done = time.perf_counter(), 0
 
     def report(i: int) -> None:
         if quiet:
             return
-        label, seed = runs[i][:2]
-        left = len(todo) - done
+        left, r = len(todo) - done, results[i]
         eta = (time.perf_counter() - t_start) / done * left
-        console.print(f"run {done}/{len(todo)} done: {label} seed {seed} in {results[i]['time_s']:.0f} s "
-                      f"(GM {results[i]['gm']['accuracy']:.3f}, PM {results[i]['pm']['accuracy']:.3f})"
-                      + (f", {left} left, ~{eta / 60:.1f} min" if left else ""))
+        lines[i].say(f"done in {clock(r['time_s'])} (GM acc {acc_text(r['gm']['accuracy'])}, PM acc "
+                     f"{acc_text(r['pm']['accuracy'])}); {done}/{len(todo)} runs done"
+                     + (f", ETA {clock(eta)} for the other {left}" if left else ""))
 
     if not quiet and len(todo) < len(runs):
         console.print(f"{len(runs) - len(todo)} of {len(runs)} runs already done; running the other {len(todo)}")
     if jobs == 1 or len(todo) <= 1:
         for i in todo:
-            results[i] = _one(runs[i][2], runs[i][3], 0)
+            results[i] = _one(runs[i][2], runs[i][3], 0, lines[i])
             done += 1
             report(i)
         return results
     threads = max(1, (os.cpu_count() or 1) // jobs)
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-        futs = {pool.submit(_one, runs[i][2], runs[i][3], threads): i for i in todo}
+        futs = {pool.submit(_one, runs[i][2], runs[i][3], threads, lines[i]): i for i in todo}
         try:
             for f in as_completed(futs):
                 i = futs[f]

@@ -15,6 +15,7 @@ from fedsplice.config.checks import ROLES, check_positive, check_roles
 from fedsplice.errors import ConfigError
 
 USER_DATA_KINDS = ("csv", "jsonl", "images")
+SITES = "sites"  # data.dataset: every Flower SuperNode brings its own data file (per-site data)
 
 
 def check_template(name: str, template: str, key: str, example: str) -> None:
@@ -129,6 +130,23 @@ class DataConfig:
     # A prompt ensemble: more templates; the class embedding is the mean of the normalized
     # embeddings of class_prompt and these (CLIP's "a photo of a {label}." family)
     class_prompts: list[str] = field(default_factory=list)
+    # Per-site data (dataset = "sites"): the class labels, in class order, as the sites' files
+    # write them; the server never reads a site's file, so the config must name the classes.
+    labels: list[str] = field(default_factory=list)
+
+    def _check_sites(self) -> None:
+        if self.dataset != SITES:
+            if self.labels:
+                raise ConfigError("data.labels is for per-site data (data.dataset = 'sites'); remove it, or "
+                                  "rename the classes with data.class_names")
+            return
+        if len(self.labels) < 2 or len(set(self.labels)) != len(self.labels):
+            raise ConfigError(f"data.labels = {self.labels}: per-site data (data.dataset = 'sites') needs the "
+                              f"class labels, at least 2 and each once, as the sites' files write them")
+        for name, on in (("data.imbalance", self.imbalance != 1.0), ("data.n_max", self.n_max != 0)):
+            if on:
+                raise ConfigError(f"{name}: the long-tail cut is for one data set partitioned by seed; with "
+                                  f"per-site data each site's file is used as it is; remove {name}")
 
     def check(self) -> None:
         # the files of a user's data set exist; a built-in name is checked against the registry
@@ -139,11 +157,12 @@ class DataConfig:
         if kind == "images" and not Path(path).expanduser().is_dir():
             raise ConfigError(f"data.dataset: folder {path!r} not found; give a folder with one "
                               f"subfolder of images per class (images:DIR)")
+        self._check_sites()
         tkind, tpath = user_data(self.test) or ("", "")
         if self.test and not tkind:
             raise ConfigError(f"data.test = {self.test!r}: give csv:PATH, jsonl:PATH or images:DIR (the test "
                               f"split of your data), or leave it empty")
-        if tkind and not (Path(tpath).expanduser().is_dir() if tkind == "images" else Path(tpath).expanduser().is_file()):
+        if tkind and self.dataset != SITES and not (Path(tpath).expanduser().is_dir() if tkind == "images" else Path(tpath).expanduser().is_file()):
             raise ConfigError(f"data.test: {tpath!r} not found; give an existing {tkind} "
                               f"{'folder' if tkind == 'images' else 'file'}")
         if self.class_prompt:

@@ -237,7 +237,7 @@ def split_given(train: list[list], test: list[list], rng: np.random.Generator,
     return (tr_x, np.asarray(tr_y, dtype=np.int64), te_x, np.asarray(te_y, dtype=np.int64))
 
 
-def _rename(found: list[str], class_names: list[str] | None) -> list[str]:
+def rename_classes(found: list[str], class_names: list[str] | None) -> list[str]:
     """data.class_names replaces the label strings (in sorted-label order), one name each."""
     if not class_names:
         return list(found)
@@ -270,7 +270,7 @@ def _parse(name: str, test: str, skip_bad_images: bool) -> dict:
     return {**parsed, "split": None, "dropped": {}, "notes": [], "class_prompt": DATASETS[name].class_prompt}
 
 
-def _split_report(parsed: dict, test_per_class: int, seed: int, ds: TextDataset) -> dict:
+def split_report(parsed: dict, test_per_class: int, seed: int, ds: TextDataset) -> dict:
     """How train / test were made, what was dropped (counts by reason), notes and warnings."""
     pool = sum(len(t) for t in parsed["texts"]) + sum(len(t) for t in parsed.get("test_texts") or [])
     if parsed["split"]:
@@ -305,7 +305,7 @@ def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
     users' images that do not decode (else an error); class_names: readable names replacing the
     labels, in class order. `report` says what happened to the data."""
     parsed = _parse(name, test, skip_bad_images)
-    names = _rename(parsed["class_names"], class_names)
+    names = rename_classes(parsed["class_names"], class_names)
     rng = np.random.default_rng(seed)
     if parsed["split"]:
         tr_x, tr_y, te_x, te_y = split_given(parsed["texts"], parsed["test_texts"], rng, max_per_class)
@@ -318,7 +318,7 @@ def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
     ds = TextDataset(name=name, class_names=names, train_texts=tr_x, train_labels=tr_y, test_texts=te_x,
                      test_labels=te_y, source=parsed["source"],
                      class_prompt=parsed.get("class_prompt", GENERIC_PROMPT))
-    ds.report = _split_report(parsed, test_per_class, seed, ds)
+    ds.report = split_report(parsed, test_per_class, seed, ds)
     return ds
 
 

@@ -55,14 +55,19 @@ def data_report(data: TextDataset, clients: list[Client], holdout_ids: list[int]
 
 def summary_lines(rep: dict) -> list[str]:
     """A few lines a person reads before the rounds start; warnings last, prefixed."""
-    tr, te = rep["train_per_class"], rep["global_test_per_class"]
-    sizes = [k["train"] for k in rep["clients"]]
-    tests = [k["local_test"] for k in rep["clients"]]
-    lines = [f"data: {rep['source']}; {len(rep['class_names'])} classes",
-             f"  split: {rep['split']}",
-             f"  train {rep['train_size']} ({min(tr)}-{max(tr)} per class); global test {rep['global_test_size']} "
-             f"({min(te)}-{max(te)} per class)",
-             f"  {len(sizes)} clients: train {min(sizes)}-{max(sizes)} each, local test {min(tests)}-{max(tests)} each"]
+    te = rep["global_test_per_class"]
+    lines = [f"data: {rep['source']}; {len(rep['class_names'])} classes", f"  split: {rep['split']}"]
+    test = f"global test {rep['global_test_size']}" + (f" ({min(te)}-{max(te)} per class)" if rep["global_test_size"] else "")
+    if rep["train_size"] is None:  # per-site data, on the server
+        lines.append(f"  {test}")
+    else:
+        tr = rep["train_per_class"]
+        lines.append(f"  train {rep['train_size']} ({min(tr)}-{max(tr)} per class); {test}")
+    if rep["clients"]:
+        sizes = [k["train"] for k in rep["clients"]]
+        tests = [k["local_test"] for k in rep["clients"]]
+        lines.append(f"  {len(sizes)} clients: train {min(sizes)}-{max(sizes)} each, "
+                     f"local test {min(tests)}-{max(tests)} each")
     if rep["dropped"]:
         lines.append("  dropped: " + ", ".join(f"{v} {REASONS.get(k, k)}" for k, v in rep["dropped"].items()))
     lines += [f"  note: {n}" for n in rep["notes"]]

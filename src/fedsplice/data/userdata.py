@@ -181,11 +181,26 @@ def _spec(kind: str, path: str) -> str:
     return f"{kind}:{path}"
 
 
+def _check_labels(found, labels: list[str], where: str) -> None:
+    unknown = sorted_labels(set(found) - set(labels))
+    if unknown:
+        raise ConfigError(f"{where} has label(s) {unknown[:5]} not in data.labels {labels[:8]}; add them to "
+                          f"data.labels (every site and the server must list the same classes)")
+
+
 def load_user(kind: str, path: str, *, test: tuple[str, str] | None = None,
-              skip_bad_images: bool = False) -> dict:
+              skip_bad_images: bool = False, labels: list[str] | None = None) -> dict:
     """The parsed form of a user's data (see the module docstring); `test` = (kind, path) of a
-    separate test file (data.test)."""
-    items, labels, splits, facts = _items(kind, path, skip_bad_images)
+    separate test file (data.test); `labels`: the classes, in order, when they are fixed by the
+    config rather than read from the data (a site's file, the server's evaluation file)."""
+    items, labels_found, splits, facts = _items(kind, path, skip_bad_images)
+    if labels:
+        _check_labels(labels_found, labels, str(Path(path).expanduser()))
+    return _parsed(items, labels_found, splits, facts, kind, path, test, skip_bad_images, list(labels or []))
+
+
+def _parsed(items, labels, splits, facts, kind, path, test, skip_bad_images, fixed) -> dict:
+    """load_user's grouping: by the given split, the data.test file, or none (carve later)."""
     given = [s for s in splits if s is not None]
     source = f"user {'image folder' if kind == 'images' else 'file'} {Path(path).expanduser()}"
     dropped = {"duplicates": 0, "blank_lines": facts.get("blank_lines", 0), "bad_images": facts["bad_images"],
@@ -203,16 +218,18 @@ def load_user(kind: str, path: str, *, test: tuple[str, str] | None = None,
         split = f"given: the `split` column of {Path(path).expanduser()}"
     elif test is not None:
         tx, ty, _, tfacts = _items(*test, skip_bad_images)
+        if fixed:
+            _check_labels(ty, fixed, test[1])
         dropped["bad_images"] += tfacts["bad_images"]
         tr, te = list(zip(items, labels)), list(zip(tx, ty))
         split = f"given: data.test = {_spec(*test)!r}"
     else:
-        names = sorted_labels(labels)
+        names = fixed or sorted_labels(labels)
         texts, dropped["duplicates"] = _dedupe_count(_per_class(items, labels, {c: i for i, c in enumerate(names)}))
         return {"class_names": names, "texts": texts, "test_texts": None, "source": source, "split": None,
                 "dropped": dropped, "notes": notes}
-    names = sorted_labels(y for _, y in tr)
-    unseen = sorted_labels({y for _, y in te} - set(names))
+    names = fixed or sorted_labels(y for _, y in tr)
+    unseen = [] if fixed else sorted_labels({y for _, y in te} - set(names))
     if unseen:
         n = sum(y in unseen for _, y in te)
         raise ConfigError(f"the test split has label(s) {unseen} ({n} rows) that no training row has; a model "

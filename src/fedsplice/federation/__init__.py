@@ -12,7 +12,7 @@ loop, evaluation, the client-state store and checkpoints. Runtimes use only the 
 
 import tomllib
 
-from fedsplice.config import ExperimentConfig, from_dict
+from fedsplice.config import SITES, ExperimentConfig, from_dict
 from fedsplice.core import wire
 from fedsplice.core.robust import check_update
 from fedsplice.federation.experiment import Client, Experiment, build
@@ -25,7 +25,7 @@ from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation.validate import load_config
 from fedsplice.federation.validate import validate as validate_config
 
-__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Reply", "TASKS", "accepts", "build", "check_update",
+__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Reply", "SITES", "TASKS", "accepts", "build", "check_update",
            "client_task", "cold_start", "config_from_text", "evaluate_only", "fit_client", "gm_and_pm",
            "load_config", "make_store", "personalization", "rng", "run_rounds", "validate_config", "wire"]
 

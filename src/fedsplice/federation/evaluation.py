@@ -13,24 +13,45 @@ from fedsplice.core.tkl import tkl
 from fedsplice.federation.metrics import classification_metrics, longtail_metrics, per_class_counts, summarize_clients
 
 
+def prior_logits(exp, cids: list[int], n: int) -> np.ndarray:
+    """A prior reference's prediction for `n` samples, without the model: the log class prior of
+    the training labels of clients `cids` (counts floored at 1e-3, so an absent class scores
+    very low but finite); its argmax is their majority class, ties to the lowest index."""
+    d = exp.data
+    idx = np.concatenate([exp.clients[k].train_idx for k in cids])
+    counts = np.maximum(np.bincount(d.train_labels[idx], minlength=len(d.class_names)), 1e-3)
+    return np.tile(np.log(counts / counts.sum()).astype(np.float32), (n, 1))
+
+
 def score(exp, labels: np.ndarray, logits: np.ndarray, test_idx: np.ndarray) -> dict:
     """Metrics of logits on test samples `test_idx`, with what pooling needs: per-class counts of
-    the model and of the zero-shot model on the same samples, and TKL to zero-shot."""
+    the model and of the zero-shot model on the same samples, and TKL to zero-shot. Without
+    zero-shot logits (a prior reference never runs the model) there is no TKL, and the zero-shot
+    counts are None."""
     c = len(exp.data.class_names)
     m = classification_metrics(labels, logits, c)
-    zs = exp.caches["zero_shot_test"][torch.as_tensor(test_idx)]
     correct, total = per_class_counts(labels, logits.argmax(1), c)
-    zs_correct, _ = per_class_counts(labels, zs.numpy().argmax(1), c)
-    m["tkl"] = float(tkl(torch.as_tensor(logits), zs).mean())
-    m.update(class_correct=correct.tolist(), class_total=total.tolist(), zs_class_correct=zs_correct.tolist())
+    zs_correct = None
+    if "zero_shot_test" in exp.caches:
+        zs = exp.caches["zero_shot_test"][torch.as_tensor(test_idx)]
+        zs_correct = per_class_counts(labels, zs.numpy().argmax(1), c)[0].tolist()
+        m["tkl"] = float(tkl(torch.as_tensor(logits), zs).mean())
+    m.update(class_correct=correct.tolist(), class_total=total.tolist(), zs_class_correct=zs_correct)
     return m
 
 
 def with_longtail(exp, m: dict, correct, total, zs_correct) -> dict:
+    """The scalar metrics of `m` and the long-tail ones; head bias needs the zero-shot counts."""
     e = exp.cfg.eval
-    out = {k: v for k, v in m.items() if not isinstance(v, list)}
-    out.update(longtail_metrics(correct, total, zs_correct, exp.caches["train_counts"],
-                                many=e.many_threshold, few=e.few_threshold, sigma=e.balancedness_sigma))
+    out = {k: v for k, v in m.items() if not isinstance(v, list) and k != "zs_class_correct"}
+    if exp.caches.get("train_counts") is None:  # per-site data: the server holds no class counts
+        out["class_accuracy"] = [float(c / t) if t else None for c, t in zip(correct, total)]
+        return out
+    out.update(longtail_metrics(correct, total, correct if zs_correct is None else zs_correct,
+                                exp.caches["train_counts"], many=e.many_threshold, few=e.few_threshold,
+                                sigma=e.balancedness_sigma))
+    if zs_correct is None:
+        out["head_bias"] = None
     # per class, in class order (None: no test sample of that class): the head-to-tail plots
     out["class_accuracy"] = [float(c / t) if t else None for c, t in zip(correct, total)]
     return out
@@ -39,9 +60,28 @@ def with_longtail(exp, m: dict, correct, total, zs_correct) -> dict:
 def summarize_pm(exp, per_client: list[dict]) -> dict:
     """PM: scalar metrics averaged over ALL clients (accuracy also std/min/max); the long-tail
     metrics pool the clients' local test predictions (per-class counts summed)."""
-    pooled = [np.sum([m[k] for m in per_client], axis=0) for k in ("class_correct", "class_total",
-                                                                  "zs_class_correct")]
+    pooled = [None if per_client[0][k] is None else np.sum([m[k] for m in per_client], axis=0)
+              for k in ("class_correct", "class_total", "zs_class_correct")]
     return with_longtail(exp, summarize_clients(per_client), *pooled)
+
+
+def pooled_gm(exp, per_client: list[dict]) -> dict:
+    """GM evaluated on the sites (per-site data, no server test set): the global model's metrics
+    on the union of the clients' local test sets, from their summed confusion counts. AUC and TKL
+    need the scores themselves, which stay on the sites: None."""
+    conf = np.sum([np.asarray(m["confusion"]) for m in per_client], axis=0)
+    total, pred, correct = conf.sum(1), conf.sum(0), np.diag(conf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f1 = np.where(total + pred > 0, 2 * correct / (total + pred), 0.0)
+    seen = (total + pred) > 0  # sklearn's macro F1 leaves out classes absent from labels and predictions
+    m = {"accuracy": float(correct.sum() / max(conf.sum(), 1)), "f1_macro": float(f1[seen].mean()),
+         "f1_weighted": float((f1 * total).sum() / max(total.sum(), 1)),
+         "test_size": int(conf.sum()), "evaluated_on": "sites"}
+    if len(exp.data.class_names) == 2:
+        m["auc"] = None
+    zs = [m_["zs_class_correct"] for m_ in per_client]
+    zs_correct = None if any(z is None for z in zs) else np.sum(zs, axis=0)
+    return with_longtail(exp, m, correct, total, zs_correct)
 
 
 def evaluate_global(exp, global_params: dict) -> dict:
@@ -49,8 +89,11 @@ def evaluate_global(exp, global_params: dict) -> dict:
     global_test_size test samples; a scenario's transformed local test copies follow it)."""
     d = exp.data
     size = d.global_test_size
-    fresh = {n: exp.init_params[n] for n in exp.private_names}
-    exp.model.load_params({**global_params, **fresh})
-    logits = exp.model.predict(d.test_texts[:size], exp.cfg.eval.batch_size).numpy()
+    if exp.recipe.prior:  # a prior reference (majority, local-prior): the pooled prior, no model
+        logits = prior_logits(exp, exp.train_ids, size)
+    else:
+        fresh = {n: exp.init_params[n] for n in exp.private_names}
+        exp.model.load_params({**global_params, **fresh})
+        logits = exp.model.predict(d.test_texts[:size], exp.cfg.eval.batch_size).numpy()
     m = score(exp, d.test_labels[:size], logits, np.arange(size))
     return with_longtail(exp, m, m["class_correct"], m["class_total"], m["zs_class_correct"])

@@ -18,9 +18,11 @@ from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, S
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.config import ExperimentConfig
 from fedsplice.data.datasets import TextDataset, load_dataset
+from fedsplice.data.sites import SITES, load_server_test, load_site
 from fedsplice.data.scenarios import apply_scenario
 from fedsplice.core.server import ServerOptimizer, make_server_optimizer
 from fedsplice.core.split import GLOBAL, PRIVATE, names_in
+from fedsplice.federation.tasks import prepare_reference
 
 
 @dataclass
@@ -81,9 +83,29 @@ def apply_long_tail(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
     return data
 
 
-def build_data(cfg: ExperimentConfig) -> tuple[TextDataset, list[Client], dict]:
+def site_data(cfg: ExperimentConfig, site: tuple[str, int] | None) -> tuple[TextDataset, list[Client], dict]:
+    """Per-site data (data.dataset = "sites"): on a SuperNode, `site` = (its data-path, its client
+    id) and only that client has data; on the server (None), no client has any, and the global
+    test set is the server's own evaluation file (data.test) or empty (GM on the sites)."""
+    dc, empty = cfg.data, np.empty(0, np.int64)
+    clients = [Client(k, empty, empty) for k in range(dc.num_clients)]
+    if site is None:
+        return load_server_test(dc.test, dc.labels, skip_bad_images=dc.skip_bad_images,
+                                class_names=dc.class_names), clients, {}
+    spec, cid = site
+    data = load_site(spec, dc.labels, seed=cfg.seed, local_test_size=dc.local_test_size,
+                     max_per_class=dc.max_per_class or None, skip_bad_images=dc.skip_bad_images,
+                     class_names=dc.class_names)
+    clients[cid] = Client(cid, np.arange(len(data.train_texts)), np.arange(len(data.test_texts)))
+    return data, clients, {}
+
+
+def build_data(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> tuple[TextDataset, list[Client], dict]:
     """The data part of `build`, without a model: the data set, split and long-tail cut; the
-    clients; the realised scenario. `fedsplice validate` runs it to check the data."""
+    clients; the realised scenario. `fedsplice validate` runs it to check the data. `site`:
+    see `site_data`."""
+    if cfg.data.dataset == SITES:
+        return site_data(cfg, site)
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
                         max_per_class=cfg.data.max_per_class or None, skip_bad_images=cfg.data.skip_bad_images,
                         class_names=cfg.data.class_names, test=cfg.data.test)
@@ -93,10 +115,11 @@ def build_data(cfg: ExperimentConfig) -> tuple[TextDataset, list[Client], dict]:
     return data, clients, scenario
 
 
-def build(cfg: ExperimentConfig) -> Experiment:
+def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experiment:
+    """Everything a run needs; `site` = (data file, client id) on a per-site SuperNode."""
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
-    data, clients, scenario = build_data(cfg)
+    data, clients, scenario = build_data(cfg, site)
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     train_ids, holdout_ids = list(range(n_train)), list(range(n_train, cfg.data.num_clients))
     model = TaskModel(cfg, data.class_names, cfg.data.class_prompt or data.class_prompt)
@@ -107,17 +130,26 @@ def build(cfg: ExperimentConfig) -> Experiment:
     exp = Experiment(cfg, data, clients, train_ids, holdout_ids, model, recipe,
                      names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE),
                      clone(params), server_opt, sampling_stream(cfg, train_ids), scenario=scenario)
+    if recipe.pooled or recipe.prior:  # the reference rows: centralized's pooled client; checks
+        prepare_reference(exp)
     exp.caches.update(zero_shot_caches(exp))
     return exp
 
 
 def zero_shot_caches(exp: Experiment) -> dict:
     """Frozen work computed once: zero-shot logits of the test set (for TKL and head bias) and,
-    when the recipe aligns to them (FedPuReL), of the training set."""
-    bs = exp.cfg.eval.batch_size
-    with exp.model.zero_shot():
-        out = {"zero_shot_test": exp.model.predict(exp.data.test_texts, bs)}
-        if exp.recipe.needs_zero_shot and exp.cfg.runtime.cache:
-            out["zero_shot"] = exp.model.predict(exp.data.train_texts, bs)
-    out["train_counts"] = np.bincount(exp.data.train_labels, minlength=len(exp.data.class_names))
+    when the recipe aligns to them (FedPuReL), of the training set. None for a prior recipe
+    (majority, local-prior): it never runs the model."""
+    bs, out = exp.cfg.eval.batch_size, {}
+    if not exp.recipe.prior:
+        with exp.model.zero_shot():
+            out["zero_shot_test"] = exp.model.predict(exp.data.test_texts, bs) if exp.data.test_texts else None
+            if exp.recipe.needs_zero_shot and exp.cfg.runtime.cache:
+                out["zero_shot"] = exp.model.predict(exp.data.train_texts, bs)
+    if out.get("zero_shot_test") is None:
+        out.pop("zero_shot_test", None)
+    # per-site data: the server never sees a label, so no class counts (no many/medium/few)
+    per_site_server = exp.cfg.data.dataset == SITES and not len(exp.data.train_labels)
+    out["train_counts"] = None if per_site_server else np.bincount(exp.data.train_labels,
+                                                                   minlength=len(exp.data.class_names))
     return out

@@ -23,7 +23,7 @@ from fedsplice.core import wire
 from fedsplice.core.robust import aggregate
 from fedsplice.core.server import deltas
 from fedsplice.federation.checkpoint import RoundState
-from fedsplice.federation.evaluation import evaluate_global, summarize_pm
+from fedsplice.federation.evaluation import evaluate_global, pooled_gm, summarize_pm
 from fedsplice.federation.gather import gather
 
 
@@ -48,6 +48,11 @@ def gm_and_pm(exp, transport, global_params: dict, gm_first: bool = False) -> di
     """GM here, on the global test set; PM as the `evaluate` task on every training client.
     (`gm_first`: the order zero-shot runs have always used; frozen-prefix caches fill in the
     order texts are first seen, so the order is kept for bytewise-reproducible results.)"""
+    if exp.data.global_test_size == 0:  # per-site data without a server test set: GM on the sites
+        down = wire.encode(global_params)
+        gm = pooled_gm(exp, list(transport.run("evaluate_global", exp.train_ids, down).values()))
+        per_client = transport.run("evaluate", exp.train_ids, down)
+        return {"gm": gm, "pm": summarize_pm(exp, list(per_client.values()))}
     if gm_first:
         gm = evaluate_global(exp, global_params)
     per_client = transport.run("evaluate", exp.train_ids, wire.encode(global_params))
@@ -106,6 +111,8 @@ def run_rounds(exp, store, on_round: Callable[[dict], None], *, transport, start
         got = gather(transport, rnd, exp.sampling[rnd - 1], wire.encode(global_params), global_params,
                      set(exp.private_names), min_replies=sc.min_replies, max_retries=sc.max_retries,
                      norm_bound=sc.update_norm_bound)
+        if exp.recipe.pooled:  # centralized: the data are pooled where the model is; nothing is federated
+            got.up_bytes = got.down_bytes = 0
         up_total, down_total = up_total + got.up_bytes, down_total + got.down_bytes
         ok = len(got.accepted) >= sc.min_replies
         if ok and exp.global_names:

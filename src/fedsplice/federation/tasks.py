@@ -9,24 +9,35 @@ returns. The tasks:
 - `evaluate`     the personalized model (GLOBAL + the client's PRIVATE) on its local test set
 - `personalize`  the recipe's local stage after the rounds (FedPuReL phase 2)
 - `cold_start`   a held-out client adapts the final GLOBAL tensors for 1..N local epochs
+- `evaluate_global`  the global model on its local test set, with confusion counts (GM on the
+                 sites, for per-site data when the server has no test set of its own)
 
 All training goes through `train_client`: load params -> seed -> the one training loop.
+
+References (`fedsplice.algorithms.references`) use the same tasks: a pooled recipe
+(centralized) trains one stand-in client that holds every training client's data
+(`prepare_reference`), and
+a prior recipe (majority, local-prior) scores constant log-prior logits in `evaluate`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import torch
 
 from fedsplice.core import wire
 from fedsplice.core import streams
-from fedsplice.federation.evaluation import score
+from fedsplice.config import SITES
+from fedsplice.data.partition import Client
+from fedsplice.errors import ConfigError
+from fedsplice.federation.evaluation import prior_logits, score
 from fedsplice.federation.metrics import classification_metrics
 from fedsplice.federation.train import local_train
 
-TASKS = ("evaluate", "personalize", "cold_start")  # the tasks `run_task` serves (fit has its own reply)
+TASKS = ("evaluate", "personalize", "cold_start", "evaluate_global")  # the tasks `run_task` serves (fit has its own reply)
 
 
 def split_state(exp, st: dict | None) -> tuple[dict, dict]:
@@ -64,6 +75,53 @@ def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: dict, object
         rng=streams.rng(exp.cfg, streams.CLIENT, rnd, cid), ctx=ctx, epochs=epochs)
 
 
+def check_pooled(cfg) -> None:
+    """A pooled recipe trains one model on data gathered in one place: refuse what only a
+    federation has (a deployment, a server step, codecs, failing or rejected clients)."""
+    s, f = cfg.server, cfg.faults
+    for wrong, need in ((cfg.runtime.kind != "simulation", "runtime.kind = 'simulation'"),
+                        (s.optimizer != "fedavg" or s.lr not in (0.0, 1.0), "server.optimizer = 'fedavg' (server.lr 0)"),
+                        (s.min_replies != 1, "server.min_replies = 1"),
+                        (s.update_norm_bound > 0, "server.update_norm_bound = 0"),
+                        (cfg.client.upload != "fp32", "client.upload = 'fp32'"),
+                        (f.dropout > 0 or f.straggler > 0, "faults.dropout = faults.straggler = 0")):
+        if wrong:
+            raise ConfigError(f"algorithm {cfg.algorithm!r} trains one model on the pooled data of all training "
+                              f"clients (nothing is federated): it needs {need}")
+
+
+def prepare_reference(exp) -> None:
+    """A reference recipe at build time. Pooled (centralized): a stand-in client, id
+    data.num_clients, holds the union of the training clients' data (its test set: the global
+    one) and trains alone in every round; it is not a training client (PM is still scored on
+    every client in `exp.train_ids`). Prior (majority, local-prior): the pooled training labels
+    must be here, which per-site data never gather."""
+    if exp.recipe.prior and exp.cfg.data.dataset == SITES:
+        raise ConfigError(f"algorithm {exp.cfg.algorithm!r} predicts from the pooled training labels, which "
+                          f"data.dataset = 'sites' keeps on the sites; use a data set the server can read")
+    if not exp.recipe.pooled:
+        return
+    check_pooled(exp.cfg)
+    cid = len(exp.clients)
+    pooled = np.sort(np.concatenate([exp.clients[k].train_idx for k in exp.train_ids]))
+    exp.clients.append(Client(cid, pooled, np.arange(exp.data.global_test_size)))
+    exp.sampling = [[cid] for _ in exp.sampling]
+
+
+def pooled_budget(exp, cid: int):
+    """The pooled model's client config for one round: as many steps of client.batch_size as the
+    server.clients_per_round clients of a federated round take together on average, i.e.
+    clients_per_round × mean_k min(client.max_steps, client.local_epochs·⌈n_k/batch⌉) (rounded),
+    over as many passes of the pooled data as that needs."""
+    cc = exp.cfg.client
+    per_client = [cc.local_epochs * math.ceil(len(exp.clients[k].train_idx) / cc.batch_size) for k in exp.train_ids]
+    if cc.max_steps:
+        per_client = [min(n, cc.max_steps) for n in per_client]
+    steps = max(1, round(exp.cfg.server.clients_per_round * float(np.mean(per_client))))
+    epoch = max(1, math.ceil(len(exp.clients[cid].train_idx) / cc.batch_size))
+    return dataclasses.replace(cc, max_steps=steps, local_epochs=math.ceil(steps / epoch))
+
+
 def predict_local_test(exp, cid: int) -> np.ndarray:
     d, idx = exp.data, exp.clients[cid].test_idx
     return exp.model.predict([d.test_texts[i] for i in idx], exp.cfg.eval.batch_size).numpy()
@@ -76,9 +134,12 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     priv, opt_state = split_state(exp, stored)
     exp.model.load_params({**received, **priv})
     r = exp.recipe
+    # pooled (centralized): its optimizer state persists across rounds, one continuous training run
+    keep = exp.global_names + exp.private_names if r.pooled else exp.private_names
     new_opt, stats = train_client(exp, cid, rnd=rnd, torch_round=rnd, ctx=train_context(exp, cid, received, round=rnd),
                                   objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
-                                  keep_opt=exp.private_names, opt_state=opt_state)
+                                  keep_opt=keep, opt_state=opt_state,
+                                  client_cfg=pooled_budget(exp, cid) if r.pooled else None)
     params = exp.model.trainable()
     codec = exp.cfg.client.upload
     residual = {k[3:]: v for k, v in (stored or {}).items() if k.startswith("ef/")} if codec == "int8" else {}
@@ -90,10 +151,15 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
 
 
 def evaluate(exp, store, cid: int, global_params: dict) -> dict:
-    """One client's personalized model (GLOBAL + its PRIVATE tensors) on its local test set."""
+    """One client's personalized model (GLOBAL + its PRIVATE tensors) on its local test set; for
+    a prior recipe, without the model, the log class prior of the pooled training labels
+    ("global") or of the client's own ("local")."""
+    idx = exp.clients[cid].test_idx
+    if exp.recipe.prior:
+        logits = prior_logits(exp, [cid] if exp.recipe.prior == "local" else exp.train_ids, len(idx))
+        return score(exp, exp.data.test_labels[idx], logits, idx)
     priv, _ = split_state(exp, store.get(cid))
     exp.model.load_params({**global_params, **priv})
-    idx = exp.clients[cid].test_idx
     return score(exp, exp.data.test_labels[idx], predict_local_test(exp, cid), idx)
 
 
@@ -134,7 +200,22 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
     return {"accuracy": accs}
 
 
-RUN = {"evaluate": evaluate, "personalize": personalize, "cold_start": cold_start}  # runtimes call run_task
+def evaluate_global(exp, store, cid: int, global_params: dict) -> dict:
+    """The global model (GLOBAL + fresh PRIVATE tensors, as GM) on the client's local test set,
+    with its confusion counts: GM evaluated on the sites when the server holds no test set
+    (per-site data); only counts and metrics leave."""
+    idx = exp.clients[cid].test_idx
+    fresh = {n: exp.init_params[n] for n in exp.private_names}
+    exp.model.load_params({**global_params, **fresh})
+    logits = predict_local_test(exp, cid)
+    labels, c = exp.data.test_labels[idx], len(exp.data.class_names)
+    confusion = np.zeros((c, c), dtype=np.int64)
+    np.add.at(confusion, (labels, logits.argmax(1)), 1)
+    return {**score(exp, labels, logits, idx), "confusion": confusion.tolist()}
+
+
+# runtimes call run_task
+RUN = {"evaluate": evaluate, "personalize": personalize, "cold_start": cold_start, "evaluate_global": evaluate_global}
 
 
 def run_task(task: str, exp, store, cid: int, global_params: dict) -> dict:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedsplice.errors import ConfigError
+
 
 class PromptLearner(nn.Module):
     """CoOp (Zhou et al. 2022): learnable context vectors replacing the words of the class prompt
@@ -27,6 +29,10 @@ class PromptLearner(nn.Module):
         prefix, suffix = template.split("{label}", 1)
         emb = word_embeddings.weight
         prefix_ids = tokenizer(prefix.strip(), add_special_tokens=False)["input_ids"]
+        if n_ctx == 0 and not prefix_ids:
+            raise ConfigError(f"peft.n_ctx = 0 starts the context from the words of the class prompt before "
+                              f"{{label}}, and {template!r} has none; set peft.n_ctx (e.g. 4, random init) or a "
+                              f"data.class_prompt with words before {{label}}")
         if n_ctx == 0:
             init = emb[prefix_ids].detach().clone()
         else:

@@ -16,7 +16,9 @@ from fedsplice.federation import run_rounds as federation_run_rounds
 
 
 class InProcess:
-    def __init__(self, exp, store, progress: Callable[[], None] | None = None):
+    """`progress(task)`, if given, is called as each client task ends ("fit", "evaluate", ...)."""
+
+    def __init__(self, exp, store, progress: Callable[[str], None] | None = None):
         self.exp, self.store, self.progress = exp, store, progress
         self._attempts: dict[int, int] = {}  # round -> fit calls so far (a retry draws anew)
 
@@ -44,12 +46,17 @@ class InProcess:
             up, st = fit_client(self.exp, self.store, cid, rnd, down)
             out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
             if self.progress:
-                self.progress()
+                self.progress("fit")
         return out
 
     def run(self, task: str, cids: list[int], down: bytes) -> dict[int, dict]:
         g = wire.decode(down)
-        return {c: client_task(task, self.exp, self.store, c, g) for c in cids}
+        out = {}
+        for c in cids:
+            out[c] = client_task(task, self.exp, self.store, c, g)
+            if self.progress:
+                self.progress(task)
+        return out
 
 
 def run_rounds(exp, store, on_round: Callable[[dict], None], **kwargs) -> dict:

@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                    help="fedsplice: a warm executor per SuperNode (default); subprocess: Flower's stock "
                         "SuperExec, one Python process per message (slow: it reloads the model each time)")
     u.add_argument("--overwrite", action="store_true", help="reuse a non-empty run directory")
+    u.add_argument("--site-data", action="append", default=[], metavar="SPEC",
+                   help="per-site data (data.dataset = 'sites'): SuperNode i's own file, e.g. csv:site0.csv; "
+                        "once per SuperNode")
     u.add_argument("--quiet", action="store_true")
     u.set_defaults(fn=cmd_up)
 
@@ -56,6 +59,38 @@ def run_flower(cfg, out: Path, overwrite: bool = False, quiet: bool = False, **k
     return up(cfg, out, overwrite=overwrite, quiet=quiet, **kw)
 
 
+def resume_flower(out: Path, quiet: bool = False) -> dict:
+    """`fedsplice resume OUT` of a Flower run: relaunch the local deployment that ran it (`up`),
+    or say how to resubmit it to a remote one."""
+    import json
+
+    from fedsplice.errors import ConfigError
+    from fedsplice.federation.validate import load_config
+    from fedsplice.app.flower.processes import tagged
+    from fedsplice.app.flower.resume import LAUNCH_FILE
+
+    out = Path(out)
+    launch = out / "flower" / LAUNCH_FILE
+    if not (out / "config.toml").is_file():
+        raise ConfigError(f"{out}: no config.toml, the Flower run was stopped before it started; start it "
+                          f"again with `fedsplice flower up CONFIG --out {out} --overwrite`")
+    if not launch.is_file():
+        raise ConfigError(
+            f"{out} is a Flower run on a remote deployment: restart its SuperNodes with the same node config "
+            f"(state-dir, partition-id), then resubmit its Flower App with `flwr run APP_DIR CONNECTION "
+            f"--run-config resume=true --stream` (APP_DIR: `fedsplice flower app CONFIG --out {out} ...`)")
+    how = json.loads(launch.read_text())
+    left = sorted(p.pid for p in tagged(how["tag"]))
+    if left:
+        pids = " ".join(map(str, left))
+        raise ConfigError(f"{out}: processes of this run are still running (pids {pids}); let it finish, "
+                          f"or stop them (kill {pids}) and resume again")
+    cfg = load_config(out / "config.toml")
+    return run_flower(cfg, out, quiet=quiet, resume=True, supernodes=cfg.runtime.num_supernodes,
+                      insecure=cfg.runtime.insecure, isolation=how["isolation"], node_wait_s=float(how["node_wait_s"]),
+                      site_data=how.get("site_data", []))
+
+
 def cmd_up(args) -> None:
     from fedsplice.app.runner import print_table
     from fedsplice.federation.validate import load_config
@@ -64,7 +99,7 @@ def cmd_up(args) -> None:
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else default_out(cfg)
     results = run_flower(cfg, out, overwrite=args.overwrite, quiet=args.quiet, supernodes=args.supernodes,
-                         insecure=args.insecure, isolation=args.isolation)
+                         insecure=args.insecure, isolation=args.isolation, site_data=args.site_data)
     if not args.quiet:
         print_table(results)
         print(f"results: {out / 'results.json'}", file=sys.stderr)
@@ -80,7 +115,8 @@ def cmd_app(args) -> None:
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, kind="flower"))
     n = args.min_nodes or cfg.runtime.num_supernodes
     path = write_app(Path(args.app_dir), cfg, Path(args.out), min_nodes=n)
-    print(f"Flower App written to {path}; run it with: flwr run {path} <superlink-connection> --stream")
+    print(f"Flower App written to {path}; run it with: flwr run {path} <superlink-connection> --stream\n"
+          f"(resume a stopped run from its last checkpoint: add --run-config resume=true)")
 
 
 def cmd_certs(args) -> None:

@@ -159,8 +159,9 @@ class Cluster:
         path.write_text(tomli_w.dumps(nc))
         return path
 
-    def add_supernodes(self, n: int, extra: dict | None = None) -> None:
-        """Register n node keys (in parallel), then start n SuperNodes, partition i of n."""
+    def add_supernodes(self, n: int, extra: dict | None = None, per_node: list[dict] | None = None) -> None:
+        """Register n node keys (in parallel), then start n SuperNodes, partition i of n; `per_node`:
+        node i's own node-config entries (its site's data file)."""
         keys = {}
         if not self.insecure:
             for i in range(n):
@@ -169,7 +170,8 @@ class Cluster:
                 ids = list(pool.map(lambda i: self.register(keys[i].public), range(n)))
             self.node_ids.update(dict(enumerate(ids)))
         for i in range(n):
-            self.start_supernode(i, self.node_config(i, n, extra), keys.get(i))
+            self.start_supernode(i, self.node_config(i, n, {**(extra or {}), **(per_node[i] if per_node else {})}),
+                                 keys.get(i))
 
     def start_supernode(self, i: int, node_config: Path, key: certs.NodeKey | None,
                         name: str | None = None) -> Proc:

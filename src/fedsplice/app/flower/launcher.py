@@ -21,7 +21,8 @@ period. Flower's own children (SuperExec, flwr-serverapp, flwr-clientapp) inheri
 also watch their parent's pid, so none outlives the run.
 
 Modules: `cluster` (the SuperLink, SuperNodes and `flwr run`), `processes` (process trees and
-teardown, with psutil); this one writes the Flower App and runs `up`.
+teardown, with psutil), `resume` (`fedsplice resume` of a Flower run); this one writes the
+Flower App and runs `up`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import tomli_w
 
 from fedsplice.app.flower.cluster import CONNECTION, ISOLATIONS, Cluster, FlowerLaunchError
 from fedsplice.app.flower.processes import TAG_VAR, free_port
+from fedsplice.app.flower.resume import LAUNCH_FILE, RUN_FILE
+from fedsplice.data.assets import atomic_write_json
 from fedsplice.errors import ConfigError
 
 __all__ = ["CONNECTION", "ISOLATIONS", "TAG_VAR", "Cluster", "FlowerLaunchError", "free_port", "up", "write_app"]
@@ -47,11 +50,14 @@ __all__ = ["CONNECTION", "ISOLATIONS", "TAG_VAR", "Cluster", "FlowerLaunchError"
 # ----------------------------------------------------------------------------- the app
 
 
-def write_app(folder: Path, cfg, out: Path, *, min_nodes: int, node_wait_s: float = 300.0) -> Path:
+def write_app(folder: Path, cfg, out: Path, *, min_nodes: int, node_wait_s: float = 300.0,
+              resume: bool = False) -> Path:
     """A Flower App folder (pyproject.toml only) whose components are fedsplice's installed
-    ServerApp/ClientApp and whose run config carries the resolved experiment config."""
+    ServerApp/ClientApp and whose run config carries the resolved experiment config. `resume`
+    is in the config so that `flwr run ... --run-config resume=true` may set it (Flower ignores
+    an override of a key the app does not declare)."""
     from fedsplice.config import to_dict
-    from fedsplice.runtimes.flower.transport import CONFIG_KEY, MIN_NODES_KEY, NODE_WAIT_KEY, OUT_KEY
+    from fedsplice.runtimes.flower.transport import CONFIG_KEY, MIN_NODES_KEY, NODE_WAIT_KEY, OUT_KEY, RESUME_KEY
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -69,7 +75,7 @@ def write_app(folder: Path, cfg, out: Path, *, min_nodes: int, node_wait_s: floa
             "components": {"serverapp": "fedsplice.app.flower.server:server_app",
                            "clientapp": "fedsplice.runtimes.flower.client:client_app"},
             "config": {CONFIG_KEY: tomli_w.dumps(to_dict(cfg)), OUT_KEY: str(Path(out).resolve()),
-                       MIN_NODES_KEY: int(min_nodes), NODE_WAIT_KEY: float(node_wait_s)},
+                       MIN_NODES_KEY: int(min_nodes), NODE_WAIT_KEY: float(node_wait_s), RESUME_KEY: bool(resume)},
         }}},
     }
     (folder / "pyproject.toml").write_text(tomli_w.dumps(project))
@@ -88,16 +94,19 @@ def _printer(quiet: bool) -> Callable[[str], None]:
 
 def up(cfg, out: Path, *, supernodes: int | None = None, insecure: bool | None = None, overwrite: bool = False,
        isolation: str = "fedsplice", quiet: bool = False, node_wait_s: float = 300.0, timeout: float | None = None,
-       on_cluster: Callable[[Cluster], None] | None = None, on_tick: Callable[[Cluster], None] | None = None) -> dict:
+       on_cluster: Callable[[Cluster], None] | None = None, on_tick: Callable[[Cluster], None] | None = None,
+       resume: bool = False, site_data: list[str] | None = None) -> dict:
     """Run `cfg` on a local Flower deployment (SuperLink + `supernodes` SuperNodes); write the
-    run directory `out` as `fedsplice run` does; tear everything down. Returns results.json."""
+    run directory `out` as `fedsplice run` does; tear everything down. Returns results.json.
+    `resume`: continue the run in `out` from its last checkpoint (`fedsplice resume`), on new
+    processes over the same SuperNode folders (their PRIVATE state). `site_data`: per-site data
+    (data.dataset = "sites"), SuperNode i's own file (node config data-path), one per SuperNode."""
     import dataclasses
 
-    from fedsplice.app import rundir
-    from fedsplice.runtimes.flower.transport import STATUS_FILE
-
     rt = cfg.runtime
-    n = supernodes or rt.num_supernodes
+    site_data = list(site_data or [])
+    n = supernodes or len(site_data) or rt.num_supernodes
+    check_sites(cfg, site_data, n)
     insecure = rt.insecure if insecure is None else insecure
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     if n > n_train:
@@ -105,24 +114,24 @@ def up(cfg, out: Path, *, supernodes: int | None = None, insecure: bool | None =
                           f"a SuperNode with no client would idle")
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(rt, kind="flower", num_supernodes=n,
                                                                insecure=insecure))
-    out = rundir.check_out(Path(out), overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    root = out / "flower"
-    shutil.rmtree(root, ignore_errors=True)
-    for stale in (STATUS_FILE, "events.jsonl", "wire.jsonl"):  # of an overwritten run
-        (out / stale).unlink(missing_ok=True)
+    out = Path(out)
+    root = _prepare_out(out, overwrite, resume)
     say = _printer(quiet)
-    say(f"flower: SuperLink + {n} SuperNodes on 127.0.0.1 ({'INSECURE' if insecure else 'TLS + node auth'}) -> {out}")
+    say(f"flower: SuperLink + {n} SuperNodes on 127.0.0.1 ({'INSECURE' if insecure else 'TLS + node auth'}) -> {out}"
+        + (" (resuming)" if resume else ""))
     t0 = time.monotonic()
     old = _install_sigterm()
     try:
         with Cluster(root, insecure=insecure, isolation=isolation, say=say) as cl:
+            # how to start it again (`fedsplice resume`), and the tag that finds its processes
+            atomic_write_json(root / LAUNCH_FILE, {"isolation": isolation, "node_wait_s": node_wait_s, "tag": cl.tag,
+                                                   "site_data": site_data})
             cl.start_superlink()
-            cl.add_supernodes(n)
+            cl.add_supernodes(n, per_node=[{"data-path": s} for s in site_data] or None)
             say(f"flower: up in {time.monotonic() - t0:.1f}s (SuperLink {cl.address}); submitting the run")
             if on_cluster:
                 on_cluster(cl)
-            app = write_app(root / "app", cfg, out, min_nodes=n, node_wait_s=node_wait_s)
+            app = write_app(root / "app", cfg, out, min_nodes=n, node_wait_s=node_wait_s, resume=resume)
 
             def on_line(line: str) -> None:
                 if "[fedsplice]" in line:
@@ -132,6 +141,45 @@ def up(cfg, out: Path, *, supernodes: int | None = None, insecure: bool | None =
             left = cl.close()
     finally:
         _restore_sigterm(old)
+    return _outcome(out, root, rc, left, say, t0)
+
+
+def check_sites(cfg, site_data: list[str], n: int) -> None:
+    """--site-data goes with data.dataset = "sites": one file per SuperNode, one SuperNode per client."""
+    sites = cfg.data.dataset == "sites"
+    if site_data and not sites:
+        raise ConfigError("--site-data is for per-site data: set data.dataset = 'sites' and data.labels")
+    if sites and (len(site_data) != n or n != cfg.data.num_clients):
+        raise ConfigError(f"per-site data: give --site-data once per SuperNode, one site per client "
+                          f"(data.num_clients = {cfg.data.num_clients}; got {len(site_data)} files for {n} SuperNodes)")
+
+
+def _prepare_out(out: Path, overwrite: bool, resume: bool) -> Path:
+    """The run directory and a clean `flower/` in it; on resume, only the SuperNodes' PRIVATE
+    state (`nodes/node-i/state`), the logs and launch.json stay."""
+    from fedsplice.app import rundir
+    from fedsplice.runtimes.flower.transport import STATUS_FILE
+
+    if not resume:
+        rundir.check_out(out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    root = out / "flower"
+    if not resume:
+        shutil.rmtree(root, ignore_errors=True)
+    stale = [out / STATUS_FILE] + ([] if resume else [out / f for f in ("events.jsonl", "wire.jsonl", RUN_FILE)])
+    stale += [p for p in root.glob("*") if p.name not in ("nodes", "logs", LAUNCH_FILE)]
+    stale += [p for p in root.glob("nodes/*/*") if p.name != "state"]
+    for p in stale:  # of an overwritten run; on resume, what the new processes make again
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+    return root
+
+
+def _outcome(out: Path, root: Path, rc: int, left: list[int], say, t0: float) -> dict:
+    from fedsplice.runtimes.flower.transport import STATUS_FILE
+
     status_path = out / STATUS_FILE
     status = json.loads(status_path.read_text()) if status_path.is_file() else None
     if not status or not status.get("ok"):

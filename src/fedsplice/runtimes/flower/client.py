@@ -9,18 +9,24 @@ returns:
   train.personalize   `personalize`: FedPuReL's phase 2, trained here; its metrics
   train.cold_start    `cold_start`: a held-out client's adaptation curve
 PRIVATE tensors and their optimizer state live in a `DiskStore` in the node's own folder (node
-config `state-dir`, one subfolder per run), so they survive from one message (process) to the
-next and never enter a message. The ServerApp is `fedsplice.app.flower.server`.
+config `state-dir`, one subfolder `run-<run key>` per run: the key comes with every task and
+stays the same when the run is resumed), so they survive from one message (process) to the
+next and never enter a message. After each fit the node also keeps that client's state under
+the round (`rounds/round-NNNNNN/`, hard links); a resumed run's query names the checkpoint's
+round and the node restores every client to its last state of a round <= it (`rollback`), so
+the rollback happens where the state is. The ServerApp is `fedsplice.app.flower.server`.
 
 Run config (pyproject [tool.flwr.app.config], written by `fedsplice flower app`/`up`):
   fedsplice-config  the resolved experiment config, TOML text
   out-dir           the run directory, on the ServerApp's host
   min-nodes         SuperNodes to wait for before round 0
   node-wait-s       how long to wait for them
+  resume            true: continue the run in out-dir from its last checkpoint
 Node config (flower-supernode --node-config):
   partition-id, num-partitions   which clients this node serves (cid % num-partitions == partition-id)
   state-dir         where PRIVATE state is kept (default ~/.cache/fedsplice/flower-state)
-  data-path         optional: this host's copy of the dataset (replaces data.dataset, e.g. "jsonl:/data/x.jsonl")
+  data-path         optional: this host's copy of the dataset (replaces data.dataset, e.g. "jsonl:/data/x.jsonl");
+                    with per-site data (data.dataset = "sites"): required, this site's own file
   cache-dir         optional: this host's fedsplice asset cache (FEDSPLICE_CACHE)
 """
 
@@ -28,6 +34,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,10 +43,10 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsplice.version import __version__
-from fedsplice.federation import DiskStore, accepts, build, client_task, config_from_text, fit_client, validate_config, wire
+from fedsplice.federation import SITES, DiskStore, accepts, build, client_task, config_from_text, fit_client, validate_config, wire
 from fedsplice.runtimes.flower.records import finite_json, from_record, to_record
-from fedsplice.runtimes.flower.transport import (CONFIG_KEY, GLOBAL_KEY, RESULT_KEY, TASK_KEY, UP_PREFIX,
-                                                 client_fingerprint, owned)
+from fedsplice.runtimes.flower.transport import (CONFIG_KEY, GLOBAL_KEY, RESULT_KEY, ROLLBACK_ERROR, ROLLBACK_FIELD,
+                                                 RUN_KEY_FIELD, TASK_KEY, UP_PREFIX, client_fingerprint, owned)
 
 client_app = ClientApp()
 
@@ -59,12 +67,9 @@ class Node:
         if "cache-dir" in nc:
             os.environ["FEDSPLICE_CACHE"] = str(nc["cache-dir"])
         cfg = config_from_text(str(context.run_config[CONFIG_KEY]))
-        if "data-path" in nc:
-            cfg.data.dataset = str(nc["data-path"])
-            validate_config(cfg)
-        self.exp = build(cfg)
-        root = Path(str(nc.get("state-dir", Path.home() / ".cache" / "fedsplice" / "flower-state")))
-        self.store = DiskStore(root.expanduser() / f"run-{context.run_id}")
+        self.exp = build(cfg, site_of(nc, cfg, self.partition_id, self.num_partitions))
+        self.state_root, self.run_id = state_root(nc), context.run_id
+        self._stores: dict[Path, DiskStore] = {}
 
     @classmethod
     def get(cls, context: Context) -> "Node":
@@ -80,9 +85,33 @@ class Node:
                 raise ValueError(f"client {cid} is not served by this node for {task} "
                                  f"(partition {self.partition_id}/{self.num_partitions})")
 
+    def store(self, msg: Message) -> DiskStore:
+        """The PRIVATE-state store of the message's run (its run key; Flower's run id without one)."""
+        folder = run_folder(self.state_root, msg.content.config_records[TASK_KEY], self.run_id)
+        if folder not in self._stores:
+            self._stores[folder] = DiskStore(folder)
+        return self._stores[folder]
+
     def global_params(self, msg: Message) -> dict:
         like = {n: self.exp.init_params[n] for n in self.exp.global_names}
         return from_record(msg.content.array_records[GLOBAL_KEY], like, private=set(self.exp.private_names))
+
+
+def site_of(nc, cfg, partition_id: int, num_partitions: int) -> tuple[str, int] | None:
+    """Per-site data (data.dataset = "sites"): (this node's own file, its client id). Otherwise
+    None, after pointing the config at this host's copy of the data set (`data-path`), if given."""
+    if cfg.data.dataset != SITES:
+        if "data-path" in nc:
+            cfg.data.dataset = str(nc["data-path"])
+            validate_config(cfg)
+        return None
+    if "data-path" not in nc:
+        raise ValueError("per-site data (data.dataset = 'sites'): start the SuperNode with its own file, "
+                         "--node-config 'partition-id=P num-partitions=N data-path=\"csv:/data/site.csv\"'")
+    if num_partitions != cfg.data.num_clients:
+        raise ValueError(f"per-site data: num-partitions = {num_partitions} but data.num_clients = "
+                         f"{cfg.data.num_clients}; each SuperNode is one site (one client)")
+    return str(nc["data-path"]), partition_id
 
 
 def partition(nc) -> tuple[int, int]:
@@ -94,6 +123,94 @@ def partition(nc) -> tuple[int, int]:
     if not (n >= 1 and 0 <= p < n):
         raise ValueError(f"node config partition-id={p}, num-partitions={n}: need 0 <= partition-id < num-partitions")
     return p, n
+
+
+# ============================================================================ PRIVATE state on the node
+
+HISTORY = "rounds"  # run-<key>/rounds/round-NNNNNN/client-CCCCC.safetensors: the state after that round's fit
+_RUN_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # it names a folder: nothing like "../"
+
+
+def state_root(nc) -> Path:
+    return Path(str(nc.get("state-dir", Path.home() / ".cache" / "fedsplice" / "flower-state"))).expanduser()
+
+
+def run_folder(root: Path, task, run_id: int) -> Path:
+    key = task.get(RUN_KEY_FIELD) if task is not None else None
+    if key is None:
+        return root / f"run-{run_id}"
+    if not _RUN_KEY.match(str(key)):
+        raise ValueError(f"bad run key {key!r}")
+    return root / f"run-{key}"
+
+
+def _link(src: Path, dst: Path) -> None:
+    """dst = src, replaced atomically; a hard link is safe because DiskStore replaces files, never edits them."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _rounds(folder: Path) -> list[tuple[int, Path]]:
+    hist = folder / HISTORY
+    found = [(int(p.name[len("round-"):]), p) for p in hist.glob("round-*")] if hist.is_dir() else []
+    return sorted(found)
+
+
+def snapshot(store: DiskStore, cid: int, rnd: int) -> None:
+    dst = store.root / HISTORY / f"round-{rnd:06d}" / store._path(cid).name
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _link(store._path(cid), dst)
+
+
+def prune(folder: Path, rnd: int, rt, rounds: int) -> None:
+    """Before round `rnd` the server has checkpointed every scheduled round < rnd and keeps the
+    newest `keep_checkpoints`; a resume restores one of them or a later one, so of the snapshots
+    of rounds <= the oldest kept, only each client's newest one can be needed."""
+    every = rt.checkpoint_every
+    kept = [r for r in range(1, rnd) if r % every == 0 or r == rounds][-rt.keep_checkpoints:]
+    if not kept:
+        return
+    seen: set[str] = set()
+    for r, d in reversed(_rounds(folder)):
+        if r > kept[0]:
+            continue
+        for f in sorted(d.glob("client-*.safetensors")):
+            if f.name in seen:
+                f.unlink()
+            seen.add(f.name)
+        if not any(d.iterdir()):
+            d.rmdir()
+
+
+def rollback(folder: Path, rnd: int) -> None:
+    """Every client's PRIVATE state as at the end of round `rnd`: its last snapshot of a round <= rnd,
+    none (fresh) if it had not trained by then; later snapshots are dropped. 0: a fresh start.
+    Idempotent, so a rollback cut short is simply done again."""
+    if rnd <= 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        return
+    if not folder.is_dir():
+        raise ValueError(f"no PRIVATE state of this run in {folder}: resume on the SuperNodes that ran it, "
+                         "with the same node config (state-dir, partition-id)")
+    hist = _rounds(folder)
+    for f in folder.glob("client-*.safetensors"):
+        f.unlink()
+    for r, d in hist:  # oldest first: a later round's snapshot replaces an earlier one
+        if r <= rnd:
+            for f in d.glob("client-*.safetensors"):
+                _link(f, folder / f.name)
+    for r, d in hist:
+        if r > rnd:
+            shutil.rmtree(d)
+
+
+# ============================================================================ handlers
 
 
 def _task(msg: Message) -> tuple[int, list[int]]:
@@ -110,10 +227,15 @@ def _result(payload: dict, arrays: dict | None = None) -> RecordDict:
 @client_app.query()
 def node_query(msg: Message, context: Context) -> Message:
     p, n = partition(context.node_config)
-    return Message(RecordDict({"result": ConfigRecord({"partition-id": p, "num-partitions": n,
-                                                       "fedsplice-version": __version__,
-                                                       "python": sys.version.split()[0]})}),
-                   reply_to=msg)
+    rec = {"partition-id": p, "num-partitions": n, "fedsplice-version": __version__, "python": sys.version.split()[0]}
+    task = msg.content.config_records.get(TASK_KEY)
+    if task is not None and RUN_KEY_FIELD in task:  # the run starts (0) or resumes: roll PRIVATE state back
+        try:
+            rollback(run_folder(state_root(context.node_config), task, context.run_id), int(task[ROLLBACK_FIELD]))
+            rec[ROLLBACK_ERROR] = ""
+        except (OSError, ValueError, KeyError) as e:
+            rec[ROLLBACK_ERROR] = f"{type(e).__name__}: {e}"
+    return Message(RecordDict({"result": ConfigRecord(rec)}), reply_to=msg)
 
 
 @client_app.train()
@@ -124,13 +246,18 @@ def node_train(msg: Message, context: Context) -> Message:
     down = wire.encode(node.global_params(msg))
     arrays, res = {}, {}
     allowed = set(node.exp.global_names)
+    store, rt = node.store(msg), node.exp.cfg.runtime
     for cid in cids:
-        up, stats = fit_client(node.exp, node.store, cid, rnd, down)
+        up, stats = fit_client(node.exp, store, cid, rnd, down)
+        if rt.checkpoint_every:  # kept until no checkpoint the server keeps can need it
+            snapshot(store, cid, rnd)
         tensors = wire.decode(up)
         assert set(tensors) <= allowed  # fit uploads GLOBAL names only
         arrays[f"{UP_PREFIX}{cid}"] = to_record(tensors)
         res[str(cid)] = {"stats": stats, "num_examples": len(node.exp.clients[cid].train_idx),
                          "fingerprint": client_fingerprint(node.exp, cid)}
+    if rt.checkpoint_every:
+        prune(store.root, rnd, rt, node.exp.cfg.server.rounds)
     return Message(_result(res, arrays), reply_to=msg)
 
 
@@ -139,14 +266,19 @@ def _run(task: str, msg: Message, context: Context) -> Message:
     node = Node.get(context)
     _, cids = _task(msg)
     node.check(cids, task)
-    g = node.global_params(msg)
-    return Message(_result({str(cid): {"metrics": client_task(task, node.exp, node.store, cid, g)} for cid in cids}),
+    g, store = node.global_params(msg), node.store(msg)
+    return Message(_result({str(cid): {"metrics": client_task(task, node.exp, store, cid, g)} for cid in cids}),
                    reply_to=msg)
 
 
 @client_app.evaluate()
 def node_evaluate(msg: Message, context: Context) -> Message:
     return _run("evaluate", msg, context)
+
+
+@client_app.evaluate("global")
+def node_evaluate_global(msg: Message, context: Context) -> Message:
+    return _run("evaluate_global", msg, context)
 
 
 @client_app.train("personalize")

@@ -13,6 +13,10 @@ Which SuperNode serves which client: at the first call every connected SuperNode
 serves the clients (training and held-out) with `cid % n == p` (n = data.num_clients: one client per node,
 Flower's own convention; fewer nodes each serve several clients).
 
+Every task carries the run's key (`run_key`), under which the nodes keep PRIVATE state: it is
+the same when a run is resumed (Flower's run id is not), and the query of a resumed run tells
+the nodes to roll that state back to the end of the checkpoint's round (`rollback`).
+
 Faults never raise here: a node that does not answer before `server.round_deadline_s` gives
 `late` replies; a Flower error reply (ClientApp exception, node unavailable) or a node that is
 gone gives replies with `error` set; an ArrayRecord that cannot be read, or data that differs
@@ -35,16 +39,21 @@ from typing import Callable
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedsplice.federation import Experiment, Reply, check_update, wire
-from fedsplice.runtimes.flower.records import RecordError, decode, finite_json, scan, split_bytes, to_record, weigh
+from fedsplice.federation import SITES, Experiment, Reply, check_update, wire
+from fedsplice.runtimes.flower.records import RecordError, decode, scan, split_bytes, strict_record, to_record, weigh
 
 GLOBAL_KEY, TASK_KEY, RESULT_KEY, UP_PREFIX = "global", "task", "result", "up."  # message contents
 # run config keys (pyproject [tool.flwr.app.config]) and the ServerApp's status file
 CONFIG_KEY, OUT_KEY, MIN_NODES_KEY, NODE_WAIT_KEY = "fedsplice-config", "out-dir", "min-nodes", "node-wait-s"
+RESUME_KEY = "resume"  # true: continue the run in out-dir from its last checkpoint
 STATUS_FILE = "flower-status.json"
+# task record fields: the run's key (names the nodes' PRIVATE-state folder, the same across
+# resumes) and, in the query, the round whose end the nodes roll their PRIVATE state back to
+RUN_KEY_FIELD, ROLLBACK_FIELD, ROLLBACK_ERROR = "run-key", "rollback", "rollback-error"
 # client task -> (Flower message type, group id prefix); fit is MessageType.TRAIN
 TASK_MESSAGES = {"evaluate": (MessageType.EVALUATE, "eval"), "personalize": ("train.personalize", "personalize"),
-                 "cold_start": ("train.cold_start", "cold_start")}
+                 "cold_start": ("train.cold_start", "cold_start"),
+                 "evaluate_global": (f"{MessageType.EVALUATE}.global", "eval_global")}
 
 
 class FlowerRuntimeError(RuntimeError):
@@ -54,17 +63,20 @@ class FlowerRuntimeError(RuntimeError):
 class JsonLog:
     """Append-only JSON lines (events.jsonl, wire.jsonl); a fresh file per run."""
 
-    def __init__(self, path: Path, echo: Callable[[str], None] | None = None):
+    def __init__(self, path: Path, echo: Callable[[str], None] | None = None, keep: int | None = 0):
+        """`keep`: lines of an earlier start to keep (a resumed run; None: all); 0: a fresh file."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
+        old = self.path.read_text().splitlines(keepends=True) if keep != 0 and self.path.is_file() else []
+        old = old[:keep] if keep is not None else old
+        self.path.write_text("".join(old))
         self.echo = echo
-        self.count = 0
+        self.count = len(old)
 
     def __call__(self, record: dict) -> None:
         record = {"time": round(time.time(), 3), **record}
         with self.path.open("a") as f:
-            f.write(json.dumps(record, default=finite_json) + "\n")
+            f.write(json.dumps(strict_record(record), allow_nan=False) + "\n")  # NaN -> null
         self.count += 1
         if self.echo:
             self.echo(f"[fedsplice] {record.get('event', '')}: " +
@@ -92,8 +104,12 @@ def owned(cid: int, partition_id: int, num_partitions: int) -> bool:
 
 class FlowerTransport:
     def __init__(self, grid, exp: Experiment, *, events: JsonLog, audit: JsonLog, min_nodes: int = 1,
-                 node_wait_s: float = 300.0, say: Callable[[str], None] = print, poll_s: float = 0.5):
+                 node_wait_s: float = 300.0, say: Callable[[str], None] = print, poll_s: float = 0.5,
+                 run_key: str = "", rollback: int = 0):
         self.grid, self.exp = grid, exp
+        # run_key: the nodes keep PRIVATE state under it (not Flower's run id, new on each resume);
+        # rollback: the query makes them restore it to the end of this round (0: a fresh start)
+        self.run_key, self.rollback = run_key, rollback
         deadline = exp.cfg.server.round_deadline_s
         self.deadline = deadline if deadline > 0 else None  # None: wait for every reply
         self.min_nodes, self.node_wait_s = min_nodes, node_wait_s
@@ -102,7 +118,9 @@ class FlowerTransport:
         self.gone: set[int] = set()  # nodes not asked again
         self.private = set(exp.private_names)
         self.like = {n: exp.init_params[n] for n in exp.global_names}
-        self.fingerprints = {c: client_fingerprint(exp, c) for c in exp.train_ids}
+        # per-site data: the server holds none of it, so it has nothing to compare a site's with
+        self.per_site = exp.cfg.data.dataset == SITES
+        self.fingerprints = {} if self.per_site else {c: client_fingerprint(exp, c) for c in exp.train_ids}
         self.round = 0  # the last round trained; an evaluation is of the model after it
         self._reference: dict = {}  # the GLOBAL tensors sent in the current round
         self._sent: dict[int, int] = {}  # node -> bytes of the message just sent to it
@@ -125,13 +143,18 @@ class FlowerTransport:
             time.sleep(self.poll_s)
         self.say(f"[fedsplice] {len(nodes)} SuperNode(s) connected after {time.monotonic() - t0:.1f}s")
         parts: dict[int, tuple[int, int]] = {}
+        extra = {ROLLBACK_FIELD: self.rollback} if self.run_key else {}
         for node, (rep, err, _) in self._exchange(MessageType.QUERY, "query", {n: [] for n in nodes},
-                                                  None, 0).items():
+                                                  None, 0, extra).items():
             if err:
                 self._event("node_query_failed", node, [], err)
                 continue
             self._audit("up", "query", 0, node, [], rep, weigh(rep))
             rec = rep.content.config_records[RESULT_KEY]
+            if self.run_key and (rec.get(ROLLBACK_ERROR) or ROLLBACK_ERROR not in rec):
+                # a node that kept state of later rounds would give other numbers: stop here
+                raise FlowerRuntimeError(f"SuperNode {node} could not restore its PRIVATE state to the end of "
+                                         f"round {self.rollback}: {rec.get(ROLLBACK_ERROR) or 'no rollback support'}")
             parts[node] = (int(rec["partition-id"]), int(rec["num-partitions"]))
         if not parts:
             raise FlowerRuntimeError("no SuperNode answered the partition query; see events.jsonl")
@@ -187,8 +210,8 @@ class FlowerTransport:
     # ------------------------------------------------------------------ messages
 
     def _exchange(self, kind: str, group: str, by_node: dict[int, list[int]], global_params: dict | None,
-                  rnd: int) -> dict[int, tuple[Message | None, str, bool]]:
-        """One message per node; node -> (reply, error text, late)."""
+                  rnd: int, extra: dict | None = None) -> dict[int, tuple[Message | None, str, bool]]:
+        """One message per node; node -> (reply, error text, late). `extra`: more task fields."""
         nodes = list(by_node)
         if not nodes:
             return {}
@@ -196,7 +219,10 @@ class FlowerTransport:
         msgs = []
         self._sent = {}
         for node in nodes:
-            content = RecordDict({TASK_KEY: ConfigRecord({"round": rnd, "cids": list(by_node[node])})})
+            task = {"round": rnd, "cids": list(by_node[node]), **(extra or {})}
+            if self.run_key:
+                task[RUN_KEY_FIELD] = self.run_key
+            content = RecordDict({TASK_KEY: ConfigRecord(task)})
             if record is not None:
                 content[GLOBAL_KEY] = record
             msg = Message(content, dst_node_id=node, message_type=kind, group_id=group,
@@ -293,7 +319,7 @@ class FlowerTransport:
                 raise RecordError("the reply holds no update for this client")
             # names, shapes, dtypes and values are the round loop's to check (robust.check_update)
             tensors = decode(rep.content.array_records[key], self.like)
-            if info.get("fingerprint") != self.fingerprints[cid]:
+            if not self.per_site and info.get("fingerprint") != self.fingerprints[cid]:
                 raise RecordError("the SuperNode's data for this client differs from the server's partition "
                                   "(same dataset and seed on every host?)")
         except RecordError as e:
@@ -306,7 +332,9 @@ class FlowerTransport:
         self.totals["up_bytes"] += up
         self.totals["up_payload_bytes"] += len(payload)
         self.totals["up_tensors"] += len(tensors)
-        return Reply(cid, payload, len(self.exp.clients[cid].train_idx), info.get("stats", {}), up, down)
+        # FedAvg's weight: the site's own count (per-site data), else the server's partition (fingerprinted)
+        n = int(info.get("num_examples", 0)) if self.per_site else len(self.exp.clients[cid].train_idx)
+        return Reply(cid, payload, n, info.get("stats", {}), up, down)
 
     def run(self, task: str, cids: list[int], down: bytes) -> dict[int, dict]:
         """Client task `task` on the nodes that serve `cids`: {cid: result} for those that answered."""

@@ -1,0 +1,146 @@
+"""Progress a person can read: `fedsplice run` names each stage (train, evaluate, cold start) with
+client-task counts and an ETA, and `fedsplice compare` streams each run's rounds as they end."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+
+import pytest
+from rich.console import Console
+
+from fedsplice.app import compare as C
+from fedsplice.app import runner
+from fedsplice.app.rundir import write_config
+from fedsplice.federation import build, make_store
+from fedsplice.runtimes.inprocess import InProcess, run_rounds
+
+# TINY_RUN: 4 clients, 1 held out (3 train), 2 rounds of 2 clients, every round evaluated
+FITS, EVALS, COLD = 2 * 2, 3 * 3, 1  # round 0 and both rounds evaluate all 3 training clients
+TOTAL = FITS + EVALS + COLD
+
+
+def _stages(events):
+    return [e["stage"] for e in events if e["kind"] == "stage"]
+
+
+def test_run_events_name_every_stage_with_counts_and_eta(tiny_cfg, tmp_path):
+    events = []
+    runner.run_experiment(tiny_cfg(), tmp_path / "run", quiet=True, progress=events.append)
+    assert _stages(events) == ["round 0/2 evaluate", "round 1/2 train", "round 1/2 evaluate",
+                               "round 2/2 train", "round 2/2 evaluate", "cold start"]
+    assert all(e["total"] == TOTAL and "eta_s" in e and e["rounds"] == 2 for e in events)
+    assert [e["done"] for e in events] == sorted(e["done"] for e in events)
+    by = {e["stage"]: e for e in events if e["kind"] == "stage"}
+    assert by["round 0/2 evaluate"]["done"] == 0 and by["round 0/2 evaluate"]["eta_s"] is None
+    assert by["round 1/2 train"]["done"] == 3  # round 0's evaluation counted, client by client
+    assert by["cold start"]["done"] == TOTAL - COLD and by["cold start"]["eta_s"] >= 0
+    rounds = [e for e in events if e["kind"] == "round"]
+    assert [e["record"]["round"] for e in rounds] == [0, 1, 2] and [e["done"] for e in rounds] == [3, 8, 13]
+    line = runner.progress_line(by["round 2/2 evaluate"])
+    assert line.startswith("round 2/2 evaluate: 10/14 client tasks, ") and " elapsed, ETA " in line
+
+
+def test_personalize_and_zero_shot_stages_count_too(tiny_cfg, tmp_path):
+    events = []
+    runner.run_experiment(tiny_cfg(algorithm='"fedpurel"'), tmp_path / "purel", quiet=True, progress=events.append)
+    assert _stages(events)[-3:] == ["round 2/2 evaluate", "personalize", "cold start"]
+    assert events[-1]["total"] == TOTAL + 3 and events[-1]["done"] == TOTAL + 3 - COLD
+    events.clear()
+    runner.run_experiment(tiny_cfg(algorithm='"zeroshot"'), tmp_path / "zs", quiet=True, progress=events.append)
+    assert _stages(events) == ["evaluate"] and {e["total"] for e in events} == {3}
+    assert runner.progress_line(events[-1]).startswith("evaluation done, GM acc ")
+
+
+def test_quiet_run_prints_nothing(tiny_cfg, tmp_path, capsys):
+    runner.run_experiment(tiny_cfg(), tmp_path / "run", quiet=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_run_to_a_log_file_prints_stage_lines(tiny_cfg, tmp_path, capsys):
+    """stderr not a terminal: no animation, but a line as each stage starts, between the round lines."""
+    runner.run_experiment(tiny_cfg(), tmp_path / "run", quiet=False)
+    err = capsys.readouterr().err.splitlines()
+    at = {s: next(i for i, line in enumerate(err) if line.startswith(s)) for s in (
+        "round 0/2 evaluate: 0/14 client tasks", "round   0  GM acc", "round 1/2 train: 3/14 client tasks",
+        "round 1/2 evaluate: 5/14", "round   1  loss", "round 2/2 evaluate: 10/14", "cold start: 13/14")}
+    assert list(at.values()) == sorted(at.values())
+    assert all(" ETA " in err[i] for s, i in at.items() if "client tasks" in s or s.startswith("cold"))
+
+
+def test_run_on_a_terminal_draws_a_bar_with_eta(tiny_cfg, tmp_path, monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(runner, "console", Console(file=out, force_terminal=True, width=160))
+    runner.run_experiment(tiny_cfg(), tmp_path / "run", quiet=False)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # no colours, no cursor moves
+    assert "client tasks" in text and "ETA" in text and "/14" in text  # the bar (drawn as it stops)
+    assert "round   2  loss" in text  # round lines above it
+    assert "round 1/2 train:" not in text  # the stage lines are for log files only
+
+
+def test_progress_counts_what_a_runtime_does_not_report(tiny_cfg, tmp_path):
+    """Dropped clients and retries (InProcess skips them) and a runtime without per-client
+    progress (Flower) still add up: every planned and retried task is counted once."""
+    class Opaque:  # a runtime that says nothing until a call returns
+        def __init__(self, exp, store):
+            self.inner = InProcess(exp, store)
+
+        def fit(self, *a):
+            return self.inner.fit(*a)
+
+        def run(self, *a):
+            return self.inner.run(*a)
+
+    for kw in ({"make_transport": Opaque}, {}):
+        events = []
+        cfg = tiny_cfg(faults__dropout="0.5", server__min_replies="2", server__max_retries="2")
+        runner.run_experiment(cfg, tmp_path / str(len(kw)), quiet=True, progress=events.append, **kw)
+        cold = next(e for e in events if e["stage"] == "cold start")
+        assert cold["total"] >= TOTAL and cold["done"] == cold["total"] - COLD
+
+
+def test_inprocess_progress_names_each_client_task(tiny_cfg):
+    exp = build(tiny_cfg())
+    names = []
+    run_rounds(exp, make_store("memory", None), lambda r: None, progress=names.append)
+    assert names.count("fit") == FITS and names.count("evaluate") == EVALS
+
+
+@pytest.fixture
+def configs(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
+    paths = []
+    for algo in ("pfadapter", "lora"):
+        d = tmp_path / "cfg" / algo
+        d.mkdir(parents=True)
+        write_config(d, cfg_factory(tiny_bert_dir, toy_jsonl, algorithm=algo))
+        paths.append((d / "config.toml").rename(tmp_path / "cfg" / f"{algo}.toml"))
+    return paths
+
+
+def test_compare_streams_rounds_before_each_result(configs, tmp_path, capsys):
+    runs = C.plan(configs, 1, [], tmp_path / "cmp")
+    C.run_all(runs, quiet=False)
+    err = capsys.readouterr().err.splitlines()
+
+    def first(prefix, part):
+        return next(i for i, line in enumerate(err) if line.startswith(prefix) and part in line)
+
+    assert err[0] == f"run 1/2 pfadapter seed 0: starting in {runs[0][3]}"
+    assert first("run 1/2 pfadapter seed 0: ", "round 0/2 evaluate: 0/14 client tasks") \
+        < first("run 1/2 pfadapter seed 0: ", "round 1/2 done, loss") \
+        < first("run 1/2 pfadapter seed 0: ", "cold start: 13/14 client tasks") \
+        < first("run 1/2 pfadapter seed 0: ", "done in ") < first("run 2/2 lora seed 0: ", "round 0/2")
+    assert "1/2 runs done, ETA " in err[first("run 1/2", "done in ")]
+    assert all(" ETA " in line for line in err if "client tasks" in line)
+    assert capsys.readouterr().err == ""
+    C.run_all(runs, quiet=True)  # all done already, and quiet: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_a_jobs_worker_prints_its_own_prefixed_lines(capsys):
+    lines = pickle.loads(pickle.dumps(C.RunLines("run 2/3 lora seed 1")))  # what a --jobs worker gets
+    lines({"kind": "tick", "stage": "round 3/10 evaluate", "rounds": 10, "done": 40, "total": 140,
+           "elapsed_s": 62.0, "eta_s": 3725.0})
+    assert capsys.readouterr().err == "run 2/3 lora seed 1: round 3/10 evaluate: 40/140 client tasks, 1:02 " \
+                                      "elapsed, ETA 1:02:05\n"
