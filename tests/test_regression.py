@@ -1,9 +1,9 @@
 """Regression set: every shipped config (and the embedded default), run on a tiny budget through
-`python -m fedsplice run` with this interpreter (the installed package), gives byte for byte the
-metrics.jsonl and results.json recorded in tests/regression/golden, apart from the wall-clock
-`time_s` fields. See scripts/regression.py for the budget (its --set overrides) and the
-normalisation; re-record with `python scripts/regression.py record --out-dir
-tests/regression/golden` only when a change of the numbers is intended.
+`python -m fedsplice run` with this interpreter (the installed package), gives the same
+metrics.jsonl and results.json as recorded in tests/regression/golden (floats within the
+script's FLOAT_TOL), apart from the wall-clock `time_s` fields. See scripts/regression.py for
+the budget (its --set overrides) and the normalisation; re-record with `python
+scripts/regression.py record --out-dir tests/regression/golden` only when a change of the numbers is intended.
 """
 
 from __future__ import annotations
