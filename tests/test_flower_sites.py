@@ -96,6 +96,7 @@ def test_three_sites_own_files_never_opened_by_the_server(site_cfg, tmp_path, mo
     # local test: min(local_test_size = 6, 24 // 2) carved rows per site
     if server_file:
         assert res["data"]["global_test_size"] == 9 and res["data"]["split"].startswith("per site; the server's")
+        assert "fewer than 10 samples in 3 of 3 classes" in res["data"]["warnings"][0]
         assert "evaluated_on" not in res["gm"]
         assert any(who is None and p.endswith("eval-site.csv") for p, who in OPENED)  # the server's own
     else:
@@ -114,11 +115,13 @@ def test_site_label_outside_data_labels_fails_on_the_node(site_cfg, tmp_path, mo
         _run(site_cfg(), tmp_path, monkeypatch, sites)
 
 
-def test_sites_config_checks(site_cfg):
+def test_sites_config_checks(site_cfg, tmp_path):
     with pytest.raises(ConfigError, match="data.labels = \\[\\]: per-site data"):
         site_cfg(data__labels=[])
-    with pytest.raises(ConfigError, match="needs runtime.kind = 'flower'"):
-        site_cfg(runtime__kind='"simulation"')
+    with pytest.raises(ConfigError, match="so it runs on Flower"):
+        run_experiment(site_cfg(runtime__kind='"simulation"'), tmp_path / "sim", quiet=True)
+    with pytest.raises(ConfigError, match=r"\[scenario\] is for one data set"):
+        site_cfg(scenario__noise_std=0.1)
     with pytest.raises(ConfigError, match="data.imbalance: the long-tail cut"):
         site_cfg(data__imbalance=10.0)
 

@@ -21,7 +21,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from fedsplice.algorithms import display_name
 from fedsplice.app import rundir
 from fedsplice.app.summary import data_table, results_table
-from fedsplice.config import ExperimentConfig
+from fedsplice.config import SITES, ExperimentConfig
 from fedsplice.data.report import summary_lines
 from fedsplice.data.scenarios import summary_line
 from fedsplice.data.zoo import random_label
@@ -336,6 +336,10 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     uninterrupted run, apart from the wall-clock `time_s` fields. `make_transport(exp, store)`
     gives the round loop another runtime (Flower); `echo(line)` also receives each round line;
     `progress(event)` the progress events (`RunProgress`), quiet or not."""
+    if cfg.data.dataset == SITES and make_transport is None:
+        raise ConfigError("data.dataset = 'sites': each Flower SuperNode brings its own file, so it runs on Flower "
+                          "(`fedsplice flower up --site-data csv:A --site-data csv:B ...`, or runtime.kind = "
+                          "'flower'); in simulation give one data set (csv:PATH, ...) instead")
     last_ckpt = _start(cfg, out, overwrite, resume)
     t0 = time.perf_counter()
     name = display_name(cfg)

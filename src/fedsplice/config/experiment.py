@@ -48,9 +48,9 @@ class ExperimentConfig:
             raise ConfigError("data.class_prompts (an ensemble of fixed templates) cannot be used with "
                               "peft.type = 'prompt', which learns one context from data.class_prompt; "
                               "remove class_prompts")
-        if self.data.dataset == "sites" and (self.scenario.active() or self.runtime.kind != "flower"):
-            raise ConfigError("data.dataset = 'sites' (each SuperNode's own file) needs runtime.kind = 'flower' "
-                              "and no [scenario]; in simulation give one data set (csv:PATH, ...) instead")
+        if self.data.dataset == "sites" and self.scenario.active():
+            raise ConfigError("[scenario] is for one data set partitioned by seed; with data.dataset = 'sites' "
+                              "each site's file is used as it is: remove the [scenario] table")
         if self.scenario.image_dominant + self.scenario.text_dominant > self.data.num_clients:
             raise ConfigError(f"scenario.image_dominant + scenario.text_dominant "
                               f"({self.scenario.image_dominant} + {self.scenario.text_dominant}) exceeds "

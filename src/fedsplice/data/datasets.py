@@ -284,15 +284,19 @@ def split_report(parsed: dict, test_per_class: int, seed: int, ds: TextDataset) 
     unused_test = sum(len(t) for t in parsed["test_texts"]) - len(ds.test_texts) if official else 0
     cap = pool - len(ds.train_texts) - len(ds.test_texts) - unused_test
     dropped = {**parsed["dropped"], "cap": cap, "test_pool_unused": unused_test}
-    warnings = []
+    return {"source": ds.source, "split": split, "dropped": {k: int(v) for k, v in dropped.items()},
+            "notes": list(parsed["notes"]), "warnings": small_test_warnings(ds)}
+
+
+def small_test_warnings(ds: TextDataset) -> list[str]:
+    """A warning when a class of the global test set has fewer than MIN_TEST_PER_CLASS samples."""
     counts = ds.test_counts()
     small = [ds.class_names[c] for c in range(ds.num_classes) if counts[c] < MIN_TEST_PER_CLASS]
-    if small:
-        warnings.append(f"the global test set has fewer than {MIN_TEST_PER_CLASS} samples in {len(small)} of "
-                        f"{ds.num_classes} classes (fewest: {int(counts.min())}), so GM moves in steps of 10+ "
-                        f"points per class; give more test rows or raise data.test_per_class")
-    return {"source": ds.source, "split": split, "dropped": {k: int(v) for k, v in dropped.items()},
-            "notes": list(parsed["notes"]), "warnings": warnings}
+    if not small:
+        return []
+    return [f"the global test set has fewer than {MIN_TEST_PER_CLASS} samples in {len(small)} of "
+            f"{ds.num_classes} classes (fewest: {int(counts.min())}), so GM moves in steps of 10+ "
+            f"points per class; give more test rows or raise data.test_per_class"]
 
 
 def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,

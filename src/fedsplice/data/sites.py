@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedsplice.config import SITES
-from fedsplice.data.datasets import TextDataset, rename_classes, split_given, split_report
+from fedsplice.data.datasets import TextDataset, rename_classes, split_given, split_report, small_test_warnings
 from fedsplice.data.userdata import load_user
 from fedsplice.errors import ConfigError
 
@@ -62,6 +62,8 @@ def load_server_test(spec: str, labels: list[str], *, skip_bad_images: bool = Fa
     parsed = load_user(kind, path, skip_bad_images=skip_bad_images, labels=labels)
     rows = parsed["test_texts"] if parsed["split"] else parsed["texts"]
     _, _, te_x, te_y = split_given([[] for _ in labels], rows, np.random.default_rng(0))
-    return TextDataset(SITES, names, [], np.empty(0, np.int64), te_x, te_y, parsed["source"],
-                       report={"split": f"per site; the server's evaluation file data.test = {spec!r}",
-                               "dropped": parsed["dropped"], "notes": parsed["notes"]})
+    ds = TextDataset(SITES, names, [], np.empty(0, np.int64), te_x, te_y, parsed["source"],
+                     report={"split": f"per site; the server's evaluation file data.test = {spec!r}",
+                             "dropped": parsed["dropped"], "notes": parsed["notes"]})
+    ds.report["warnings"] = small_test_warnings(ds)
+    return ds
