@@ -240,7 +240,7 @@ class Checkpointer:
             if touched is not None and cid not in touched and prev is not None and prev.exists():
                 _link_or_copy(prev, cdir / _client_file(cid))
             elif isinstance(store, DiskStore):  # its files are replaced atomically, never edited
-                _link_or_copy(store._path(cid), cdir / _client_file(cid))
+                _link_or_copy(store.path(cid), cdir / _client_file(cid))
             else:
                 _write(cdir / _client_file(cid), st_save(_contig(store.get(cid))))
             files[rel] = (cdir / _client_file(cid)).stat().st_size

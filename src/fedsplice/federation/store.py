@@ -36,15 +36,16 @@ class DiskStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def _path(self, cid: int) -> Path:
+    def path(self, cid: int) -> Path:
+        """The file holding client `cid`'s state (replaced, never edited: safe to hard-link)."""
         return self.root / f"client-{cid:05d}.safetensors"
 
     def get(self, cid: int) -> dict[str, torch.Tensor] | None:
-        p = self._path(cid)
+        p = self.path(cid)
         return st_load(p.read_bytes()) if p.exists() else None
 
     def put(self, cid: int, state: dict[str, torch.Tensor]) -> None:
-        atomic_write_bytes(self._path(cid), st_save({k: v.detach().contiguous() for k, v in state.items()}))
+        atomic_write_bytes(self.path(cid), st_save({k: v.detach().contiguous() for k, v in state.items()}))
 
     def clients(self) -> list[int]:
         return sorted(int(p.stem.split("-")[1]) for p in self.root.glob("client-*.safetensors"))

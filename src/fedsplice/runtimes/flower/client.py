@@ -162,9 +162,9 @@ def _rounds(folder: Path) -> list[tuple[int, Path]]:
 
 
 def snapshot(store: DiskStore, cid: int, rnd: int) -> None:
-    dst = store.root / HISTORY / f"round-{rnd:06d}" / store._path(cid).name
+    dst = store.root / HISTORY / f"round-{rnd:06d}" / store.path(cid).name
     dst.parent.mkdir(parents=True, exist_ok=True)
-    _link(store._path(cid), dst)
+    _link(store.path(cid), dst)
 
 
 def prune(folder: Path, rnd: int, rt, rounds: int) -> None:
