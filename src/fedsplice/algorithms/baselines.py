@@ -1,7 +1,7 @@
 """The baselines both papers compare against, each a split over the same PEFT (DESIGN §3.3).
 
 The server optimizer (`[server] optimizer`) is orthogonal to the method: `lora` + fedyogi is
-FedYogi-LoRA.
+FedYogi-LoRA. `full-ft` has no PEFT at all (peft.type = "full"): the cost reference of LoRA.
 """
 
 from __future__ import annotations
@@ -46,6 +46,13 @@ def promptfolio(p, infos, *_) -> Recipe:
     return Recipe({n: S.PRIVATE if i.kind == "prompt_local" else S.GLOBAL for n, i in infos.items()})
 
 
+def full_ft(p, infos, *_) -> Recipe:
+    """Every backbone weight (and a head or projector, if any) is GLOBAL: plain FedAvg of the model."""
+    if not any(i.kind == "backbone" for i in infos.values()):
+        raise ConfigError("algorithm 'full-ft' trains every backbone weight: set peft.type = 'full'")
+    return Recipe(S.all_global(infos))
+
+
 BASELINES: dict[str, Algorithm] = {
     "zeroshot": Algorithm(
         NoParams, lambda p, i, *_: Recipe(S.none_global(i), trains=False),
@@ -81,4 +88,9 @@ LORA_BASELINES: dict[str, Algorithm] = {
     "local": Algorithm(
         NoParams, lambda p, i, *_: Recipe(S.none_global(i)),
         "local-only training, nothing shared (lower bound on communication)"),
+    "full-ft": Algorithm(
+        NoParams, full_ft,
+        "federated full fine-tuning: every backbone weight shared and averaged, no PEFT "
+        "(peft.type = 'full'; PFAdapter's Table IV prices it against LoRA)",
+        "../shared/papers/pfadapter.txt"),
 }

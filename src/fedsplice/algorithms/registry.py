@@ -30,6 +30,7 @@ from fedsplice.errors import ConfigError
 ENTRY_POINT_GROUP = "fedsplice.algorithms"
 ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "pfadapter": PFADAPTER, **LORA_BASELINES,
                                     **REFERENCES}  # references last: the sanity rows of a table
+_BUILTIN = frozenset(ALGORITHMS)  # before any register_algorithm: users' own are not checked for peft "full"
 
 
 def register_algorithm(name: str, params_type: type = NoParams, build: Callable | None = None, *,
@@ -123,8 +124,10 @@ def get_algorithm(name: str) -> Algorithm:
 
 
 def method_params(cfg):
-    """The typed `[method]` table of cfg's algorithm (unknown keys are errors)."""
+    """The typed `[method]` table of cfg's algorithm (unknown keys are errors), and whether the
+    algorithm fits peft.type "full" (so `fedsplice validate` catches it)."""
     algo = get_algorithm(cfg.algorithm)
+    check_full(cfg)
     try:
         params = from_dict(algo.params, cfg.method, "method")
     except ConfigError as e:
@@ -135,6 +138,18 @@ def method_params(cfg):
     if hasattr(params, "check"):
         params.check()
     return params
+
+
+# Built-ins that are sound with peft.type = "full" (no LoRA roles or factors, no prompt or adapter,
+# no frozen model needed while training); the others would silently turn into full-ft or worse.
+FULL_OK = ("full-ft", "fedprox", "fedper", "local", "zeroshot", "centralized", "majority", "local-prior")
+
+
+def check_full(cfg) -> None:
+    if cfg.peft.type == "full" and cfg.algorithm in _BUILTIN and cfg.algorithm not in FULL_OK:
+        raise ConfigError(f"peft.type = 'full' trains the whole backbone, without the LoRA/prompt/adapter parts "
+                          f"algorithm {cfg.algorithm!r} splits or freezes; use algorithm = 'full-ft' "
+                          f"(or one of {', '.join(FULL_OK[1:])}), or another peft.type")
 
 
 def build_recipe(cfg, infos, shapes, scalings) -> Recipe:
@@ -157,4 +172,4 @@ def display_name(cfg) -> str:
         name = f"{cfg.algorithm}+{opt}"
     if cfg.algorithm == "fedpurel":
         name += f"-{cfg.peft.type}"
-    return name + ("+la" if cfg.client.logit_adjustment > 0 else "")
+    return name + ("+la" if cfg.client.logit_adjustment > 0 else "") + ("+grab" if cfg.client.grab else "")

@@ -7,6 +7,7 @@ optimizer accepts its hyperparameters is checked where the optimizers live
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,6 +24,21 @@ class ClientConfig:
     weight_decay: float = 0.0
     optimizer: Literal["adamw", "sgd"] = "adamw"
     logit_adjustment: float = 0.0  # τ of logit-adjusted training (Menon et al. 2021); 0 = off
+    # Fed-GraB (Xiao et al. 2023; fedsplice.core.grab): per-class PID-steered re-weighting of the
+    # positive / negative logit gradients, on the classes the global model's prior calls tail.
+    grab: bool = False
+    grab_kp: float = 10.0  # PID gains (the official code's defaults)
+    grab_ki: float = 0.0
+    grab_kd: float = 0.0
+    # PID error = -(pos_scale * G+ - neg_scale * G-), set point 0; 0 = the loss's default:
+    # sigmoid 50 / 0.5 (the official code), softmax 1 / 1 (G+ = G-, the balance CE keeps on average)
+    grab_pos_scale: float = 0.0
+    grab_neg_scale: float = 0.0
+    grab_out_limit: float = 100.0  # |PID output| bound
+    grab_tail_ratio: float = 1.0  # tail: estimated global prior < tail_ratio / num_classes
+    # softmax: re-weight the method's own CE; sigmoid: the official code's one-vs-all BCE (saturates
+    # on CLIP-style scaled cosine logits: every sigmoid near 1, no positive gradient)
+    grab_loss: Literal["softmax", "sigmoid"] = "softmax"
     # Upload codec of the GLOBAL tensors: fp32 sends the tensors; fp16 / int8 send the round's
     # update (trained - received) compressed, int8 with error feedback kept on the client.
     upload: Literal["fp32", "fp16", "int8"] = "fp32"
@@ -30,6 +46,7 @@ class ClientConfig:
     def check(self) -> None:
         if self.logit_adjustment < 0:
             raise ConfigError(f"client.logit_adjustment must be >= 0 (0 = off), got {self.logit_adjustment}")
+        self.check_grab()
         check_positive("client.local_epochs", self.local_epochs)
         check_positive("client.batch_size", self.batch_size)
         check_positive("client.lr", self.lr)
@@ -37,6 +54,16 @@ class ClientConfig:
             raise ConfigError("client.max_steps must be >= 0 (0 = whole epochs)")
         if self.weight_decay < 0:
             raise ConfigError("client.weight_decay must be >= 0")
+
+    def check_grab(self) -> None:
+        """Fed-GraB's fields (checked whether or not client.grab is on)."""
+        for name, lo, strict in (("kp", 0, False), ("ki", 0, False), ("kd", 0, False), ("pos_scale", 0, False),
+                                 ("neg_scale", 0, False), ("out_limit", 0, True), ("tail_ratio", 0, False)):
+            v = getattr(self, f"grab_{name}")
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and (v > lo if strict else v >= lo)):
+                raise ConfigError(f"client.grab_{name} must be a finite number {'>' if strict else '>='} {lo}, got {v}")
+        if self.grab_loss not in ("sigmoid", "softmax"):
+            raise ConfigError(f"client.grab_loss must be 'sigmoid' or 'softmax', got {self.grab_loss!r}")
 
 
 @dataclass

@@ -66,7 +66,9 @@ class ModelConfig:
 
 @dataclass
 class PeftConfig:
-    type: Literal["lora", "prompt", "adapter"] = "lora"
+    # "full": no PEFT, every backbone weight trains (full fine-tuning, algorithm "full-ft");
+    # the LoRA fields below are then unused
+    type: Literal["lora", "prompt", "adapter", "full"] = "lora"
     # LoRA (HF peft) on attention projections by role
     r: int = 8
     alpha: float = 16.0
@@ -98,6 +100,11 @@ class PeftConfig:
             raise ConfigError(f"peft.portfolio must be in [0, 1), got {self.portfolio}")
         if self.portfolio > 0 and self.type != "prompt":
             raise ConfigError("peft.portfolio mixes prompt contexts: set peft.type = 'prompt'")
+        if self.type == "full" and (self.layers or self.tower or self.dropout > 0):
+            # full fine-tuning trains every layer of every tower, and runs the backbone without
+            # dropout as LoRA runs its frozen base: these LoRA placements would be silently ignored
+            raise ConfigError("peft.layers, peft.tower and peft.dropout place LoRA; peft.type = 'full' "
+                              "trains every backbone weight: remove them")
 
 
 @dataclass

@@ -28,6 +28,7 @@ import math
 import numpy as np
 import torch
 
+from fedsplice.core import grab as G
 from fedsplice.core import wire
 from fedsplice.core import streams
 from fedsplice.config import SITES
@@ -58,6 +59,25 @@ def train_context(exp, cid: int, received: dict, **extra) -> dict:
         counts = np.bincount(exp.data.train_labels[exp.clients[cid].train_idx], minlength=len(exp.data.class_names))
         ctx["logit_offset"] = tau * torch.log(torch.as_tensor((counts + 1e-3) / counts.sum(), dtype=torch.float32))
     return ctx
+
+
+def grab_balancer(exp, stored: dict | None, global_params: dict):
+    """Fed-GraB (client.grab), PRIVATE: the Direct Prior Analyzer reads the global model's class
+    prior (GLOBAL + fresh PRIVATE tensors, its mean softmax on a content-free input "", no data)
+    and opens the PID controllers of the classes it calls tail; the balancer's state (accumulated
+    gradients, errors, PID outputs) comes from the client's store ("grab/...")."""
+    cc = exp.cfg.client
+    if exp.recipe.objective is not None:
+        raise ConfigError(f"client.grab re-weights the plain task loss, and algorithm {exp.cfg.algorithm!r} "
+                          f"trains on an objective of its own; set client.grab = false")
+    exp.model.load_params({**global_params, **{n: exp.init_params[n] for n in exp.private_names}})
+    prior = G.prior_from_responses(exp.model.predict([""], 1))
+    has = stored is not None and "grab/pos" in stored
+    state = {k: stored[f"grab/{k}"] for k in G.STATE_KEYS} if has else G.fresh_state(len(exp.data.class_names))
+    params = G.GrabParams(kp=cc.grab_kp, ki=cc.grab_ki, kd=cc.grab_kd, pos_scale=cc.grab_pos_scale,
+                          neg_scale=cc.grab_neg_scale, out_limit=cc.grab_out_limit, tail_ratio=cc.grab_tail_ratio,
+                          loss=cc.grab_loss)
+    return G.Balancer(params, state, G.tail_mask(prior, cc.grab_tail_ratio))
 
 
 def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: dict, objective=None, loss_terms=(),
@@ -132,11 +152,12 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     received = wire.decode(down)
     stored = store.get(cid)  # read once: PRIVATE tensors, optimizer state, error-feedback residual
     priv, opt_state = split_state(exp, stored)
+    grab = {"grab": grab_balancer(exp, stored, received)} if exp.cfg.client.grab else {}
     exp.model.load_params({**received, **priv})
     r = exp.recipe
     # pooled (centralized): its optimizer state persists across rounds, one continuous training run
     keep = exp.global_names + exp.private_names if r.pooled else exp.private_names
-    new_opt, stats = train_client(exp, cid, rnd=rnd, torch_round=rnd, ctx=train_context(exp, cid, received, round=rnd),
+    new_opt, stats = train_client(exp, cid, rnd=rnd, torch_round=rnd, ctx=train_context(exp, cid, received, round=rnd, **grab),
                                   objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
                                   keep_opt=keep, opt_state=opt_state,
                                   client_cfg=pooled_budget(exp, cid) if r.pooled else None)
@@ -146,7 +167,8 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     up, residual = wire.compress({n: params[n] for n in exp.global_names}, received, codec, residual)
     store.put(cid, {**{f"param/{n}": params[n] for n in exp.private_names},
                     **{f"opt/{k}": v for k, v in new_opt.items()},
-                    **{f"ef/{k}": v for k, v in residual.items()}})  # error feedback: never sent
+                    **{f"ef/{k}": v for k, v in residual.items()},  # error feedback: never sent
+                    **{f"grab/{k}": v for k, v in (grab["grab"].state.items() if grab else ())}})
     return up, stats
 
 
@@ -187,13 +209,14 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
     """A held-out client: the final GLOBAL tensors and fresh PRIVATE ones; accuracy on its local
     test set at step 0 and after each of 1..N local epochs (PFAdapter §V)."""
     fresh = {n: exp.init_params[n].clone() for n in exp.private_names}
+    grab = {"grab": grab_balancer(exp, None, global_params)} if exp.cfg.client.grab else {}
     exp.model.load_params({**global_params, **fresh})
     labels, r = exp.data.test_labels[exp.clients[cid].test_idx], exp.recipe
     accs, opt_state = [], {}
     for e in range(exp.cfg.eval.cold_start_epochs + 1):
         if e > 0:
             opt_state, _ = train_client(
-                exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e, ctx=train_context(exp, cid, global_params),
+                exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e, ctx=train_context(exp, cid, global_params, **grab),
                 objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
                 keep_opt=set(exp.model.trainable()), opt_state=opt_state, epochs=1)
         accs.append(classification_metrics(labels, predict_local_test(exp, cid), len(exp.data.class_names))["accuracy"])

@@ -35,9 +35,12 @@ def import_opt_state(opt, params: dict[str, torch.nn.Parameter], state: dict[str
 
 def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.ndarray, ctx: dict) -> dict:
     """The plain task loss. ctx["logit_offset"] (logit adjustment, Menon et al.) shifts the
-    training logits by τ·log(prior) so rare classes are not crowded out; evaluation is unshifted."""
-    logits = model(texts)
-    return {"task": F.cross_entropy(logits + ctx.get("logit_offset", 0.0), y)}
+    training logits by τ·log(prior) so rare classes are not crowded out; evaluation is unshifted.
+    ctx["grab"] (Fed-GraB's balancer, `fedsplice.core.grab`) re-weights the loss's per-class
+    positive / negative logit gradients."""
+    logits = model(texts) + ctx.get("logit_offset", 0.0)
+    grab = ctx.get("grab")
+    return {"task": F.cross_entropy(logits, y) if grab is None else grab.loss(logits, y)}
 
 
 def backward(losses: dict, total, plist: list, grad_transform, sums: dict) -> None:

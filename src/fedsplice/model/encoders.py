@@ -103,9 +103,9 @@ class ClassSide:
 
 
 class InputSide:
-    """E(x) [B, D]. With LoRA it trains through the encoder; with prompts or an adapter the
-    encoder is frozen on this side, so its features are computed without gradients (and cached
-    per input when `features` is given); the adapter, outside zero-shot, maps them."""
+    """E(x) [B, D]. With LoRA (or full fine-tuning) it trains through the encoder; with prompts or
+    an adapter the encoder is frozen on this side, so its features are computed without gradients
+    (and cached per input when `features` is given); the adapter, outside zero-shot, maps them."""
 
     def __init__(self, text: TextEncoder, peft_type: str, adapter: FeatureAdapter | None = None,
                  features: FrozenCache | None = None, clip_inputs: ClipInputs | None = None):
@@ -122,7 +122,7 @@ class InputSide:
         return ClipInputs(text.hf, processor, fn, image_prefix)
 
     def __call__(self, items: list, zero_shot: bool) -> torch.Tensor:
-        if self.peft_type == "lora":
+        if self.peft_type in ("lora", "full"):  # the encoder itself trains
             return self.embed(items)
         with torch.no_grad():  # the encoder is frozen on the input side for prompts and adapters
             f = self.frozen(items)

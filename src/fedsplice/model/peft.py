@@ -1,9 +1,10 @@
 """The trainable parts of a backbone and their metadata.
 
 Builders: LoRA injected through HF peft (by role, layer and tower), CoOp prompt learners, the
-FedCLIP feature adapter and an encoder's linear head (fedsplice.model.adapters holds the modules
-themselves). Metadata: `param_infos` (role, LoRA factor, layer and kind of every trainable tensor,
-what splits are written in) and `lora_scalings` (s of ΔW = s·B·A, for the orthogonality loss).
+FedCLIP feature adapter, an encoder's linear head (fedsplice.model.adapters holds the modules
+themselves), and `unfreeze` for full fine-tuning (no PEFT). Metadata: `param_infos` (role, LoRA
+factor, layer and kind of every trainable tensor, what splits are written in) and
+`lora_scalings` (s of ΔW = s·B·A, for the orthogonality loss).
 
 Every random init draws from a generator seeded by cfg.seed, never from the global stream: LoRA's
 A init (drawn by peft from torch's RNG) runs inside a forked, locally seeded RNG.
@@ -46,13 +47,21 @@ def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int
                               f"check peft.layers / peft.tower") from None
 
 
+def unfreeze(base: nn.Module) -> nn.Module:
+    """peft.type = "full": every weight of the backbone trains (and so is a named trainable tensor)."""
+    for p in base.parameters():
+        p.requires_grad_(True)
+    return base
+
+
 def hf_model(backbone: nn.Module, peft_type: str) -> nn.Module:
     """The HF model under peft's wrapper (the backbone itself without LoRA)."""
     return backbone.get_base_model() if peft_type == "lora" else backbone
 
 
 def adapters_off(backbone: nn.Module, peft_type: str):
-    """A context in which the backbone runs without its LoRA (the frozen model)."""
+    """A context in which the backbone runs without its LoRA (the frozen model). Prompt and adapter
+    types leave the backbone frozen; "full" has no frozen model (TaskModel.zero_shot)."""
     return backbone.disable_adapter() if peft_type == "lora" else nullcontext()
 
 
@@ -96,7 +105,7 @@ def param_infos(names, rmap: dict[str, str]) -> dict[str, ParamInfo]:
             role = next((r for r, s in rmap.items() if module.endswith("." + s)), None)
             m = LAYER.match(module)
             infos[name] = ParamInfo(role, factor, m.group(1) if m else module, "lora")
-        else:  # head, prompt, prompt_local, adapter, projector: named by their module
+        else:  # head, prompt, prompt_local, adapter, projector, backbone ("full"): named by their module
             infos[name] = ParamInfo(None, None, None, name.split(".")[0])
     return infos
 

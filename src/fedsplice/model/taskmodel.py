@@ -61,7 +61,7 @@ class TaskModel(nn.Module):
         if pc.type == "lora":
             self.backbone = peft.inject_lora(bb.model, self.rmap, pc, cfg.seed, bb.model_type)
         else:
-            self.backbone = bb.model
+            self.backbone = peft.unfreeze(bb.model) if pc.type == "full" else bb.model
         if pc.type == "prompt":
             we = bb.model.text_model.embeddings.token_embedding if self.is_clip else bb.model.get_input_embeddings()
             self.prompt, self.prompt_local = peft.build_prompts(
@@ -89,8 +89,9 @@ class TaskModel(nn.Module):
         self._img_prefix = None
         if wants_image_prefix(cfg, self.is_clip):
             self._img_prefix = build_image_prefix(cfg, bb.model, self.image_processor)
-        # CLIP with LoRA in its text tower: the class side changes as it trains
-        trains_text = cfg.model.class_side_adapters or (
+        # CLIP with LoRA in its text tower: the class side changes as it trains; full fine-tuning
+        # keeps no frozen copy of the encoder, so the class side goes through the trained one
+        trains_text = cfg.model.class_side_adapters or pc.type == "full" or (
             self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
         self._classes = ClassSide(self._text, self.class_names, [self.class_prompt, *cfg.data.class_prompts],
                                   pc.type, trains_text, self.cache_on, self.prompt, self.prompt_local, pc.portfolio)
@@ -125,7 +126,8 @@ class TaskModel(nn.Module):
     def train(self, mode: bool = True):
         """The frozen backbone always runs as at inference (no dropout): its work is then a pure
         function of the input, which makes caching it exact (DESIGN §7). The adapters' own
-        dropout (peft.dropout) and the trainable modules follow `mode`."""
+        dropout (peft.dropout) and the trainable modules follow `mode`. peft.type = "full" keeps
+        this too: the whole backbone trains, without dropout, like LoRA's base."""
         super().train(mode)
         self.backbone.eval()
         if self.vision is not None:
@@ -137,7 +139,10 @@ class TaskModel(nn.Module):
 
     @contextmanager
     def zero_shot(self):
-        """Score with the frozen model alone: no LoRA, no adapter, the template class prompts."""
+        """Score with the frozen model alone: no LoRA, no adapter, the template class prompts.
+        peft.type = "full" has no frozen model to fall back to: this is the pretrained model only
+        before training (the build's zero-shot caches); algorithms that need it while training are
+        refused with "full" (algorithms.registry)."""
         self._zero_shot = True
         try:
             with peft.adapters_off(self.backbone, self.pcfg.type):

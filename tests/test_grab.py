@@ -1,0 +1,204 @@
+"""Fed-GraB (client.grab): the PID step, the re-weighted logit gradients and the prior estimate
+against hand-computed values; the switch end to end on fedavg-lora and promptfolio; bad
+hyperparameters as one-line errors."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from fedsplice.app.cli import main
+from fedsplice.core import grab as G
+from fedsplice.errors import ConfigError
+from fedsplice.federation.experiment import build
+from fedsplice.federation.store import MemoryStore
+from fedsplice.federation.tasks import fit, grab_balancer, train_context
+from fedsplice.federation.train import cross_entropy_objective
+from fedsplice.core import wire
+
+LN3 = math.log(3.0)
+U2 = 100.0 * math.log(9.0 / 4.0)  # f(U2) = 2, f(-U2) = 8/17 (β = 1/9, λ = 0.01)
+
+
+# ----------------------------------------------------------------------------- the math
+
+
+def test_map_weight_by_hand():
+    f = G.map_weight(torch.tensor([0.0, U2, -U2, 100.0], dtype=torch.float64))
+    assert f.tolist() == pytest.approx([1.0, 2.0, 8 / 17, (10 / 9) / (1 / 9 + math.exp(-1.0))], abs=1e-12)
+
+
+def test_pid_step_by_hand():
+    # classes: two open ones, one open that saturates, one closed
+    err = torch.tensor([[2.0, 0.5, 0.0, 7.0],   # e_{t-1}
+                        [1.0, 2.0, 0.5, 7.0],   # e_{t-2}
+                        [9.0, 9.0, 9.0, 9.0]])  # e_{t-3}: dropped
+    out = torch.tensor([5.0, 0.0, 95.0, 40.0])
+    e_new = torch.tensor([3.0, -1.0, 1.0, 3.0])
+    open_mask = torch.tensor([True, True, True, False])
+    new_err, new_out = G.pid_step(err, out, e_new, open_mask, kp=10.0, ki=0.01, kd=0.1, limit=100.0)
+    # Δu = Kp(e_t − e_{t−1}) + Ki e_t + Kd(e_t − 2e_{t−1} + e_{t−2})
+    # c0: 10·1 + 0.03 + 0.1·(3 − 4 + 1) = 10.03          -> 15.03
+    # c1: 10·(−1.5) − 0.01 + 0.1·(−1 − 1 + 2) = −15.01   -> −15.01
+    # c2: 10·1 + 0.01 + 0.1·(1 − 0 + 0.5) = 10.16        -> 105.16, clipped to 100
+    # c3: closed -> 0, history 0
+    assert new_out.tolist() == pytest.approx([15.03, -15.01, 100.0, 0.0], abs=1e-5)
+    assert torch.allclose(new_err, torch.tensor([[3.0, -1.0, 1.0, 0.0], [2.0, 0.5, 0.0, 0.0],
+                                                 [1.0, 2.0, 0.5, 0.0]]), atol=1e-6)
+
+
+def _balancer(loss: str) -> G.Balancer:
+    # zero gains: the PID output stays at its stored value, so the weights are known:
+    # class 0: u = U2 -> w+ = 2, w− = 8/17; class 1: u = 0 -> 1, 1
+    p = G.GrabParams(kp=0.0, ki=0.0, kd=0.0, loss=loss)
+    st = G.fresh_state(2)
+    st["out"] = torch.tensor([U2, 0.0])
+    return G.Balancer(p, st, torch.tensor([True, True]))
+
+
+@pytest.mark.parametrize("loss, value, grad", [
+    # sigmoid: σ(z) = [[.5, .75], [.75, .5]], (σ − y)/N = [[−.25, .375], [.375, −.25]];
+    # loss = (ln 2 + ln 4 + ln 4 + ln 2)/2 = ln 8
+    ("sigmoid", math.log(8.0), [[-0.5, 0.375], [0.375 * 8 / 17, -0.25]]),
+    # softmax: p = [[1/4, 3/4], [3/4, 1/4]], (p − y)/N = [[−3/8, 3/8], [3/8, −3/8]]; loss = ln 4
+    ("softmax", math.log(4.0), [[-0.75, 0.375], [0.375 * 8 / 17, -0.375]]),
+])
+def test_reweighted_logit_gradient_by_hand(loss, value, grad):
+    b = _balancer(loss)
+    z = torch.tensor([[0.0, LN3], [LN3, 0.0]], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 1])
+    out = b.loss(z, y)
+    out.backward()
+    assert float(out.detach()) == pytest.approx(value, abs=1e-12)  # the value: the unweighted loss
+    assert torch.allclose(z.grad, torch.tensor(grad, dtype=torch.float64), atol=1e-12)  # the gradient: W ⊙ (p − y)/N
+    # G+ / G−: |weighted gradient| of the class's own samples / of the others
+    assert b.state["pos"].tolist() == pytest.approx([abs(grad[0][0]), abs(grad[1][1])], abs=1e-6)
+    assert b.state["neg"].tolist() == pytest.approx([abs(grad[1][0]), abs(grad[0][1])], abs=1e-6)
+
+
+def test_second_step_feeds_the_accumulated_gradients_back():
+    # after the first step (sigmoid) G+ = [.5, .25], G− = [3/17, .375]; with the default
+    # a = 50, b = 0.5 the error is e = −(50 G+ − 0.5 G−) (e_{t−1} = 0) and Kp = 1 moves u by e
+    b = _balancer("sigmoid")
+    z = torch.tensor([[0.0, LN3], [LN3, 0.0]], dtype=torch.float64, requires_grad=True)
+    b.loss(z, torch.tensor([0, 1]))
+    b.p = G.GrabParams(kp=1.0, loss="sigmoid")  # default scales 50 / 0.5 (the official code)
+    w_pos, w_neg = b.weights()
+    e = [-(50 * 0.5 - 0.5 * 3 / 17), -(50 * 0.25 - 0.5 * 0.375)]
+    u = [U2 + e[0], e[1]]  # 81.093 − 24.912, −12.3125
+    assert b.state["out"].tolist() == pytest.approx(u, abs=1e-4)
+    assert w_pos.tolist() == pytest.approx([(10 / 9) / (1 / 9 + math.exp(-0.01 * x)) for x in u], abs=1e-5)
+    assert w_neg.tolist() == pytest.approx([(10 / 9) / (1 / 9 + math.exp(0.01 * x)) for x in u], abs=1e-5)
+
+
+def test_softmax_balances_positive_against_negative():
+    # softmax, default scales 1 / 1: after the first step G+ = [3/4, 3/8], G− = [3/17, 3/8];
+    # e = −(G+ − G−) = [−(3/4 − 3/17), 0]: class 1 is balanced and its output stays at 0
+    b = _balancer("softmax")
+    z = torch.tensor([[0.0, LN3], [LN3, 0.0]], dtype=torch.float64, requires_grad=True)
+    b.loss(z, torch.tensor([0, 1]))
+    b.p = G.GrabParams(kp=1.0)
+    assert b.scales() == (1.0, 1.0)
+    b.weights()
+    assert b.state["out"].tolist() == pytest.approx([U2 - (3 / 4 - 3 / 17), 0.0], abs=1e-5)
+
+
+def test_prior_estimates_by_hand():
+    # responses on content-free inputs: softmax [1/4, 3/4] and [1/2, 1/2] -> mean [3/8, 5/8]
+    p = G.prior_from_responses(torch.tensor([[0.0, LN3], [LN3, LN3]]))
+    assert p.tolist() == pytest.approx([3 / 8, 5 / 8], abs=1e-7)
+    assert G.tail_mask(p, 1.0).tolist() == [True, False]  # 3/8 < 1/2
+    # a linear classifier's class-vector norms 5, 1, 10 -> [5, 1, 10]/16
+    w = torch.tensor([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]])
+    p = G.prior_from_weight_norms(w)
+    assert p.tolist() == pytest.approx([5 / 16, 1 / 16, 10 / 16], abs=1e-7)
+    assert G.tail_mask(p, 1.0).tolist() == [True, True, False]  # below 1/3
+    assert G.tail_mask(p, 0.5).tolist() == [False, True, False]  # below 1/6
+
+
+def test_a_class_leaving_the_tail_has_its_controller_reset():
+    st = G.fresh_state(2)
+    st["out"], st["err"] = torch.tensor([30.0, -20.0]), torch.ones(3, 2)
+    st["pos"] = torch.tensor([1.0, 2.0])
+    b = G.Balancer(G.GrabParams(), st, torch.tensor([False, True]))
+    assert b.state["out"].tolist() == [0.0, -20.0]
+    assert b.state["err"][:, 0].tolist() == [0.0, 0.0, 0.0] and b.state["err"][:, 1].tolist() == [1.0, 1.0, 1.0]
+    assert b.state["pos"].tolist() == [1.0, 2.0]  # the accumulated gradients are kept
+    assert st["out"].tolist() == [30.0, -20.0]  # the stored state is not modified
+    w_pos, w_neg = b.weights()
+    assert float(w_pos[0]) == 1.0 and float(w_neg[0]) == 1.0
+
+
+# ----------------------------------------------------------------------------- in the federation
+
+
+@pytest.fixture
+def cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
+    def make(**kw):
+        return cfg_factory(tiny_bert_dir, toy_jsonl, **kw)
+    return make
+
+
+def test_off_by_default_and_the_balancer_reaches_the_objective(cfg):
+    exp = build(cfg(algorithm='"lora"'))
+    assert exp.cfg.client.grab is False and "grab" not in train_context(exp, 0, {})
+    exp = build(cfg(algorithm='"lora"', client__grab=True, client__grab_loss='"softmax"'))
+    received = {n: exp.init_params[n].clone() for n in exp.global_names}
+    b = grab_balancer(exp, None, received)
+    assert b.open.shape == (3,) and b.p.loss == "softmax" and b.p.kp == 10.0 and b.scales() == (1.0, 1.0)
+    c = exp.clients[0]
+    x = [exp.data.train_texts[i] for i in c.train_idx[:8]]
+    y = torch.as_tensor(exp.data.train_labels[c.train_idx[:8]])
+    exp.model.eval()
+    ce = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], {})["task"]
+    gr = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], {"grab": b})["task"]
+    assert float(gr.detach()) == pytest.approx(float(ce.detach()), abs=1e-5)  # the value is the plain CE
+    assert float(b.state["pos"].sum()) > 0 and float(b.state["neg"].sum()) > 0
+
+
+def test_the_state_is_private_and_persists_across_rounds(cfg):
+    exp = build(cfg(algorithm='"lora"', client__grab=True))
+    store = MemoryStore()
+    down = wire.encode({n: exp.init_params[n].clone() for n in exp.global_names})
+    up, _ = fit(exp, store, 0, 0, down)
+    st = store.get(0)
+    assert {f"grab/{k}" for k in G.STATE_KEYS} <= set(st)
+    assert not any(k.startswith("grab") for k in wire.decode(up))  # never uploaded
+    acc1 = st["grab/pos"] + st["grab/neg"]
+    assert float(st["grab/pos"].sum()) > 0 and float(st["grab/neg"].sum()) > 0
+    fit(exp, store, 0, 1, down)
+    st2 = store.get(0)
+    assert bool((st2["grab/pos"] + st2["grab/neg"] > acc1).all())  # round 2 continues round 1's sums
+
+
+@pytest.mark.parametrize("over", [
+    dict(algorithm='"lora"'),
+    dict(algorithm='"promptfolio"', peft__type='"prompt"', peft__n_ctx=0, peft__portfolio=0.2),
+])
+def test_grab_runs_end_to_end(over, cfg, tmp_path):
+    from fedsplice.app.runner import run_experiment
+
+    out = tmp_path / "run"
+    run_experiment(cfg(**over, client__grab=True), out, quiet=True)
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["rounds"] == 2
+    assert 0.0 <= saved["gm"]["accuracy"] <= 1.0 and 0.0 <= saved["pm"]["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("field, value", [
+    ("grab_kp", "-1.0"), ("grab_ki", "nan"), ("grab_kd", "inf"), ("grab_pos_scale", "-1.0"),
+    ("grab_neg_scale", "nan"), ("grab_out_limit", "0.0"), ("grab_tail_ratio", "-0.1"), ("grab_loss", '"focal"'),
+])
+def test_bad_hyperparameters_are_one_line_errors(field, value, cfg, capsys):
+    with pytest.raises(ConfigError, match=f"client.{field}"):
+        cfg(algorithm='"lora"', client__grab=True, **{f"client__{field}": value})
+    rc = main(["validate", "--no-data", "--set", "client.grab=true", "--set", f"client.{field}={value}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and f"client.{field}" in err, err
+
+
+def test_an_algorithm_with_its_own_objective_refuses_the_switch(cfg):
+    exp = build(cfg(algorithm='"fedpurel"', method="{personal_steps = 1}", client__grab=True))
+    with pytest.raises(ConfigError, match="client.grab"):
+        grab_balancer(exp, None, {n: exp.init_params[n] for n in exp.global_names})
