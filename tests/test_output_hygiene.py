@@ -78,7 +78,6 @@ def test_atomic_write_json_and_metrics_log_are_strict(tmp_path):
 
 
 def test_flower_logs_are_strict(tmp_path):
-    pytest.importorskip("flwr")
     from fedsplice.runtimes.flower.records import strict_record
     from fedsplice.runtimes.flower.transport import JsonLog
 
