@@ -242,3 +242,20 @@ def tiny_cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
     def make(**kw):
         return cfg_factory(tiny_bert_dir, toy_jsonl, **kw)
     return make
+
+
+@pytest.fixture
+def capture_uploads(monkeypatch):
+    """Wrap inprocess.fit_client: [(round, cid, upload bytes)] in call order."""
+    from fedsplice.runtimes import inprocess
+
+    ups = []
+    orig = inprocess.fit_client
+
+    def wrapped(exp, store, cid, rnd, down):
+        up, st = orig(exp, store, cid, rnd, down)
+        ups.append((rnd, cid, up))
+        return up, st
+
+    monkeypatch.setattr(inprocess, "fit_client", wrapped)
+    return ups

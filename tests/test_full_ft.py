@@ -13,7 +13,6 @@ from fedsplice.core.server import deltas, fedavg, weighted_mean
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
-from fedsplice.runtimes import inprocess as simulation
 from fedsplice.runtimes.inprocess import run_rounds
 
 
@@ -22,20 +21,6 @@ def full_cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
     def make(**kw):
         return cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"full-ft"', peft__type='"full"', **kw)
     return make
-
-
-@pytest.fixture
-def capture_uploads(monkeypatch):
-    ups = []
-    orig = simulation.fit_client
-
-    def wrapped(exp, store, cid, rnd, down):
-        up, st = orig(exp, store, cid, rnd, down)
-        ups.append((rnd, cid, up))
-        return up, st
-
-    monkeypatch.setattr(simulation, "fit_client", wrapped)
-    return ups
 
 
 def _hf_names(model_dir) -> list[str]:

@@ -32,21 +32,6 @@ def cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
     return make
 
 
-@pytest.fixture
-def capture_uploads(monkeypatch):
-    """Wrap simulation.fit_client: [(round, cid, upload bytes)] in call order."""
-    ups = []
-    orig = simulation.fit_client
-
-    def wrapped(exp, store, cid, rnd, down):
-        up, st = orig(exp, store, cid, rnd, down)
-        ups.append((rnd, cid, up))
-        return up, st
-
-    monkeypatch.setattr(simulation, "fit_client", wrapped)
-    return ups
-
-
 # ----------------------------------------------------------------------------- the wire
 
 
