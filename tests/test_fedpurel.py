@@ -385,7 +385,7 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
 
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"',
                       method=f'{{personal_steps = 2, granularity = "{granularity}"}}',
-                      data__imbalance=3.0, eval__many_threshold=40, eval__few_threshold=20,
+                      data__imbalance=3.0, eval__many_threshold=40, eval__few_threshold=20, eval__min_group_samples=1,
                       data__holdout_clients=0, data__num_clients=3)
     # watch phase 2: what goes over the wire, which clients run it, and what they are given
     from fedsplice.app import runner

@@ -52,9 +52,12 @@ def _zero_shot(model, texts):
 PEFTS = {
     "lora": dict(algorithm='"lora"'),
     "lora-class-side": dict(algorithm='"lora"', model__class_side_adapters=True),
-    "prompt": dict(algorithm='"promptfl"', peft__type='"prompt"'),
-    "prompt-class-specific": dict(algorithm='"promptfl"', peft__type='"prompt"', peft__class_specific=True),
-    "promptfolio": dict(algorithm='"promptfolio"', peft__type='"prompt"', peft__portfolio=0.2),
+    # template init: round 0 is zero-shot exactly (the tests of the identity start below)
+    "prompt": dict(algorithm='"promptfl"', peft__type='"prompt"', peft__prompt_init='"template"'),
+    "prompt-class-specific": dict(algorithm='"promptfl"', peft__type='"prompt"', peft__class_specific=True,
+                                  peft__prompt_init='"template"'),
+    "promptfolio": dict(algorithm='"promptfolio"', peft__type='"prompt"', peft__portfolio=0.2,
+                        peft__prompt_init='"template"'),
     "adapter": dict(algorithm='"fedclip"', peft__type='"adapter"'),
     "adapter-narrow": dict(algorithm='"fedclip"', peft__type='"adapter"', peft__adapter_hidden=8),
 }
@@ -110,9 +113,11 @@ def test_prompt_class_specific_shape(cfg):
 
 def test_prompt_n_ctx_random_init(cfg, texts):
     x, _ = texts
-    a = _model(cfg, **PEFTS["prompt"], peft__n_ctx=4)
-    b = _model(cfg, **PEFTS["prompt"], peft__n_ctx=4)
-    other = _model(cfg, **PEFTS["prompt"], peft__n_ctx=4, seed=1)
+    rand = {**PEFTS["prompt"], "peft__prompt_init": '"random"'}
+    a = _model(cfg, **rand)  # n_ctx 0 with random init: the paper's 4 tokens
+    b = _model(cfg, **rand, peft__n_ctx=4)
+    other = _model(cfg, **rand, seed=1)
+    template = _model(cfg, **PEFTS["prompt"])
     ctx = a.prompt.ctx.detach()
     assert ctx.shape == (4, 32)
     assert 0.01 < float(ctx.std()) < 0.03 and abs(float(ctx.mean())) < 0.01  # N(0, 0.02²)
@@ -123,8 +128,11 @@ def test_prompt_n_ctx_random_init(cfg, texts):
     # four random words replace the template: no longer the zero-shot predictions
     assert (a.predict(x, 64) - _zero_shot(a, x)).abs().max() > 1e-3
     # class_specific with n_ctx = 4: [C, 4, d]
-    cs = _model(cfg, **PEFTS["prompt-class-specific"], peft__n_ctx=4)
+    assert template.prompt.ctx.shape[0] == len(template.tokenizer("a quote about", add_special_tokens=False)["input_ids"])
+    cs = _model(cfg, **{**PEFTS["prompt-class-specific"], "peft__prompt_init": '"random"'}, peft__n_ctx=4)
     assert cs.prompt.ctx.shape == (3, 4, 32)
+    with pytest.raises(ConfigError, match=r"peft.n_ctx = 5: peft.prompt_init = 'template' takes one context vector per token"):
+        _model(cfg, **PEFTS["prompt"], peft__n_ctx=5)
 
 
 @pytest.mark.parametrize("kind,owner", [("prompt", {"prompt.ctx"}),

@@ -52,7 +52,7 @@ def hand_exp(prior: str, train=TRAIN, test_labels=TEST_LABELS, local=LOCAL_TEST,
     return SimpleNamespace(
         recipe=SimpleNamespace(prior=prior), clients=clients, train_ids=[0, 1, 2], data=data, model=None,
         caches={"train_counts": np.bincount(labels[:starts[3]], minlength=c)},
-        cfg=SimpleNamespace(eval=EvalConfig(many_threshold=many, few_threshold=few)))
+        cfg=SimpleNamespace(eval=EvalConfig(many_threshold=many, few_threshold=few, min_group_samples=1)))
 
 
 @pytest.mark.parametrize("prior, pm", [("global", MAJORITY_PM), ("local", LOCAL_PM)])

@@ -24,6 +24,8 @@ class PFAdapterParams:
     global_roles: list[str] = field(default_factory=lambda: ["q", "k"])
     ortho_lambda: float = 0.1  # λo
     selective_aggregation: bool = True  # off: every LoRA tensor is GLOBAL (ablation), λo kept
+    # "BA": Eq. 11 on the updates ΔW = s·B·A; "A": ‖A_g A_pᵀ‖²_F, our extension (docs/fidelity.md)
+    ortho_on: str = "BA"
 
     def check(self) -> None:
         check_roles("method.global_roles", self.global_roles)
@@ -31,13 +33,15 @@ class PFAdapterParams:
             raise ConfigError("method.global_roles is empty; PFAdapter shares at least one role (default q, k)")
         if self.ortho_lambda < 0:
             raise ConfigError(f"method.ortho_lambda must be >= 0, got {self.ortho_lambda}")
+        if self.ortho_on not in ("BA", "A"):
+            raise ConfigError(f"method.ortho_on must be 'BA' (Eq. 11) or 'A' (our extension), got {self.ortho_on!r}")
 
 
 def build(p: PFAdapterParams, infos, shapes, scalings) -> Recipe:
     split = S.by_roles(infos, p.global_roles) if p.selective_aggregation else S.all_global(infos)
     terms = []
     if p.ortho_lambda > 0:
-        terms.append(Orthogonality(infos, shapes, scalings, p.global_roles, p.ortho_lambda))
+        terms.append(Orthogonality(infos, shapes, scalings, p.global_roles, p.ortho_lambda, p.ortho_on))
     return Recipe(split, terms)
 
 

@@ -23,6 +23,10 @@ class ClientConfig:
     lr: float = 5e-4
     weight_decay: float = 0.0
     optimizer: Literal["adamw", "sgd"] = "adamw"
+    momentum: float = 0.0  # SGD only (torch.optim.SGD's momentum; Dassl, FedPuReL's code base, uses 0.9)
+    # the client lr over the rounds: constant, or cosine annealing from client.lr in round 1 to 0
+    # after the last (lr_t = lr·(1 + cos(π·(t−1)/T))/2, t = 1..T; FedPuReL's official code)
+    schedule: Literal["constant", "cosine"] = "constant"
     logit_adjustment: float = 0.0  # τ of logit-adjusted training (Menon et al. 2021); 0 = off
     # Fed-GraB (Xiao et al. 2023; fedsplice.core.grab): per-class PID-steered re-weighting of the
     # positive / negative logit gradients, on the classes the global model's prior calls tail.
@@ -54,6 +58,19 @@ class ClientConfig:
             raise ConfigError("client.max_steps must be >= 0 (0 = whole epochs)")
         if self.weight_decay < 0:
             raise ConfigError("client.weight_decay must be >= 0")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"client.momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum > 0 and self.optimizer != "sgd":
+            raise ConfigError(f"client.momentum is SGD's; with client.optimizer = {self.optimizer!r} set it to 0 "
+                              f"or set client.optimizer = 'sgd'")
+        if self.schedule not in ("constant", "cosine"):
+            raise ConfigError(f"client.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+
+    def lr_at(self, rnd: int, rounds: int) -> float:
+        """The client lr of round `rnd` (1-based) of `rounds` under client.schedule."""
+        if self.schedule == "constant" or rounds <= 0:
+            return self.lr
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * (min(max(rnd, 1), rounds) - 1) / rounds))
 
     def check_grab(self) -> None:
         """Fed-GraB's fields (checked whether or not client.grab is on)."""
@@ -133,6 +150,9 @@ class EvalConfig:
     cold_start_epochs: int = 5  # held-out clients: step 0, then after 1..N local epochs
     many_threshold: int = 100  # many-shot classes: > this many global training samples
     few_threshold: int = 20  # few-shot classes: < this many; medium in between
+    # a shot group (many / medium / few) is reported only on at least this many test samples
+    # (PM pools the clients' local test sets); fewer: null, and "<group>_n" says how many
+    min_group_samples: int = 30
     balancedness_sigma: float = 0.1  # σ of β(V); 0.1 and 0.01 are always reported too
 
     def check(self) -> None:
@@ -144,6 +164,7 @@ class EvalConfig:
             raise ConfigError(f"eval.few_threshold ({self.few_threshold}) must be in [0, "
                               f"eval.many_threshold ({self.many_threshold})]")
         check_positive("eval.balancedness_sigma", self.balancedness_sigma)
+        check_positive("eval.min_group_samples", self.min_group_samples)
 
 
 @dataclass

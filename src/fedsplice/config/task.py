@@ -77,8 +77,11 @@ class PeftConfig:
     layers: list[int] = field(default_factory=list)  # empty: every layer
     tower: str = ""  # CLIP-style models: "text_model" or "vision_model"; empty: the only tower
     use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
-    # CoOp prompt context on the class side of a dual encoder
-    n_ctx: int = 0  # 0: the words of data.class_prompt before {label}, initialized from them
+    # CoOp prompt context on the class side of a dual encoder. random: n_ctx vectors ~ N(0, 0.02²)
+    # from the seeded init stream (CoOp, FedPuReL's official code; round 0 is then NOT zero-shot);
+    # template: the word embeddings of data.class_prompt's words before {label} (round 0 = zero-shot)
+    prompt_init: Literal["random", "template"] = "random"
+    n_ctx: int = 0  # 0: 4 with random init (the FedPuReL paper's prompt length), the words' count with template
     class_specific: bool = False  # one context per class instead of one shared
     portfolio: float = 0.0  # PromptFolio θ: mix a private local prompt's class features with weight θ
     # FedCLIP feature adapter on the input embedding
@@ -98,6 +101,8 @@ class PeftConfig:
             raise ConfigError("peft.n_ctx and peft.adapter_hidden must be >= 0 (0 = automatic)")
         if not 0.0 <= self.portfolio < 1.0:
             raise ConfigError(f"peft.portfolio must be in [0, 1), got {self.portfolio}")
+        if self.prompt_init not in ("random", "template"):
+            raise ConfigError(f"peft.prompt_init must be 'random' or 'template', got {self.prompt_init!r}")
         if self.portfolio > 0 and self.type != "prompt":
             raise ConfigError("peft.portfolio mixes prompt contexts: set peft.type = 'prompt'")
         if self.type == "full" and (self.layers or self.tower or self.dropout > 0):
@@ -121,7 +126,12 @@ class DataConfig:
     # Long tail (FedPuReL): n_c = n_max·IF^(−c/(C−1)) training samples for the c-th largest
     # class before partitioning; imbalance = 1 keeps the data as it is.
     imbalance: float = 1.0
-    n_max: int = 0  # 0: the largest class's size
+    # which class is the c-th: "size" ranks classes by how many samples they have (largest first);
+    # "permuted" by a seeded permutation unrelated to the data or the model, as long-tailed
+    # benchmarks (CIFAR-100-LT, ImageNet-LT) assign ranks. Permuted needs every class to hold the
+    # count its rank asks for (else an error names the class and the largest n_max that fits).
+    long_tail_order: Literal["size", "permuted"] = "size"
+    n_max: int = 0  # 0: the largest class's size ("size"); the largest n_max that fits ("permuted")
     # Users' image data (images:DIR, csv/jsonl with an `image` column): a file that fails to
     # decode is an error naming it; true reports each one and skips it instead.
     skip_bad_images: bool = False
@@ -183,6 +193,8 @@ class DataConfig:
         check_positive("data.local_test_size", self.local_test_size)
         if self.max_per_class < 0:
             raise ConfigError("data.max_per_class must be >= 0 (0 = no cap)")
+        if self.long_tail_order not in ("size", "permuted"):
+            raise ConfigError(f"data.long_tail_order must be 'size' or 'permuted', got {self.long_tail_order!r}")
         if self.imbalance < 1:
             raise ConfigError(f"data.imbalance (IF) must be >= 1 (1 = no long-tail cut), got {self.imbalance}")
         if self.n_max < 0:

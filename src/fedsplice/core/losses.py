@@ -53,11 +53,15 @@ class OrthoPair:
 
 
 class Orthogonality:
-    """λo·Lo between the LoRA of `global_roles` and of the other roles, per attention block."""
+    """λo·Lo between the LoRA of `global_roles` and of the other roles, per attention block.
+
+    on = "BA" is Eq. 11 (the updates ΔW = s·B·A). on = "A" is our extension, not the paper's:
+    Σ ‖A_g A_pᵀ‖²_F on the down-projections alone (no scale), which is non-zero from the first
+    step since A starts random while B starts at zero."""
 
     def __init__(self, infos: dict[str, ParamInfo], shapes: dict[str, torch.Size],
-                 scalings: dict[str, float], global_roles, weight: float):
-        self.weight = weight
+                 scalings: dict[str, float], global_roles, weight: float, on: str = "BA"):
+        self.weight, self.on = weight, on
         self.pairs: list[OrthoPair] = []
         blocks: dict[str, dict[str, dict[str, str]]] = {}
         for name, info in infos.items():
@@ -79,6 +83,9 @@ class Orthogonality:
         # parameters' own dtype and device (cached): a float32 copy put a 2e-8 relative error on
         # float64 runs (rsLoRA's alpha/sqrt(r), for one, is not a float32 number).
         self._groups = [(key[0], grp, [(pr.s_g * pr.s_p) ** 2 for pr in grp]) for key, grp in groups.items()]
+        if on == "A" and any(shapes[pr.a_g][1] != shapes[pr.a_p][1] for pr in self.pairs):
+            raise ConfigError("method.ortho_on = 'A' needs equal LoRA input sizes in every global/private pair; "
+                              "use method.ortho_on = 'BA'")
         self._scales: dict[tuple, torch.Tensor] = {}
 
     def _scale(self, i: int, like: torch.Tensor) -> torch.Tensor:
@@ -107,15 +114,22 @@ class Orthogonality:
             a_g, b_g, a_p, b_p = (torch.stack([params[getattr(pr, f)] for pr in grp]) for f in ("a_g", "b_g", "a_p", "b_p"))
             scale = self._scale(i, a_g)
             t = lambda x: x.transpose(1, 2)  # noqa: E731
-            if form == "column":  # as ortho_column, batched over pairs
-                m = t(b_g) @ b_p
-                prod = t(m) @ (a_g @ t(a_g)) @ m @ (a_p @ t(a_p))
-            else:  # as ortho_row
-                c = a_g @ t(a_p)
-                prod = (t(b_g) @ b_g) @ c @ (t(b_p) @ b_p) @ t(c)
-            term = (scale * prod.diagonal(dim1=1, dim2=2).sum(-1)).sum()
+            if self.on == "A":
+                term = ((a_g @ t(a_p)) ** 2).sum()
+            else:
+                term = (scale * self._trace(form, a_g, b_g, a_p, b_p, t)).sum()
             total = term if total is None else total + term
         return self.weight * (torch.zeros(()) if total is None else total)
+
+    @staticmethod
+    def _trace(form, a_g, b_g, a_p, b_p, t) -> torch.Tensor:
+        if form == "column":  # as ortho_column, batched over pairs
+            m = t(b_g) @ b_p
+            prod = t(m) @ (a_g @ t(a_g)) @ m @ (a_p @ t(a_p))
+        else:  # as ortho_row
+            c = a_g @ t(a_p)
+            prod = (t(b_g) @ b_g) @ c @ (t(b_p) @ b_p) @ t(c)
+        return prod.diagonal(dim1=1, dim2=2).sum(-1)
 
 
 class Proximal:

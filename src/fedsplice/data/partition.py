@@ -156,6 +156,26 @@ def long_tail_counts(num_classes: int, n_max: int, imbalance: float) -> list[int
             for c in range(num_classes)]
 
 
+def permuted_n_max(counts: np.ndarray, order: np.ndarray, imbalance: float, n_max: int,
+                   class_names: list[str]) -> int:
+    """n_max for a long tail whose ranks are `order` (head first): the given one if every class
+    holds the count its rank asks for, or (n_max = 0) the largest that fits, so the profile and
+    the IF hold exactly; an error names the first class that falls short."""
+    c = len(counts)
+    ratio = [imbalance ** (-r / (c - 1)) if c > 1 else 1.0 for r in range(c)]
+    fits = min(int(math.floor(counts[k] / ratio[r] + 1e-9)) for r, k in enumerate(order))
+    if n_max == 0:
+        return fits
+    need = long_tail_counts(c, n_max, imbalance)
+    for r, k in enumerate(order):
+        if counts[k] < need[r]:
+            raise ConfigError(f"data.n_max = {n_max}: with data.long_tail_order = 'permuted' class "
+                              f"{class_names[k]!r} has rank {r} and needs {need[r]} training samples but has "
+                              f"{counts[k]}; set data.n_max <= {fits} (or 0 for that) or use a data set with "
+                              f"more samples a class")
+    return n_max
+
+
 def long_tail_subsample(labels: np.ndarray, n_max: int, imbalance: float,
                         rng: np.random.Generator,
                         class_order: np.ndarray | None = None) -> np.ndarray:

@@ -49,7 +49,7 @@ def with_longtail(exp, m: dict, correct, total, zs_correct) -> dict:
         return out
     out.update(longtail_metrics(correct, total, correct if zs_correct is None else zs_correct,
                                 exp.caches["train_counts"], many=e.many_threshold, few=e.few_threshold,
-                                sigma=e.balancedness_sigma))
+                                sigma=e.balancedness_sigma, min_group=e.min_group_samples))
     if zs_correct is None:
         out["head_bias"] = None
     # per class, in class order (None: no test sample of that class): the head-to-tail plots
@@ -62,7 +62,10 @@ def summarize_pm(exp, per_client: list[dict]) -> dict:
     metrics pool the clients' local test predictions (per-class counts summed)."""
     pooled = [None if per_client[0][k] is None else np.sum([m[k] for m in per_client], axis=0)
               for k in ("class_correct", "class_total", "zs_class_correct")]
-    return with_longtail(exp, summarize_clients(per_client), *pooled)
+    out = with_longtail(exp, summarize_clients(per_client), *pooled)
+    # per client, in the order given (the training clients): paired comparisons across methods
+    out["client_accuracy"] = [float(m["accuracy"]) for m in per_client]
+    return out
 
 
 def pooled_gm(exp, per_client: list[dict]) -> dict:

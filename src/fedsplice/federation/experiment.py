@@ -68,14 +68,19 @@ def sampling_stream(cfg: ExperimentConfig, train_ids: list[int]) -> list[list[in
 
 
 def apply_long_tail(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
-    """Cut the training set to the exponential profile, largest available class first."""
-    if cfg.data.imbalance <= 1:
+    """Cut the training set to the exponential profile: the largest available class first
+    (data.long_tail_order = "size") or in a seeded permutation of the classes ("permuted")."""
+    dc = cfg.data
+    if dc.imbalance <= 1:
         return data
     counts = np.bincount(data.train_labels, minlength=len(data.class_names))
-    order = np.argsort(-counts, kind="stable")
-    n_max = cfg.data.n_max or int(counts.max())
-    keep = P.long_tail_subsample(data.train_labels, n_max, cfg.data.imbalance, rng(cfg, LONG_TAIL),
-                                 class_order=order)
+    g = rng(cfg, LONG_TAIL)
+    if dc.long_tail_order == "permuted":
+        order = g.permutation(len(counts))  # drawn first: the subsample below follows it
+        n_max = P.permuted_n_max(counts, order, dc.imbalance, dc.n_max, data.class_names)
+    else:
+        order, n_max = np.argsort(-counts, kind="stable"), dc.n_max or int(counts.max())
+    keep = P.long_tail_subsample(data.train_labels, n_max, dc.imbalance, g, class_order=order)
     if data.report:
         data.report["dropped"]["long_tail"] = len(data.train_labels) - len(keep)
     data.train_texts = [data.train_texts[i] for i in keep]

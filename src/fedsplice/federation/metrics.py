@@ -70,9 +70,10 @@ def head_bias(train_counts, acc, zs_acc) -> float | None:
 
 
 def longtail_metrics(correct, total, zs_correct, train_counts, *, many: int, few: int,
-                     sigma: float) -> dict:
-    """Group accuracies, balancedness at σ (and at 0.1, 0.01) and head bias, over classes that
-    have test samples. A group with no such class is None."""
+                     sigma: float, min_group: int = 1) -> dict:
+    """Group accuracies (with their test-sample counts, "<group>_n"), balancedness at σ (and at
+    0.1, 0.01) and head bias, over classes that have test samples. A group with fewer than
+    `min_group` test samples is None: an accuracy on 0-2 samples is noise, not a result."""
     total = np.asarray(total)
     has = total > 0
     acc = np.where(has, np.asarray(correct) / np.maximum(total, 1), 0.0)
@@ -80,7 +81,9 @@ def longtail_metrics(correct, total, zs_correct, train_counts, *, many: int, few
     out = {}
     for name, mask in shot_groups(train_counts, many, few).items():
         m = mask & has
-        out[name] = float(np.asarray(correct)[m].sum() / total[m].sum()) if m.any() else None
+        n_group = int(total[m].sum())
+        out[f"{name}_n"] = n_group
+        out[name] = float(np.asarray(correct)[m].sum() / n_group) if n_group >= max(min_group, 1) else None
     a, z, n = acc[has], zs[has], np.asarray(train_counts)[has]
     out["balancedness"] = balancedness(a, sigma)
     out["balancedness_sigma"] = sigma

@@ -52,13 +52,18 @@ def gm_and_pm(exp, transport, global_params: dict, gm_first: bool = False) -> di
         down = wire.encode(global_params)
         gm = pooled_gm(exp, list(transport.run("evaluate_global", exp.train_ids, down).values()))
         per_client = transport.run("evaluate", exp.train_ids, down)
-        return {"gm": gm, "pm": summarize_pm(exp, list(per_client.values()))}
+        return {"gm": gm, "pm": summarize_pm(exp, in_order(per_client))}
     if gm_first:
         gm = evaluate_global(exp, global_params)
     per_client = transport.run("evaluate", exp.train_ids, wire.encode(global_params))
     if not gm_first:
         gm = evaluate_global(exp, global_params)
-    return {"gm": gm, "pm": summarize_pm(exp, list(per_client.values()))}
+    return {"gm": gm, "pm": summarize_pm(exp, in_order(per_client))}
+
+
+def in_order(per_client: dict[int, dict]) -> list[dict]:
+    """Replies by client id (a deployment answers in arrival order): client_accuracy pairs up."""
+    return [per_client[c] for c in sorted(per_client)]
 
 
 def evaluate_only(exp, transport, on_round: Callable[[dict], None]) -> dict:
@@ -132,7 +137,7 @@ def run_rounds(exp, store, on_round: Callable[[dict], None], *, transport, start
 def personalization(exp, transport, global_params: dict) -> dict:
     """PM after the recipe's local stage (FedPuReL phase 2), run as the `personalize` task on
     every training client; only its metrics come back."""
-    return summarize_pm(exp, list(transport.run("personalize", exp.train_ids, wire.encode(global_params)).values()))
+    return summarize_pm(exp, in_order(transport.run("personalize", exp.train_ids, wire.encode(global_params))))
 
 
 def cold_start(exp, transport, global_params: dict) -> dict:

@@ -53,7 +53,7 @@ def split_state(exp, st: dict | None) -> tuple[dict, dict]:
 def train_context(exp, cid: int, received: dict, **extra) -> dict:
     """What the objective and loss terms may read: the weights received this round (FedProx),
     the client's logit-adjustment offset, and the frozen caches (zero-shot logits)."""
-    ctx = {"global_ref": received, "client": cid, **exp.caches, **extra}
+    ctx = {"global_ref": received, "client": cid, "split": exp.recipe.split, **exp.caches, **extra}
     tau = exp.cfg.client.logit_adjustment
     if tau > 0:  # Menon et al.: tau * log(local class prior), from the client's own labels
         counts = np.bincount(exp.data.train_labels[exp.clients[cid].train_idx], minlength=len(exp.data.class_names))
@@ -142,6 +142,13 @@ def pooled_budget(exp, cid: int):
     return dataclasses.replace(cc, max_steps=steps, local_epochs=math.ceil(steps / epoch))
 
 
+def round_config(exp, cid: int, rnd: int):
+    """The client config of round `rnd`: the pooled budget for a pooled recipe, and the round's
+    lr under client.schedule (cosine annealing over server.rounds)."""
+    cc = pooled_budget(exp, cid) if exp.recipe.pooled else exp.cfg.client
+    return dataclasses.replace(cc, lr=cc.lr_at(rnd, exp.cfg.server.rounds))
+
+
 def predict_local_test(exp, cid: int) -> np.ndarray:
     d, idx = exp.data, exp.clients[cid].test_idx
     return exp.model.predict([d.test_texts[i] for i in idx], exp.cfg.eval.batch_size).numpy()
@@ -160,7 +167,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     new_opt, stats = train_client(exp, cid, rnd=rnd, torch_round=rnd, ctx=train_context(exp, cid, received, round=rnd, **grab),
                                   objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
                                   keep_opt=keep, opt_state=opt_state,
-                                  client_cfg=pooled_budget(exp, cid) if r.pooled else None)
+                                  client_cfg=round_config(exp, cid, rnd))
     params = exp.model.trainable()
     codec = exp.cfg.client.upload
     residual = {k[3:]: v for k, v in (stored or {}).items() if k.startswith("ef/")} if codec == "int8" else {}

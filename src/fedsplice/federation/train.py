@@ -11,7 +11,7 @@ from fedsplice.config import ClientConfig
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: ClientConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
@@ -59,6 +59,33 @@ def backward(losses: dict, total, plist: list, grad_transform, sums: dict) -> No
         sums[k] = sums.get(k, 0.0) + float(v)
 
 
+def planned_steps(n: int, cfg: ClientConfig, epochs: int | None) -> int:
+    per_epoch = -(-n // cfg.batch_size)
+    total = (epochs or cfg.local_epochs) * per_epoch
+    return min(total, cfg.max_steps) if cfg.max_steps else total
+
+
+def term_diagnostics(task, terms: dict, plist: list, names: list[str], split: dict) -> dict:
+    """Per loss term, ‖∇term‖ / ‖∇task‖ on the GLOBAL and on the PRIVATE tensors (PFAdapter's
+    question: does λo·Lo move anything next to the task loss?), and the unweighted term value."""
+    def norms(loss) -> dict:
+        gs = torch.autograd.grad(loss, plist, retain_graph=True, allow_unused=True)
+        sq = {"global": 0.0, "private": 0.0}
+        for n, g in zip(names, gs):
+            if g is not None:
+                sq["private" if split.get(n) == "private" else "global"] += float((g.detach() ** 2).sum())
+        return {k: v ** 0.5 for k, v in sq.items()}
+
+    base, out = norms(task), {}
+    for key, (v, weight) in terms.items():
+        t = norms(v)
+        out[f"{key}_raw"] = float(v.detach()) / weight
+        for side in ("global", "private"):
+            if base[side] > 0:  # a side without tensors (or without a task gradient) has no ratio
+                out[f"{key}_grad_ratio_{side}"] = t[side] / base[side]
+    return out
+
+
 def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, loss_terms,
                 keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: dict,
                 objective=None, grad_transform=None, ids: np.ndarray | None = None,
@@ -85,17 +112,24 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
     by_param = {params[n]: n for n in names}
     y_all = torch.as_tensor(labels, dtype=torch.long)
     ids = np.arange(len(texts)) if ids is None else np.asarray(ids)
-    steps, sums = 0, {}
+    steps, sums, diag = 0, {}, {}
+    last = planned_steps(len(texts), cfg, epochs) - 1
     model.train()
     for _ in range(epochs or cfg.local_epochs):
         order = rng.permutation(len(texts))
         for i in range(0, len(order), cfg.batch_size):
             idx = order[i:i + cfg.batch_size]
             losses = objective(model, [texts[j] for j in idx], y_all[idx], ids[idx], ctx)
+            weighted, task = {}, losses["task"]
             for term in loss_terms:
                 v = term(params, ctx)
-                sums[type(term).__name__.lower()] = sums.get(type(term).__name__.lower(), 0.0) + float(v.detach())
+                key = type(term).__name__.lower()
+                sums[key] = sums.get(key, 0.0) + float(v.detach())
+                if steps == last and getattr(term, "weight", 0) > 0 and v.requires_grad:
+                    weighted[key] = (v, term.weight)
                 losses["task"] = losses["task"] + v
+            if weighted:  # measured once a round, on its last step (where the terms have grown most)
+                diag = term_diagnostics(task, weighted, plist, names, ctx.get("split", {}))
             total = sum(losses.values())
             opt.zero_grad(set_to_none=True)
             backward(losses, total, plist, grad_transform, sums)
@@ -108,5 +142,5 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
                 break
         if cfg.max_steps and steps >= cfg.max_steps:
             break
-    stats = {"steps": steps, **{k: v / max(steps, 1) for k, v in sums.items()}}
+    stats = {"steps": steps, **{k: v / max(steps, 1) for k, v in sums.items()}, **diag}
     return export_opt_state(opt, by_param, keep_opt), stats

@@ -1,8 +1,8 @@
 """PEFT types besides LoRA (which comes from HF peft): CoOp prompts and a FedCLIP feature adapter.
 
-Both start as the identity of the zero-shot model, so round 0 equals zero-shot exactly:
-the prompt context is initialized from the word embeddings of the class prompt's own words,
-and the adapter's attention starts uniform.
+The adapter starts as the identity of the zero-shot model (its attention is uniform). The prompt
+context starts random (CoOp; FedPuReL's official code) or, with peft.prompt_init = "template",
+from the word embeddings of the class prompt's own words, so that round 0 equals zero-shot.
 """
 
 from __future__ import annotations
@@ -18,25 +18,29 @@ class PromptLearner(nn.Module):
     """CoOp (Zhou et al. 2022): learnable context vectors replacing the words of the class prompt
     before "{label}" — "a quote about {label}." becomes [CLS] v_1..v_n label . [SEP].
 
-    n_ctx = 0 takes n from the template and initializes v from its words (exact zero-shot start);
-    n_ctx > 0 draws v ~ N(0, 0.02²) from a seeded generator. class_specific gives each class its
-    own context (C × n × d), else one shared context (n × d).
+    init "random" draws n_ctx vectors v ~ N(0, 0.02²) from a seeded generator (n_ctx 0: 4);
+    "template" initializes v from the words before {label} (n_ctx 0 or their count: an exact
+    zero-shot start). class_specific gives each class its own context (C × n × d), else one
+    shared context (n × d).
     """
 
     def __init__(self, tokenizer, word_embeddings: nn.Embedding, template: str, class_names: list[str],
-                 n_ctx: int, class_specific: bool, generator: torch.Generator):
+                 n_ctx: int, class_specific: bool, generator: torch.Generator, init: str = "random"):
         super().__init__()
         prefix, suffix = template.split("{label}", 1)
         emb = word_embeddings.weight
         prefix_ids = tokenizer(prefix.strip(), add_special_tokens=False)["input_ids"]
-        if n_ctx == 0 and not prefix_ids:
-            raise ConfigError(f"peft.n_ctx = 0 starts the context from the words of the class prompt before "
-                              f"{{label}}, and {template!r} has none; set peft.n_ctx (e.g. 4, random init) or a "
-                              f"data.class_prompt with words before {{label}}")
-        if n_ctx == 0:
+        if init == "template" and not prefix_ids:
+            raise ConfigError(f"peft.prompt_init = 'template' starts the context from the words of the class "
+                              f"prompt before {{label}}, and {template!r} has none; set peft.prompt_init = "
+                              f"'random' or a data.class_prompt with words before {{label}}")
+        if init == "template" and n_ctx not in (0, len(prefix_ids)):
+            raise ConfigError(f"peft.n_ctx = {n_ctx}: peft.prompt_init = 'template' takes one context vector per "
+                              f"token of {prefix.strip()!r} ({len(prefix_ids)}); set peft.n_ctx = 0")
+        if init == "template":
             init = emb[prefix_ids].detach().clone()
         else:
-            init = torch.randn(n_ctx, emb.shape[1], generator=generator) * 0.02
+            init = torch.randn(n_ctx or 4, emb.shape[1], generator=generator) * 0.02
         if class_specific:
             init = init.unsqueeze(0).repeat(len(class_names), 1, 1)
         self.ctx = nn.Parameter(init)

@@ -70,7 +70,8 @@ def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class
     """(prompt, prompt_local): the CoOp context, and PromptFolio's local one when portfolio > 0
     (drawn after the global one, from the same generator)."""
     def make():
-        return PromptLearner(tokenizer, word_embeddings, template, class_names, pc.n_ctx, pc.class_specific, gen)
+        return PromptLearner(tokenizer, word_embeddings, template, class_names, pc.n_ctx, pc.class_specific, gen,
+                              pc.prompt_init)
 
     prompt = make()
     local = make() if pc.portfolio > 0 else None
