@@ -66,7 +66,7 @@ SMOLLM2_OVERRIDES = {
     "eval.every": "2",
 }
 # Only for algorithms that take the key (method.* is validated per algorithm).
-METHOD_OVERRIDES = {"fedpurel": {"method.personal_steps": "2"}}
+METHOD_OVERRIDES = {"fedpurel": {"method.personal_rounds": "1"}}
 
 # Keys dropped at any depth: they differ between two runs of the same config.
 VOLATILE = {"time_s"}

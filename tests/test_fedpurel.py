@@ -384,7 +384,7 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
     from fedsplice.app.runner import run_experiment
 
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"',
-                      method=f'{{personal_steps = 2, granularity = "{granularity}"}}',
+                      method=f'{{personal_rounds = 1, granularity = "{granularity}"}}',
                       data__imbalance=3.0, eval__many_threshold=40, eval__few_threshold=20, eval__min_group_samples=1,
                       data__holdout_clients=0, data__num_clients=3)
     # watch phase 2: what goes over the wire, which clients run it, and what they are given
@@ -458,9 +458,10 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
     assert all(r["align_loss"] >= 0.0 for r in lines[1:3])
     # communication is phase 1's only
     assert results["communication"]["up_bytes"] == sum(r["up_bytes"] for r in lines[1:3])
-    # phase 2: the `personalize` client task on every training client, personal_steps = 2 local
-    # steps each, the GLOBAL tensors sent down once (decoded once in-process), no upload, no fit
-    assert seen["stage"].steps == 2
+    # phase 2: the `personalize` client task on every training client, personal_rounds = 1 round
+    # of client.max_steps = 2 local steps each, the GLOBAL tensors sent down once (decoded once
+    # in-process), no upload, no fit
+    assert seen["stage"].rounds == 1 and not seen["stage"].persistent
     assert sorted(seen["clients"]) == sorted(seen["train_ids"]) and len(seen["train_ids"]) == 3
     assert seen["steps"] == [2, 2, 2]
     assert seen["wire"] == ["encode", "decode"] and seen["fits_after"] == seen["fits_before"]
@@ -526,8 +527,8 @@ def test_personalize_predicts_global_plus_residual(purel_exp, monkeypatch):
     exp.model.load_params(global_params)
 
 
-def test_personal_steps_zero_trains_nothing(purel_exp, monkeypatch):
-    """method.personal_steps = 0: no local step runs, the residual branch stays at its fresh
+def test_personal_rounds_zero_trains_nothing(purel_exp, monkeypatch):
+    """method.personal_rounds = 0: no local step runs, the residual branch stays at its fresh
     init (bit for bit), and PM is l_G + l_P(fresh init) computed here by hand."""
     import dataclasses
 

@@ -18,7 +18,7 @@ from fedsplice.runtimes.flower.transport import FlowerTransport, JsonLog
 
 @pytest.fixture
 def purel_cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
-    return cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"', method__personal_steps=2)
+    return cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"', method__personal_rounds=1)
 
 
 def _flower_run(cfg, tmp_path, monkeypatch):

@@ -199,6 +199,6 @@ def test_bad_hyperparameters_are_one_line_errors(field, value, cfg, capsys):
 
 
 def test_an_algorithm_with_its_own_objective_refuses_the_switch(cfg):
-    exp = build(cfg(algorithm='"fedpurel"', method="{personal_steps = 1}", client__grab=True))
+    exp = build(cfg(algorithm='"fedpurel"', method="{personal_rounds = 1}", client__grab=True))
     with pytest.raises(ConfigError, match="client.grab"):
         grab_balancer(exp, None, {n: exp.init_params[n] for n in exp.global_names})

@@ -85,7 +85,7 @@ LT_KEYS = {"accuracy", "many", "medium", "few", "balancedness", "balancedness_0.
                                     "promptfl-fortunes.toml", "cliplora-fortunes.toml",
                                     "fedsa-lora-fortunes.toml", "zeroshot-fortunes.toml"])
 def test_long_tailed_fortunes_configs_write_every_metric(tmp_path, config):
-    extra = {"method__personal_steps": 2} if config.startswith("fedpurel") else {}
+    extra = {"method__personal_rounds": 1} if config.startswith("fedpurel") else {}
     r = _run(config, tmp_path / "run", data__holdout_clients=0, **extra)
     for group in ("gm", "pm"):
         assert LT_KEYS <= set(r[group]), (group, sorted(r[group]))

@@ -4,9 +4,10 @@
   forward, the task cross-entropy and the temperature-aligned KL toward the frozen zero-shot
   predictions (`fedsplice.core.tkl`), and steps with the task gradient purified against the
   alignment gradient (`fedsplice.core.purify`).
-- Phase 2 (§3.3, Eq. 6): the global PEFT is frozen; every training client trains a fresh,
-  private PEFT of the same type on (1−λ)·CE(y, l_G + l_P) + λ·CE(y, l_P) and predicts with
-  l_G + l_P. It runs as the `personalize` client task, where the client's data lives.
+- Phase 2 (§3.3, Eq. 12): the global PEFT is frozen; every training client trains a private
+  PEFT of the same type on (1−λ)·CE(y, l_G + l_P) + λ·CE(y, l_P) and predicts with l_G + l_P:
+  for T_p rounds after the T global ones (Algorithm 1), as the `personalize` client task, or
+  (method.phase2 = "persistent", the official code) a stored branch trained in every round.
 """
 
 from __future__ import annotations
@@ -30,13 +31,20 @@ class FedPuReLParams:
     granularity: Literal["tensor", "flat"] = "tensor"  # purify per tensor (official code) or flat (paper)
     align: Literal["tkl", "kl"] = "tkl"  # temperature-aligned KL, or plain KL (Table 6 ablation)
     purify: bool = True  # False: phase 1 is plain FedAvg of the same PEFT (ablation)
-    personal_steps: int = 30  # phase-2 local steps per client
+    # phase 2: "after" the T rounds, T_p = personal_rounds rounds of the client's local budget
+    # (the paper's Algorithm 1); "persistent": a branch kept on the client and trained one round's
+    # budget in every round it is sampled (the official code); personal_rounds is then unused
+    phase2: Literal["after", "persistent"] = "after"
+    personal_rounds: int = 10  # T_p (the paper gives no value)
 
     def check(self) -> None:
         if not 0.0 <= self.lam <= 1.0:
             raise ConfigError(f"method.lam must be in [0, 1], got {self.lam}")
-        if self.personal_steps < 0:
-            raise ConfigError(f"method.personal_steps must be >= 0, got {self.personal_steps}")
+        if self.personal_rounds < 0:
+            raise ConfigError(f"method.personal_rounds (T_p) must be >= 0, got {self.personal_rounds}")
+        if self.phase2 not in ("after", "persistent"):
+            raise ConfigError(f"method.phase2 must be 'after' (the paper) or 'persistent' (the official code), "
+                              f"got {self.phase2!r}")
 
 
 @torch.no_grad()
@@ -80,7 +88,7 @@ def build(p: FedPuReLParams, infos, shapes, scalings) -> Recipe:
                   objective=align_objective(p.align == "tkl") if p.purify else None,
                   grad_transform=purification(p.granularity) if p.purify else None,
                   needs_zero_shot=p.purify,
-                  personalize=PersonalStage(residual_objective(p.lam), p.personal_steps))
+                  personalize=PersonalStage(residual_objective(p.lam), p.personal_rounds, p.phase2 == "persistent"))
 
 
 FEDPUREL = Algorithm(FedPuReLParams, build,

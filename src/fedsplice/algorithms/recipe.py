@@ -20,13 +20,20 @@ class NoParams:
 
 @dataclass(frozen=True)
 class PersonalStage:
-    """A local stage after the rounds (FedPuReL phase 2), run by every training client as the
-    `personalize` client task: the frozen global model's logits on the client's data go into
-    ctx["global_logits"], a fresh PEFT of the same type trains `steps` steps on `objective`, and
-    the client scores global + personal logits. Nothing is communicated but the metrics."""
+    """A private residual branch (FedPuReL phase 2): a second PEFT of the same type, trained on
+    `objective` with the frozen global model's logits on the client's data in
+    ctx["global_logits"]; the client predicts with global + branch logits. Nothing of it is
+    communicated but metrics.
+
+    persistent = False (the paper's Algorithm 1): after the rounds, every training client trains
+    a fresh branch for `rounds` rounds of its local budget, as the `personalize` client task.
+    persistent = True (the official code): a sampled client trains its stored branch for one
+    round's budget in every round (in `fit`, against the global tensors it received); PM is
+    global + branch at every evaluation, and `personalize` only scores."""
 
     objective: Callable  # (model, texts, y, ids, ctx) -> {"task": loss}
-    steps: int
+    rounds: int
+    persistent: bool = False
 
 
 @dataclass

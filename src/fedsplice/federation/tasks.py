@@ -160,8 +160,12 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     stored = store.get(cid)  # read once: PRIVATE tensors, optimizer state, error-feedback residual
     priv, opt_state = split_state(exp, stored)
     grab = {"grab": grab_balancer(exp, stored, received)} if exp.cfg.client.grab else {}
-    exp.model.load_params({**received, **priv})
     r = exp.recipe
+    branch = {}
+    if r.personalize and r.personalize.persistent:  # the official code's branch, one round a round
+        branch = train_branch(exp, cid, received, stored_branch(exp, stored), range(rnd, rnd + 1),
+                              global_logits(exp, cid, received)[0])
+    exp.model.load_params({**received, **priv})
     # pooled (centralized): its optimizer state persists across rounds, one continuous training run
     keep = exp.global_names + exp.private_names if r.pooled else exp.private_names
     new_opt, stats = train_client(exp, cid, rnd=rnd, torch_round=rnd, ctx=train_context(exp, cid, received, round=rnd, **grab),
@@ -175,7 +179,8 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     store.put(cid, {**{f"param/{n}": params[n] for n in exp.private_names},
                     **{f"opt/{k}": v for k, v in new_opt.items()},
                     **{f"ef/{k}": v for k, v in residual.items()},  # error feedback: never sent
-                    **{f"grab/{k}": v for k, v in (grab["grab"].state.items() if grab else ())}})
+                    **{f"grab/{k}": v for k, v in (grab["grab"].state.items() if grab else ())},
+                    **{f"branch/{k}": v for k, v in branch.items()}})
     return up, stats
 
 
@@ -187,29 +192,57 @@ def evaluate(exp, store, cid: int, global_params: dict) -> dict:
     if exp.recipe.prior:
         logits = prior_logits(exp, [cid] if exp.recipe.prior == "local" else exp.train_ids, len(idx))
         return score(exp, exp.data.test_labels[idx], logits, idx)
-    priv, _ = split_state(exp, store.get(cid))
+    stored = store.get(cid)
+    priv, _ = split_state(exp, stored)
     exp.model.load_params({**global_params, **priv})
-    return score(exp, exp.data.test_labels[idx], predict_local_test(exp, cid), idx)
+    logits = predict_local_test(exp, cid)
+    if exp.recipe.personalize and exp.recipe.personalize.persistent:  # PM = l_G + the stored branch
+        exp.model.load_params(stored_branch(exp, stored))
+        logits = logits + predict_local_test(exp, cid)
+    return score(exp, exp.data.test_labels[idx], logits, idx)
 
 
-def personalize(exp, store, cid: int, global_params: dict) -> dict:
-    """The recipe's local stage (FedPuReL phase 2): cache l_G (the frozen global branch) on the
-    client's data once, train a fresh PEFT of the same type on the stage's objective, and score
-    l_G + l_P on the local test set."""
-    stage, d, c = exp.recipe.personalize, exp.data, exp.clients[cid]
+def global_logits(exp, cid: int, global_params: dict) -> tuple[torch.Tensor, np.ndarray]:
+    """The frozen global branch l_G on client `cid`'s training data (in a table indexed by
+    training sample id, as the objective looks them up) and on its local test set."""
+    d, c = exp.data, exp.clients[cid]
     exp.model.load_params(global_params)
     l_g = torch.zeros(len(d.train_texts), len(d.class_names))
     l_g[torch.as_tensor(c.train_idx)] = exp.model.predict([d.train_texts[i] for i in c.train_idx],
                                                           exp.cfg.eval.batch_size)
-    l_g_test = predict_local_test(exp, cid)
-    exp.model.load_params({n: t.clone() for n, t in exp.init_params.items()})
-    if stage.steps > 0:  # 0: l_P stays at its fresh init (client.max_steps = 0 would mean "no cap")
-        ccfg = dataclasses.replace(exp.cfg.client, max_steps=stage.steps, local_epochs=max(stage.steps, 1))
-        train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND, torch_round=streams.PERSONALIZE_TORCH_ROUND,
-                     ctx=train_context(exp, cid, global_params, global_logits=l_g), objective=stage.objective,
-                     client_cfg=ccfg)
+    return l_g, predict_local_test(exp, cid)
+
+
+def train_branch(exp, cid: int, global_params: dict, branch: dict, rounds: range, l_g: torch.Tensor) -> dict:
+    """The residual branch l_P: `branch` loaded and trained on the stage's objective for one
+    local budget per round key in `rounds` (one optimizer across them); returns its tensors."""
+    exp.model.load_params(branch)
+    opt: dict = {}
+    for r in rounds:
+        opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r, torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
+                              ctx=train_context(exp, cid, global_params, global_logits=l_g),
+                              objective=exp.recipe.personalize.objective, keep_opt=set(branch), opt_state=opt)
+    return {n: t.detach().clone() for n, t in exp.model.trainable().items()}
+
+
+def stored_branch(exp, stored: dict | None) -> dict:
+    """A client's residual branch from its store ("branch/..."), or a fresh PEFT (init params)."""
+    got = {k[len("branch/"):]: v for k, v in (stored or {}).items() if k.startswith("branch/")}
+    return got or {n: t.clone() for n, t in exp.init_params.items()}
+
+
+def personalize(exp, store, cid: int, global_params: dict) -> dict:
+    """The recipe's residual branch (FedPuReL phase 2) scored as l_G + l_P on the local test set:
+    trained now from a fresh PEFT for the stage's T_p rounds, or, persistent, the client's stored
+    branch as the rounds left it."""
+    stage, c = exp.recipe.personalize, exp.clients[cid]
+    l_g, l_g_test = global_logits(exp, cid, global_params)
+    if stage.persistent:
+        exp.model.load_params(stored_branch(exp, store.get(cid)))
+    else:  # rounds = 0: l_P stays at its fresh init
+        train_branch(exp, cid, global_params, stored_branch(exp, None), range(stage.rounds), l_g)
     logits = l_g_test + predict_local_test(exp, cid)
-    return score(exp, d.test_labels[c.test_idx], logits, c.test_idx)
+    return score(exp, exp.data.test_labels[c.test_idx], logits, c.test_idx)
 
 
 def cold_start(exp, store, cid: int, global_params: dict) -> dict:
