@@ -185,3 +185,28 @@ def test_pfadapter_rounds_log_lo_and_gradient_ratios(cfg):
         assert r["orthogonality_raw"] >= 0.0
         assert r["orthogonality_grad_ratio_global"] >= 0.0 and r["orthogonality_grad_ratio_private"] >= 0.0
     assert records[-1]["orthogonality_raw"] > 0.0  # B has moved off zero by round 2
+
+
+# ----------------------------------------------------------------------------- validation split
+
+
+def test_validation_split_replaces_the_test_set(cfg):
+    base = build(cfg(data__holdout_clients=0)).data
+    v = build(cfg(data__holdout_clients=0, eval__on='"validation"', eval__validation_per_class=3)).data
+    assert len(v.test_texts) == 3 * 3 and np.bincount(v.test_labels).tolist() == [3, 3, 3]
+    assert set(v.test_texts) <= set(base.train_texts) and not set(v.test_texts) & set(base.test_texts)
+    assert len(v.train_texts) == len(base.train_texts) - 9 and not set(v.test_texts) & set(v.train_texts)
+    with pytest.raises(ConfigError, match="eval.on: unknown value 'dev'; choose one of test, validation"):
+        cfg(eval__on='"dev"')
+
+
+def test_feature_adapter_by_hand():
+    from fedsplice.model.adapters import FeatureAdapter
+
+    f = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    a = FeatureAdapter(6, 4, torch.Generator().manual_seed(1))
+    att = torch.softmax(a.fc2(torch.tanh(a.fc1(f))), dim=-1)  # FedCLIP: tanh, then softmax attention
+    assert torch.allclose(a(f), att * f * 6)
+    assert float(a.fc2.weight.detach().abs().sum()) > 0 and float(a.fc2.bias.detach().abs().sum()) > 0  # random
+    z = FeatureAdapter(6, 4, torch.Generator().manual_seed(1), init="zero")
+    assert torch.allclose(z(f), f)  # uniform attention: f itself, round 0 = zero-shot

@@ -91,7 +91,7 @@ def test_clip_fedpurel_on_user_images_with_a_missing_modality_scenario(tmp_path,
     out = tmp_path / "fp"
     r = run(["configs/fedpurel-lora-fmnist.toml", *set_args({
         "model.name": f"'{clip}'", "data.dataset": f"'jsonl:{vqa_jsonl}'", "data.imbalance": "1.0",
-        "data.n_max": "0", "method.personal_steps": "1", "scenario.missing_rate": "0.5",
+        "data.n_max": "0", "method.personal_rounds": "1", "scenario.missing_rate": "0.5",
         "scenario.missing": "'either'"}), *TINY], out)
     check_gm(r, out, test_size=3 * 4)
     recs = records(out)
@@ -128,7 +128,7 @@ def test_easyvqa_configs_run_on_smollm2_and_are_labelled_random(tmp_path, config
 
 @pytest.mark.slow
 def test_fedpurel_clip_config_on_fashion_mnist(tmp_path):
-    small = set_args(ZOO_SMALL, method__personal_steps=1, data__n_max=40)
+    small = set_args(ZOO_SMALL, method__personal_rounds=1, data__n_max=40)
     assert main(["run", str(ROOT / "configs" / "fedpurel-lora-fmnist.toml"), "--out", str(tmp_path / "r"),
                  "--quiet", *small]) == 0
     r = json.loads((tmp_path / "r" / "results.json").read_text())

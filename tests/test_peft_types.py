@@ -58,8 +58,9 @@ PEFTS = {
                                   peft__prompt_init='"template"'),
     "promptfolio": dict(algorithm='"promptfolio"', peft__type='"prompt"', peft__portfolio=0.2,
                         peft__prompt_init='"template"'),
-    "adapter": dict(algorithm='"fedclip"', peft__type='"adapter"'),
-    "adapter-narrow": dict(algorithm='"fedclip"', peft__type='"adapter"', peft__adapter_hidden=8),
+    "adapter": dict(algorithm='"fedclip"', peft__type='"adapter"', peft__adapter_init='"zero"'),
+    "adapter-narrow": dict(algorithm='"fedclip"', peft__type='"adapter"', peft__adapter_hidden=8,
+                           peft__adapter_init='"zero"'),
 }
 
 

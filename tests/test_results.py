@@ -25,28 +25,61 @@ def res(pm, up=100.0, gm=0.5, cold=None):
 
 
 def test_verdicts_against_hand_computed_cases():
+    """Each verdict on constructed cases; the intervals are the exact bootstrap's (3 seeds: all
+    27 resamples), which 10,000 Monte-Carlo draws reach at these quantiles."""
+    from fedsplice.app import stats as S
+
     results = {"a": [res(0.6), res(0.7), res(0.5)], "b": [res(0.5), res(0.6), res(0.55)],
                "c": [res(0.4, up=50), res(0.4, up=50), res(0.4, up=50)], "d": [res(0.9), res(0.1), res(0.2)]}
-    # a beats b in seeds 0 and 1 (+0.1 each), not in seed 2 (−0.05): mean Δ = +0.05 -> inconclusive
+    # a − b = (+0.1, +0.1, −0.05): the all-seed-2 resample (1/27 > 2.5%) puts −0.05 in the interval
     v, ev = R.verdict({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"}, results, [])
-    assert v == "inconclusive" and "ahead in 2/3 seeds" in ev and "Δ +0.0500" in ev
+    iv = S.exact_bootstrap_1d([0.1, 0.1, -0.05])
+    assert (iv.lo, iv.hi) == pytest.approx((-0.05, 0.1))
+    assert v == "inconclusive" and "Δ +0.0500 [95% CI -0.0500, +0.1000] over 3 seeds" in ev
+    # a − c = (0.2, 0.3, 0.1) > 0 in every resample: held; the reverse: did not hold
     assert R.verdict({"kind": "greater", "a": "a", "b": "c", "metric": "PM acc"}, results, [])[0] == "held"
     assert R.verdict({"kind": "greater", "a": "c", "b": "a", "metric": "PM acc"}, results, [])[0] == "did not hold"
-    # best by mean: a 0.600, b 0.550, d 0.400
-    assert R.verdict({"kind": "best", "a": "a", "metric": "PM acc"}, results, ["a", "b", "d"])[0] == "held"
-    v, ev = R.verdict({"kind": "best", "a": "b", "metric": "PM acc"}, results, ["a", "b", "d"])
-    assert v == "did not hold" and "(a)" in ev
+    # best: a beats c surely, d only in 2 of 3 seeds (−0.3, +0.6, +0.3): inconclusive; held without d
+    assert R.verdict({"kind": "best", "a": "a", "metric": "PM acc"}, results, ["a", "c", "d"])[0] == "inconclusive"
+    assert R.verdict({"kind": "best", "a": "a", "metric": "PM acc"}, results, ["a", "c"])[0] == "held"
+    v, ev = R.verdict({"kind": "best", "a": "c", "metric": "PM acc"}, results, ["a", "b", "c"])
+    assert v == "did not hold" and "significantly behind a, b" in ev
     # bytes ratio c / a = 50 / 100
     ratio = {"kind": "ratio", "a": "c", "b": "a", "metric": "up B/round", "low": 0.45, "high": 0.55}
     assert R.verdict(ratio, results, [])[0] == "held"
     assert R.verdict({**ratio, "low": 0.55, "high": 0.6}, results, [])[0] == "did not hold"
-    # gap a - c (0.2, 0.3, 0.1) vs b - c (0.1, 0.2, 0.15): larger in 2/3 seeds, mean larger
+    # gap a − c (0.2, 0.3, 0.1) vs b − c (0.1, 0.2, 0.15): difference (0.1, 0.1, −0.05) as above
     gap = {"kind": "gap_greater", "a1": "a", "b1": "c", "a2": "b", "b2": "c", "metric": "PM acc"}
-    assert R.verdict(gap, results, []) == ("inconclusive", "PM acc: gap +0.2000 vs +0.1500 (larger in 2/3 seeds)")
-    cold = {"x": [res(0.5, cold=[0.3, 0.5])], "y": [res(0.5, cold=[0.2, 0.6])]}
+    v, ev = R.verdict(gap, results, [])
+    assert v == "inconclusive" and ev.startswith("PM acc: gap +0.2000 vs +0.1500; difference of gaps Δ +0.0500")
+    cold = {"x": [res(0.5, cold=[0.3, 0.5]), res(0.5, cold=[0.35, 0.5])],
+            "y": [res(0.5, cold=[0.2, 0.6]), res(0.5, cold=[0.2, 0.7])]}
     assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e0"}, cold, [])[0] == "held"
     assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e1"}, cold, [])[0] == "did not hold"
+    one = {"x": cold["x"][:1], "y": cold["y"][:1]}  # one seed of a per-seed metric is no interval
+    assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e0"}, one, [])[0] == "inconclusive"
     assert R.verdict({"kind": "untestable", "reason": "no images"}, results, []) == ("could not be tested", "no images")
+    few = {"x": [{"pm": {"few": None}}] * 2, "y": [{"pm": {"few": None}}] * 2}  # too few samples: null
+    assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "PM few"}, few, [])[0] == "could not be tested"
+
+
+def test_pm_accuracy_pairs_by_client():
+    """With client_accuracy, PM a − b is seeds × clients and clusters by seed: one seed where a
+    wins on every client, one where it loses on one client of four."""
+    def pm(accs):
+        return {"pm": {"accuracy": float(np.mean(accs)), "client_accuracy": accs}}
+
+    results = {"a": [pm([0.6, 0.7, 0.8, 0.6]), pm([0.6, 0.7, 0.8, 0.5])],
+               "b": [pm([0.5, 0.6, 0.7, 0.5]), pm([0.5, 0.6, 0.7, 0.6])]}
+    d = R.paired(results, "a", "b", "PM acc")
+    assert d.shape == (2, 4) and np.allclose(d, [[0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, -0.1]])
+    v, ev = R.verdict({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"}, results, [])
+    assert "over 2 seeds × 4 clients" in ev
+    # the lowest resample: seed 2 twice, its −0.1 client drawn 4 times of 8 cells (mean 0) is rarer than
+    # 2.5%, so the interval stays above 0 ... but not when the losing client loses by more
+    assert v == "held"
+    results["a"][1]["pm"]["client_accuracy"] = [0.6, 0.7, 0.8, 0.2]
+    assert R.verdict({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"}, results, [])[0] == "inconclusive"
 
 
 SUITE = """
@@ -129,8 +162,10 @@ def test_suite_page_claims_and_resume(suite, tmp_path, monkeypatch):
     ratio = up["pf"] / up["fl"]
     assert f"ratio {ratio:.3f}" in text
     assert (f"**{'held' if 0.45 <= ratio <= 0.55 else 'did not hold'}** — half the bytes") in text
-    d = pm["pf"] - pm["fl"]
-    want = "did not hold" if d.mean() <= 0 else ("held" if (d > 0).all() else "inconclusive")
+    by = {m: [runs[(m, s)] for s in (0, 1)] for m in ("pf", "fl")}
+    d = R.paired(by, "pf", "fl", "PM acc")
+    assert d.shape == (2, len(runs[("pf", 0)]["pm"]["client_accuracy"]))  # seeds × clients: PM pairs by client
+    want = R.interval_verdict(d)[0]
     assert f"**{want}** — pf beats fl" in text
     assert "**could not be tested** — images *Measured:* none offline" in text
     assert "at commit" in text and "`make results`" in text and "2 run(s) at once" not in text
@@ -233,3 +268,27 @@ def test_compare_jobs_matches_serial(suite, tmp_path):
         assert (a["gm"], a["pm"], a["communication"]) == (b["gm"], b["pm"], b["communication"])
     with pytest.raises(ConfigError, match="--jobs"):
         C.run_all(runs, jobs=0)
+
+
+def test_suite_tunes_on_a_validation_split(suite, tmp_path):
+    """`tune`: each value runs on the validation split; the best validation GM is used in the
+    measured runs and shown with every score."""
+    text = suite.read_text().replace('set = ["server.optimizer=fedavgm"]',
+                                     'set = ["server.optimizer=fedavgm"]\ntune = {key = "server.lr", values = [0.5, 2.0]}')
+    suite.write_text(text)
+    doc = tmp_path / "docs" / "results.md"
+    R.run_suite(suite, tmp_path / "out", doc, quiet=True, command="make results")
+    val = {v: json.loads((tmp_path / "out" / "tune" / "runs" / f"fl--{v:g}" / "seed-0" / "results.json").read_text())
+           for v in (0.5, 2.0)}
+    cfgs = {v: (tmp_path / "out" / "tune" / "runs" / f"fl--{v:g}" / "seed-0" / "config.toml").read_text() for v in val}
+    assert all('on = "validation"' in c for c in cfgs.values())
+    gm = {v: r["gm"]["accuracy"] for v, r in val.items()}
+    best = 0.5 if gm[0.5] >= gm[2.0] else 2.0
+    measured = (tmp_path / "out" / "runs" / "fl" / "seed-0" / "config.toml").read_text()
+    assert f"lr = {best}" in measured and 'on = "test"' in measured
+    page = doc.read_text()
+    assert "## Hyperparameters chosen on a validation split" in page
+    assert f"| fl | `server.lr` | GM acc | 0.5: {gm[0.5]:.3f}, 2: {gm[2.0]:.3f} | **{best}** |" in page
+    with pytest.raises(ConfigError, match="tune.values must list at least 2 values"):
+        suite.write_text(text.replace("values = [0.5, 2.0]", "values = [0.5]"))
+        R.load_suite(suite)

@@ -172,5 +172,7 @@ def test_generic_prompt_and_coop_without_words_before_the_label(tiny_cfg):
 
     exp = build(tiny_cfg(data__class_prompt='""'))  # the toy set is a user's file: its own template
     assert exp.model.class_prompt == GENERIC_PROMPT
-    with pytest.raises(ConfigError, match=r"peft.n_ctx = 0 starts the context.*'\{label\}.' has none"):
-        build(tiny_cfg(algorithm="promptfl", peft__type="prompt", data__class_prompt='"{label}."'))
+    with pytest.raises(ConfigError, match=r"peft.prompt_init = 'template' starts the context.*'\{label\}.' has none"):
+        build(tiny_cfg(algorithm="promptfl", peft__type="prompt", peft__prompt_init="template",
+                       data__class_prompt='"{label}."'))
+    build(tiny_cfg(algorithm="promptfl", peft__type="prompt", data__class_prompt='"{label}."'))  # random: fine

@@ -99,12 +99,12 @@ def test_clip_zero_shot_logits_equal_cosine_formula(clip_dir):
 
 @pytest.mark.parametrize("class_specific", [False, True])
 def test_prompt_learner_gradients_reach_only_the_context(clip_dir, class_specific):
-    m = clip_model(clip_dir, ensemble=False, type="prompt", class_specific=class_specific)
+    m = clip_model(clip_dir, ensemble=False, type="prompt", class_specific=class_specific, prompt_init="template")
     items = samples(text=False)
     assert list(m.trainable()) == ["prompt.ctx"]
     with m.zero_shot():
         zs = m.predict(items, 8)
-    # n_ctx = 0: the context starts as the template's own word embeddings -> zero-shot exactly
+    # template init: the context starts as the template's own word embeddings -> zero-shot exactly
     assert torch.allclose(m.predict(items, 8), zs, atol=1e-4)
     with pytest.raises(ConfigError, match="class_prompts.*peft.type = 'prompt'"):
         clip_model(clip_dir, type="prompt")  # an ensemble the learned context could not start from
@@ -120,7 +120,7 @@ def test_prompt_learner_gradients_reach_only_the_context(clip_dir, class_specifi
 
 
 def test_clip_feature_adapter_starts_at_zero_shot(clip_dir):
-    m = clip_model(clip_dir, type="adapter")
+    m = clip_model(clip_dir, type="adapter", adapter_init="zero")
     items = samples(text=False)
     assert sorted(m.trainable()) == ["adapter.fc1.bias", "adapter.fc1.weight", "adapter.fc2.bias", "adapter.fc2.weight"]
     assert m.adapter.fc1.in_features == 16  # CLIP's projection width

@@ -28,7 +28,7 @@ from fedsplice.errors import ConfigError
 @dataclass
 class FedPuReLParams:
     lam: float = 0.9  # λ of phase 2: (1−λ)·CE(l_G + l_P) + λ·CE(l_P)
-    granularity: Literal["tensor", "flat"] = "tensor"  # purify per tensor (official code) or flat (paper)
+    granularity: Literal["tensor", "flat"] = "flat"  # purify flat (the paper's Eq. 5) or per tensor (official code)
     align: Literal["tkl", "kl"] = "tkl"  # temperature-aligned KL, or plain KL (Table 6 ablation)
     purify: bool = True  # False: phase 1 is plain FedAvg of the same PEFT (ablation)
     # phase 2: "after" the T rounds, T_p = personal_rounds rounds of the client's local budget

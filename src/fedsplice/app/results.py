@@ -5,11 +5,13 @@ A suite (configs/results/suite.toml) names experiments — a committed config pl
 groups them into tables, and states each paper claim as a check over the measured runs:
 
 - greater: experiment a beats b on a metric. Seeds share clients and sampling, so runs pair up
-  by seed; the claim held if a beat b in every seed, did not hold if a's mean is not above b's,
-  and is inconclusive otherwise (with the number of seeds that agreed).
-- best: a has the best mean of its table's rows on the metric.
-- ratio: mean(a) / mean(b) lies in [low, high] (the bytes claims).
-- gap_greater: a1 − b1 exceeds a2 − b2 in the mean (an advantage that grows with heterogeneity).
+  by seed (and PM accuracy by client within a seed); a 95% paired bootstrap interval of a − b
+  (`fedsplice.app.stats`) decides: held if it lies above 0, did not hold if below, else
+  inconclusive.
+- best: a beats every other row of its table in that sense (did not hold if any row beats a).
+- ratio: mean(a) / mean(b) lies in [low, high] (the bytes claims, which do not vary).
+- gap_greater: a1 − b1 exceeds a2 − b2 (an advantage that grows with heterogeneity), by the
+  interval of the per-seed difference of gaps.
 - untestable: a claim this substitute setting cannot test; the suite says why.
 
 All runs share OUT/runs/<experiment>/seed-<s> and go through `compare.run_all`, so a
@@ -29,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from fedsplice.app import compare as C
+from fedsplice.app import stats as S
+from fedsplice.app import tuning as T
 from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
 
@@ -42,6 +46,7 @@ class Suite:
     groups: dict[str, dict]
     experiments: dict[str, dict]
     tables: list[dict]
+    tuned: dict = dataclasses.field(default_factory=dict)  # filled by run_suite (fedsplice.app.tuning)
 
 
 def load_suite(path: Path) -> Suite:
@@ -62,6 +67,8 @@ def load_suite(path: Path) -> Suite:
             raise ConfigError(f"{path}: experiment {e['name']!r} is defined twice; names must be unique")
         if e["group"] not in groups:
             raise ConfigError(f"{path}: experiment {e['name']!r}: group {e['group']!r} is not in [groups]")
+        if "tune" in e:
+            T.check_tune(path, e["name"], e["tune"], COLUMNS)
         exps[e["name"]] = e
     tables = t.get("table", [])
     for tb in tables:
@@ -119,6 +126,30 @@ def fmt(v: np.ndarray, metric: str) -> str:
     return f"{m:,.0f} ± {s:,.0f}" if metric.startswith("up") else f"{m:.3f} ± {s:.3f}"
 
 
+def paired(results: dict[str, list[dict]], a: str, b: str, metric: str) -> np.ndarray:
+    """a − b, paired: per seed and client (seeds × clients) for PM accuracy, whose clients are
+    the same in both runs of a seed; per seed otherwise."""
+    if metric == "PM acc":
+        ca = [(r.get("pm") or {}).get("client_accuracy") for r in results[a]]
+        cb = [(r.get("pm") or {}).get("client_accuracy") for r in results[b]]
+        if all(x is not None and y is not None and len(x) == len(y) for x, y in zip(ca, cb)) and len({len(x) for x in ca}) == 1:
+            return np.array(ca, dtype=float) - np.array(cb, dtype=float)
+    return per_seed(results, a, metric) - per_seed(results, b, metric)
+
+
+def interval_verdict(d: np.ndarray, direction: int = 1) -> tuple[str, object]:
+    """(verdict, interval) of paired differences: held if the 95% bootstrap interval excludes 0 in
+    the claimed direction, did not hold if it excludes 0 the other way, else inconclusive. One
+    seed of a per-seed metric is no interval at all: inconclusive."""
+    d = np.asarray(d, dtype=float)
+    if np.isnan(d).all():
+        return "could not be tested", None
+    iv = S.paired_bootstrap(d)
+    if d.ndim == 1 and iv.n < 2:
+        return "inconclusive", iv
+    return S.decide(iv, direction), iv
+
+
 def verdict(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> tuple[str, str]:
     """(held | did not hold | inconclusive | could not be tested, the measured evidence)."""
     kind, metric = claim["kind"], claim.get("metric", "")
@@ -126,29 +157,38 @@ def verdict(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> tup
         return "could not be tested", claim.get("reason", "")
     if kind == "greater":
         a, b = per_seed(results, claim["a"], metric), per_seed(results, claim["b"], metric)
-        d = a - b
-        wins = int(np.sum(d > 0))
-        ev = f"{metric}: {np.mean(a):.4f} vs {np.mean(b):.4f} (Δ {np.mean(d):+.4f}; ahead in {wins}/{len(d)} seeds)"
-        if np.mean(d) <= 0:
-            return "did not hold", ev
-        return ("held", ev) if wins == len(d) else ("inconclusive", ev)
+        v, iv = interval_verdict(paired(results, claim["a"], claim["b"], metric))
+        if iv is None:
+            return v, f"{metric}: too few test samples to report (eval.min_group_samples)"
+        return v, f"{metric}: {np.nanmean(a):.4f} vs {np.nanmean(b):.4f}; {S.describe(iv)}"
     if kind == "best":
-        means = {n: float(np.nanmean(per_seed(results, n, metric))) for n in rows}
-        best = max(means, key=means.get)
-        runner_up = max((v for n, v in means.items() if n != claim["a"]), default=float("nan"))
-        ev = f"{metric}: {claim['a']} {means[claim['a']]:.4f}, best other {runner_up:.4f}" + (
-            "" if best == claim["a"] else f" ({best})")
-        return ("held" if best == claim["a"] else "did not hold"), ev
+        return best_verdict(claim, results, rows, metric)
     if kind == "ratio":
         q = float(np.mean(per_seed(results, claim["a"], metric)) / np.mean(per_seed(results, claim["b"], metric)))
         ok = claim["low"] <= q <= claim["high"]
         return ("held" if ok else "did not hold"), f"{metric}: ratio {q:.3f} (claimed {claim['low']}–{claim['high']})"
     g1 = per_seed(results, claim["a1"], metric) - per_seed(results, claim["b1"], metric)
     g2 = per_seed(results, claim["a2"], metric) - per_seed(results, claim["b2"], metric)
-    ev = f"{metric}: gap {np.mean(g1):+.4f} vs {np.mean(g2):+.4f} (larger in {int(np.sum(g1 > g2))}/{len(g1)} seeds)"
-    if np.mean(g1) <= np.mean(g2):
-        return "did not hold", ev
-    return ("held", ev) if np.all(g1 > g2) else ("inconclusive", ev)
+    v, iv = interval_verdict(g1 - g2)
+    if iv is None:
+        return v, f"{metric}: too few test samples to report (eval.min_group_samples)"
+    return v, f"{metric}: gap {np.nanmean(g1):+.4f} vs {np.nanmean(g2):+.4f}; difference of gaps {S.describe(iv)}"
+
+
+def best_verdict(claim: dict, results, rows: list[str], metric: str) -> tuple[str, str]:
+    """a is best: held if a beats every other row (each paired interval above 0), did not hold if
+    some row beats a (an interval below 0), inconclusive otherwise."""
+    a = claim["a"]
+    means = {n: float(np.nanmean(per_seed(results, n, metric))) for n in rows}
+    verdicts = {n: interval_verdict(paired(results, a, n, metric)) for n in rows if n != a}
+    if any(v == "could not be tested" for v, _ in verdicts.values()):
+        return "could not be tested", f"{metric}: too few test samples to report (eval.min_group_samples)"
+    beaten = [n for n, (v, _) in verdicts.items() if v == "did not hold"]
+    runner = max((n for n in rows if n != a), key=lambda n: means[n])
+    ev = f"{metric}: {a} {means[a]:.4f}, best other {means[runner]:.4f} ({runner}); vs it {S.describe(verdicts[runner][1])}"
+    if beaten:
+        return "did not hold", ev + f"; significantly behind {', '.join(beaten)}"
+    return ("held" if all(v == "held" for v, _ in verdicts.values()) else "inconclusive"), ev
 
 
 # ----------------------------------------------------------------------------- the document
@@ -275,15 +315,18 @@ def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
         "**Substitute setting, not the papers' setting.** No image model weights or the papers' data sets "
         "can be obtained offline here, so both papers are reproduced on text classification with the "
         "offline zoo's real models; numbers are not comparable to the papers', only the direction of "
-        "each claim is. A claim *held* when our runs show it in every seed, is *inconclusive* when the mean "
-        "agrees but some seed does not, and *did not hold* when the mean disagrees.", "",
+        "each claim is. Runs pair up by seed (same clients, same sampling stream) and personalized accuracy "
+        "also by client; a claim *held* when the 95% paired bootstrap interval of the difference (seeds × "
+        "clients for PM accuracy, seeds otherwise) lies on the claimed side of 0, *did not hold* when it "
+        "lies on the other side, and is *inconclusive* when it contains 0.", "",
         "| | this page | the paper |", "|---|---|---|"]
     head += [f"| {g.get('title', k)} | {g.get('setting', '')} | {g.get('paper', '')} |" for k, g in suite.groups.items()]
     head += ["", f"**Claims:** {counts['held']} held, {counts['inconclusive']} inconclusive, "
                  f"{counts['did not hold']} did not hold, {counts['could not be tested']} could not be tested.", "",
              "| table | claim | verdict |", "|---|---|---|"]
     head += [f"| {t} | {c} | **{v}** |" for t, c, v, _ in claims]
-    atomic_write_text(doc, "\n".join(head) + "\n\n" + "\n".join(sections))
+    tuned = T.tuning_section(suite.tuned, {n: e.get("label", n) for n, e in suite.experiments.items()})
+    atomic_write_text(doc, "\n".join(head) + "\n\n" + (tuned + "\n" if tuned else "") + "\n".join(sections))
     return doc
 
 
@@ -292,12 +335,16 @@ def run_suite(path: Path, out: Path, doc: Path, seeds: int | None = None, jobs: 
     suite = load_suite(path)
     if seeds:
         suite.seeds = seeds
-    runs = plan_suite(suite, out)  # every config is validated before anything runs
-    pending = sum(not (r[3] / "results.json").exists() for r in runs)
+    tune_runs = T.plan_tuning(suite, out)
+    plan_suite(suite, out)  # every config is validated before anything runs
     t0 = time.perf_counter()
+    pending = sum(not (r[3] / "results.json").exists() for r in tune_runs)
+    suite.tuned = T.apply_tuning(suite, tune_runs, C.run_all(tune_runs, quiet=quiet, jobs=jobs or suite.jobs), value)
+    runs = plan_suite(suite, out)  # with the chosen values
+    pending += sum(not (r[3] / "results.json").exists() for r in runs)
     res = C.run_all(runs, quiet=quiet, jobs=jobs or suite.jobs)
     meta = {"command": command or f"fedsplice results {path} --out {out} --doc {doc}", "commit": _git(),
-            "date": time.strftime("%Y-%m-%d"), "runs": len(runs), "executed": pending, "out": out,
+            "date": time.strftime("%Y-%m-%d"), "runs": len(runs) + len(tune_runs), "executed": pending, "out": out,
             "wall_min": (time.perf_counter() - t0) / 60, "jobs": jobs or suite.jobs,
             "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), no GPU"}
     return write_doc(suite, runs, res, Path(doc), meta)

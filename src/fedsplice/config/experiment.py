@@ -51,6 +51,9 @@ class ExperimentConfig:
         if self.data.dataset == "sites" and self.scenario.active():
             raise ConfigError("[scenario] is for one data set partitioned by seed; with data.dataset = 'sites' "
                               "each site's file is used as it is: remove the [scenario] table")
+        if self.data.dataset == "sites" and self.eval.on == "validation":
+            raise ConfigError("eval.on = 'validation' carves a validation set from one data set; with "
+                              "data.dataset = 'sites' each site keeps its own: use eval.on = 'test'")
         if self.scenario.image_dominant + self.scenario.text_dominant > self.data.num_clients:
             raise ConfigError(f"scenario.image_dominant + scenario.text_dominant "
                               f"({self.scenario.image_dominant} + {self.scenario.text_dominant}) exceeds "

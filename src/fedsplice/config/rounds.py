@@ -154,6 +154,10 @@ class EvalConfig:
     # (PM pools the clients' local test sets); fewer: null, and "<group>_n" says how many
     min_group_samples: int = 30
     balancedness_sigma: float = 0.1  # σ of β(V); 0.1 and 0.01 are always reported too
+    # "validation": evaluate on validation_per_class training samples of each class, held out of
+    # training, instead of the test set (choosing hyperparameters without looking at the test set)
+    on: Literal["test", "validation"] = "test"
+    validation_per_class: int = 10
 
     def check(self) -> None:
         check_positive("eval.every", self.every)
@@ -165,6 +169,9 @@ class EvalConfig:
                               f"eval.many_threshold ({self.many_threshold})]")
         check_positive("eval.balancedness_sigma", self.balancedness_sigma)
         check_positive("eval.min_group_samples", self.min_group_samples)
+        check_positive("eval.validation_per_class", self.validation_per_class)
+        if self.on not in ("test", "validation"):
+            raise ConfigError(f"eval.on must be 'test' or 'validation', got {self.on!r}")
 
 
 @dataclass

@@ -86,6 +86,8 @@ class PeftConfig:
     portfolio: float = 0.0  # PromptFolio θ: mix a private local prompt's class features with weight θ
     # FedCLIP feature adapter on the input embedding
     adapter_hidden: int = 0  # 0: the embedding width
+    # random: torch's Linear init (FedCLIP's official code); zero: uniform attention, round 0 = zero-shot
+    adapter_init: Literal["random", "zero"] = "random"
 
     def check(self) -> None:
         check_positive("peft.r", self.r)
@@ -101,6 +103,8 @@ class PeftConfig:
             raise ConfigError("peft.n_ctx and peft.adapter_hidden must be >= 0 (0 = automatic)")
         if not 0.0 <= self.portfolio < 1.0:
             raise ConfigError(f"peft.portfolio must be in [0, 1), got {self.portfolio}")
+        if self.adapter_init not in ("random", "zero"):
+            raise ConfigError(f"peft.adapter_init must be 'random' or 'zero', got {self.adapter_init!r}")
         if self.prompt_init not in ("random", "template"):
             raise ConfigError(f"peft.prompt_init must be 'random' or 'template', got {self.prompt_init!r}")
         if self.portfolio > 0 and self.type != "prompt":

@@ -193,3 +193,12 @@ def long_tail_subsample(labels: np.ndarray, n_max: int, imbalance: float,
         pool = np.flatnonzero(labels == c)
         picks.append(rng.choice(pool, size=min(counts[rank], len(pool)), replace=False))
     return np.sort(np.concatenate(picks)).astype(np.int64)
+
+
+def validation_indices(labels: np.ndarray, per_class: int, rng: np.random.Generator) -> np.ndarray:
+    """Sorted training indices of a balanced validation set: `per_class` samples of each class,
+    at most half of the class (so that training keeps the other half), drawn at random."""
+    labels = np.asarray(labels, dtype=np.int64)
+    picks = [rng.choice(pool, size=min(per_class, len(pool) // 2), replace=False)
+             for c in range(int(labels.max()) + 1 if len(labels) else 0) if len(pool := np.flatnonzero(labels == c))]
+    return np.sort(np.concatenate(picks)).astype(np.int64) if picks else np.empty(0, np.int64)

@@ -14,7 +14,7 @@ import torch
 from fedsplice.data import partition as P
 from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.algorithms import Recipe, build_recipe, clone
-from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, rng
+from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, VALIDATION, rng
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.config import ExperimentConfig
 from fedsplice.data.datasets import TextDataset, load_dataset
@@ -67,6 +67,24 @@ def sampling_stream(cfg: ExperimentConfig, train_ids: list[int]) -> list[list[in
             for _ in range(cfg.server.rounds)]
 
 
+def apply_validation(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
+    """eval.on = "validation" (tuning): eval.validation_per_class training samples of each class
+    become the evaluation set in place of the test set, which is then not read at all; the rest
+    of the pipeline (long tail, partition, local test sets) runs on what is left."""
+    if cfg.eval.on != "validation":
+        return data
+    val = P.validation_indices(data.train_labels, cfg.eval.validation_per_class, rng(cfg, VALIDATION))
+    keep = np.setdiff1d(np.arange(len(data.train_labels)), val)
+    data.test_texts, data.test_labels = [data.train_texts[i] for i in val], data.train_labels[val]
+    data.n_global_test = None
+    data.train_texts, data.train_labels = [data.train_texts[i] for i in keep], data.train_labels[keep]
+    if data.report:
+        data.report.setdefault("notes", []).append(
+            f"eval.on = validation: {len(val)} training samples ({cfg.eval.validation_per_class} a class at most) "
+            f"are the evaluation set; the test set is not used")
+    return data
+
+
 def apply_long_tail(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
     """Cut the training set to the exponential profile: the largest available class first
     (data.long_tail_order = "size") or in a seeded permutation of the classes ("permuted")."""
@@ -114,7 +132,7 @@ def build_data(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> tu
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
                         max_per_class=cfg.data.max_per_class or None, skip_bad_images=cfg.data.skip_bad_images,
                         class_names=cfg.data.class_names, test=cfg.data.test)
-    data = apply_long_tail(cfg, data)
+    data = apply_long_tail(cfg, apply_validation(cfg, data))
     clients = make_clients(cfg, data)
     scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, SCENARIO), seed=cfg.seed)
     return data, clients, scenario

@@ -217,10 +217,12 @@ def train_branch(exp, cid: int, global_params: dict, branch: dict, rounds: range
     """The residual branch l_P: `branch` loaded and trained on the stage's objective for one
     local budget per round key in `rounds` (one optimizer across them); returns its tensors."""
     exp.model.load_params(branch)
+    # the official code's phase-2 optimizer: the client's at its lr, without momentum, weight decay or schedule
+    ccfg = dataclasses.replace(exp.cfg.client, momentum=0.0, weight_decay=0.0, schedule="constant")
     opt: dict = {}
     for r in rounds:
         opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r, torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
-                              ctx=train_context(exp, cid, global_params, global_logits=l_g),
+                              ctx=train_context(exp, cid, global_params, global_logits=l_g), client_cfg=ccfg,
                               objective=exp.recipe.personalize.objective, keep_opt=set(branch), opt_state=opt)
     return {n: t.detach().clone() for n, t in exp.model.trainable().items()}
 

@@ -1,8 +1,9 @@
 """PEFT types besides LoRA (which comes from HF peft): CoOp prompts and a FedCLIP feature adapter.
 
-The adapter starts as the identity of the zero-shot model (its attention is uniform). The prompt
-context starts random (CoOp; FedPuReL's official code) or, with peft.prompt_init = "template",
-from the word embeddings of the class prompt's own words, so that round 0 equals zero-shot.
+Both start random by default, as the official codes do, so round 0 is not zero-shot: the adapter
+with torch's Linear init, the prompt context ~ N(0, 0.02²) (CoOp). peft.prompt_init = "template"
+starts the context from the class prompt's own words, and peft.adapter_init = "zero" starts the
+adapter's attention uniform; either makes round 0 equal zero-shot exactly.
 """
 
 from __future__ import annotations
@@ -69,23 +70,27 @@ class PromptLearner(nn.Module):
 
 
 class FeatureAdapter(nn.Module):
-    """FedCLIP's attention adapter (Lu et al. 2023): f' = softmax(W2·ReLU(W1·f)) ⊙ f.
+    """FedCLIP's attention adapter (Lu et al. 2023; its official code): f' = softmax(W2·tanh(W1·f)) ⊙ f.
 
-    W2 starts at zero, so the attention is uniform and f' ∝ f: after normalization the
-    predictions equal zero-shot.
+    init "random": every weight and bias ~ U(±1/√fan_in), torch's Linear default, as the official
+    code leaves them (seeded here). init "zero" (our switch): W2 and both biases start at zero,
+    so the attention is uniform, f' ∝ f, and after normalization round 0 is zero-shot exactly.
     """
 
-    def __init__(self, dim: int, hidden: int, generator: torch.Generator):
+    def __init__(self, dim: int, hidden: int, generator: torch.Generator, init: str = "random"):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
         with torch.no_grad():
-            bound = 1.0 / dim**0.5
-            self.fc1.weight.copy_(torch.empty(hidden, dim).uniform_(-bound, bound, generator=generator))
-            self.fc1.bias.zero_()
-            self.fc2.weight.zero_()
-            self.fc2.bias.zero_()
+            for layer, fan_in in ((self.fc1, dim), (self.fc2, hidden)):
+                b = 1.0 / fan_in**0.5
+                layer.weight.copy_(torch.empty(layer.weight.shape).uniform_(-b, b, generator=generator))
+                layer.bias.copy_(torch.empty(layer.bias.shape).uniform_(-b, b, generator=generator))
+            if init == "zero":
+                self.fc1.bias.zero_()
+                self.fc2.weight.zero_()
+                self.fc2.bias.zero_()
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
-        att = F.softmax(self.fc2(F.relu(self.fc1(f))), dim=-1)
+        att = F.softmax(self.fc2(torch.tanh(self.fc1(f))), dim=-1)
         return att * f * f.shape[-1]  # × d keeps the scale of f at the uniform start

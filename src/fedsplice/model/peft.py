@@ -83,7 +83,7 @@ def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class
 
 
 def build_adapter(hidden: int, pc: PeftConfig, gen: torch.Generator) -> FeatureAdapter:
-    return FeatureAdapter(hidden, pc.adapter_hidden or hidden, gen)
+    return FeatureAdapter(hidden, pc.adapter_hidden or hidden, gen, pc.adapter_init)
 
 
 def build_head(hidden: int, num_classes: int, gen: torch.Generator) -> nn.Linear:

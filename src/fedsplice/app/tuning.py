@@ -1,0 +1,83 @@
+"""Hyperparameters a results suite chooses on a validation split before its measured runs.
+
+An experiment of a suite may carry `tune = {key = "server.lr", values = [...], metric = "GM acc"}`:
+each value runs (on `seeds` seeds, default 1) with `eval.on = "validation"`, which evaluates on
+training samples held out of training (`fedsplice.federation.experiment.apply_validation`) and
+never reads the test set; the value with the best mean metric (the first on a tie) is appended
+to the experiment's overrides, and the page records every score. Runs live under
+OUT/tune/runs/<experiment>--<value>/seed-<s>, so a stopped suite resumes here too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedsplice.app import compare as C
+from fedsplice.errors import ConfigError
+
+
+def check_tune(path: Path, name: str, tune: dict, columns: set[str]) -> None:
+    for k in ("key", "values"):
+        if k not in tune:
+            raise ConfigError(f"{path}: experiment {name!r}: tune needs `{k}` (e.g. tune = {{key = \"server.lr\", "
+                              f"values = [0.001, 0.01, 0.1], metric = \"GM acc\"}})")
+    if not isinstance(tune["values"], list) or len(tune["values"]) < 2:
+        raise ConfigError(f"{path}: experiment {name!r}: tune.values must list at least 2 values")
+    if tune.get("metric", "GM acc") not in columns:
+        raise ConfigError(f"{path}: experiment {name!r}: tune.metric {tune.get('metric')!r} is unknown; "
+                          f"one of {', '.join(sorted(columns))}")
+
+
+def plan_tuning(suite, out: Path) -> list[tuple]:
+    """The validation runs of every tuned experiment: (label, seed, cfg, dir) as compare plans them."""
+    entries, seeds = [], 1
+    for name, e in suite.experiments.items():
+        if "tune" not in e:
+            continue
+        t = e["tune"]
+        seeds = max(seeds, int(t.get("seeds", 1)))
+        base = [*suite.groups[e["group"]].get("set", []), *e.get("set", [])]
+        for v in t["values"]:
+            entries.append((_label(name, v), Path(e["config"]), [*base, f"{t['key']}={v}", "eval.on=validation"]))
+    return C.plan_entries(entries, seeds, Path(out) / "tune") if entries else []
+
+
+def _label(name: str, v) -> str:
+    return f"{name}--{v:g}" if isinstance(v, (int, float)) else f"{name}--{v}"
+
+
+def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[str, dict]:
+    """Choose each tuned experiment's value from its validation runs (`value(result, metric)`
+    reads a metric), add it to the experiment's overrides, and return {experiment: {key,
+    metric, scores {value: mean}, chosen}}."""
+    by_label: dict[str, list[dict]] = {}
+    for r, res in zip(runs, results):
+        by_label.setdefault(r[0], []).append(res)
+    chosen = {}
+    for name, e in suite.experiments.items():
+        if "tune" not in e:
+            continue
+        t, metric = e["tune"], e["tune"].get("metric", "GM acc")
+        scores = {}
+        for v in t["values"]:
+            got = [value(res, metric) for res in by_label[_label(name, v)]]
+            scores[v] = float(np.nanmean([np.nan if x is None else x for x in got]))
+        best = max(t["values"], key=lambda v: (scores[v], -t["values"].index(v)))
+        e["set"] = [*e.get("set", []), f"{t['key']}={best}"]
+        chosen[name] = {"key": t["key"], "metric": metric, "scores": scores, "chosen": best}
+    return chosen
+
+
+def tuning_section(chosen: dict[str, dict], labels: dict[str, str]) -> str:
+    if not chosen:
+        return ""
+    md = ["## Hyperparameters chosen on a validation split", "",
+          "Each value ran with `eval.on = \"validation\"` (evaluated on training samples held out of training; "
+          "the test set is not read); the best mean is used in every measured run of the experiment.", "",
+          "| experiment | key | metric | validation score by value | chosen |", "|---|---|---|---|---|"]
+    for name, c in chosen.items():
+        sc = ", ".join(f"{v:g}: {s:.3f}" if isinstance(v, (int, float)) else f"{v}: {s:.3f}" for v, s in c["scores"].items())
+        md.append(f"| {labels.get(name, name)} | `{c['key']}` | {c['metric']} | {sc} | **{c['chosen']}** |")
+    return "\n".join(md) + "\n"
