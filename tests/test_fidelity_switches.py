@@ -138,12 +138,20 @@ def test_permuted_long_tail_keeps_the_profile_and_if(cfg):
     assert len(ranks) > 1  # the class that is the head changes with the seed
 
 
-def test_permuted_n_max_fits_or_names_the_class():
-    counts = np.array([10, 40, 25])
-    order = np.array([0, 1, 2])  # the smallest class is the head
-    assert P.permuted_n_max(counts, order, 4.0, 0, ["a", "b", "c"]) == 10
-    with pytest.raises(ConfigError, match=r"class 'a' has rank 0 and needs 12 .* data.n_max <= 10"):
-        P.permuted_n_max(counts, order, 4.0, 12, ["a", "b", "c"])
+def test_permuted_order_fits_or_says_why():
+    counts = np.array([10, 40, 25, 60])
+    need = np.array(P.long_tail_counts(4, 40, 4.0))  # 40, 25, 15, 10
+    seen = set()
+    for s in range(20):
+        order, n = P.permuted_order(counts, 4.0, 40, np.random.default_rng(s), list("abcd"))
+        assert n == 40 and sorted(order.tolist()) == [0, 1, 2, 3] and np.all(counts[order] >= need)
+        seen.add(tuple(order))
+    assert len(seen) > 2  # a permutation, not a sort: several orders fit and are drawn
+    order, n = P.permuted_order(counts, 4.0, 0, np.random.default_rng(0), list("abcd"))
+    ratio = np.array([4.0 ** (-r / 3) for r in range(4)])
+    assert n == int(np.floor(counts[order] / ratio + 1e-9).min())  # the largest n_max this order fits
+    with pytest.raises(ConfigError, match=r"data.n_max = 70: .* no permutation .* lower data.n_max"):
+        P.permuted_order(counts, 4.0, 70, np.random.default_rng(0), list("abcd"))
 
 
 # ----------------------------------------------------------------------------- PFAdapter

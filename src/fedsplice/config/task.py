@@ -132,10 +132,10 @@ class DataConfig:
     imbalance: float = 1.0
     # which class is the c-th: "size" ranks classes by how many samples they have (largest first);
     # "permuted" by a seeded permutation unrelated to the data or the model, as long-tailed
-    # benchmarks (CIFAR-100-LT, ImageNet-LT) assign ranks. Permuted needs every class to hold the
-    # count its rank asks for (else an error names the class and the largest n_max that fits).
+    # benchmarks (CIFAR-100-LT, ImageNet-LT) assign ranks; the permutation is redrawn (seeded) until
+    # every class holds the count its rank asks for, so the profile and the IF hold exactly.
     long_tail_order: Literal["size", "permuted"] = "size"
-    n_max: int = 0  # 0: the largest class's size ("size"); the largest n_max that fits ("permuted")
+    n_max: int = 0  # 0: the largest class's size ("size"); the largest n_max one permutation fits ("permuted")
     # Users' image data (images:DIR, csv/jsonl with an `image` column): a file that fails to
     # decode is an error naming it; true reports each one and skips it instead.
     skip_bad_images: bool = False

@@ -156,24 +156,27 @@ def long_tail_counts(num_classes: int, n_max: int, imbalance: float) -> list[int
             for c in range(num_classes)]
 
 
-def permuted_n_max(counts: np.ndarray, order: np.ndarray, imbalance: float, n_max: int,
-                   class_names: list[str]) -> int:
-    """n_max for a long tail whose ranks are `order` (head first): the given one if every class
-    holds the count its rank asks for, or (n_max = 0) the largest that fits, so the profile and
-    the IF hold exactly; an error names the first class that falls short."""
+def permuted_order(counts: np.ndarray, imbalance: float, n_max: int, rng: np.random.Generator,
+                   class_names: list[str], tries: int = 10_000) -> tuple[np.ndarray, int]:
+    """(ranks head first, n_max) of a permuted long tail that keeps the profile and the IF exactly.
+
+    n_max = 0: one seeded permutation and the largest n_max that it fits. n_max > 0: seeded
+    permutations are drawn until one fits (every class holds the count its rank asks for), so a
+    class too small for a head rank never draws one; an error when none of `tries` fits."""
     c = len(counts)
-    ratio = [imbalance ** (-r / (c - 1)) if c > 1 else 1.0 for r in range(c)]
-    fits = min(int(math.floor(counts[k] / ratio[r] + 1e-9)) for r, k in enumerate(order))
+    ratio = np.array([imbalance ** (-r / (c - 1)) if c > 1 else 1.0 for r in range(c)])
     if n_max == 0:
-        return fits
-    need = long_tail_counts(c, n_max, imbalance)
-    for r, k in enumerate(order):
-        if counts[k] < need[r]:
-            raise ConfigError(f"data.n_max = {n_max}: with data.long_tail_order = 'permuted' class "
-                              f"{class_names[k]!r} has rank {r} and needs {need[r]} training samples but has "
-                              f"{counts[k]}; set data.n_max <= {fits} (or 0 for that) or use a data set with "
-                              f"more samples a class")
-    return n_max
+        order = rng.permutation(c)
+        return order, int(min(math.floor(counts[k] / ratio[r] + 1e-9) for r, k in enumerate(order)))
+    need = np.array(long_tail_counts(c, n_max, imbalance))
+    for _ in range(tries):
+        order = rng.permutation(c)
+        if np.all(counts[order] >= need):
+            return order, n_max
+    short = [class_names[k] for k in np.argsort(counts)[:3]]
+    raise ConfigError(f"data.n_max = {n_max}: with data.long_tail_order = 'permuted' no permutation of the "
+                      f"classes in {tries} draws gives every class the count its rank asks for (smallest: "
+                      f"{', '.join(short)} with {sorted(counts)[:3]}); lower data.n_max or set it to 0")
 
 
 def long_tail_subsample(labels: np.ndarray, n_max: int, imbalance: float,

@@ -94,8 +94,7 @@ def apply_long_tail(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
     counts = np.bincount(data.train_labels, minlength=len(data.class_names))
     g = rng(cfg, LONG_TAIL)
     if dc.long_tail_order == "permuted":
-        order = g.permutation(len(counts))  # drawn first: the subsample below follows it
-        n_max = P.permuted_n_max(counts, order, dc.imbalance, dc.n_max, data.class_names)
+        order, n_max = P.permuted_order(counts, dc.imbalance, dc.n_max, g, data.class_names)
     else:
         order, n_max = np.argsort(-counts, kind="stable"), dc.n_max or int(counts.max())
     keep = P.long_tail_subsample(data.train_labels, n_max, dc.imbalance, g, class_order=order)
