@@ -59,6 +59,16 @@ def test_verdicts_against_hand_computed_cases():
     one = {"x": cold["x"][:1], "y": cold["y"][:1]}  # one seed of a per-seed metric is no interval
     assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e0"}, one, [])[0] == "inconclusive"
     assert R.verdict({"kind": "untestable", "reason": "no images"}, results, []) == ("could not be tested", "no images")
+    # lowest: c below a in every seed; a is not the lowest
+    assert R.verdict({"kind": "lowest", "a": "c", "metric": "PM acc"}, results, ["a", "c"])[0] == "held"
+    assert R.verdict({"kind": "lowest", "a": "a", "metric": "PM acc"}, results, ["a", "c"])[0] == "did not hold"
+    # balanced: many − few of one run per seed; (0.1, −0.1, 0.05) straddles 0, (0.1, 0.2, 0.15) does not
+    zs = {"z": [{"gm": {"many": m, "few": f}} for m, f in ((0.6, 0.5), (0.5, 0.6), (0.55, 0.5))],
+          "w": [{"gm": {"many": m, "few": f}} for m, f in ((0.6, 0.5), (0.7, 0.5), (0.65, 0.5))]}
+    bal = {"kind": "balanced", "metric": "GM many", "metric_b": "GM few"}
+    assert R.verdict({**bal, "a": "z"}, zs, [])[0] == "held"
+    v, ev = R.verdict({**bal, "a": "w"}, zs, [])
+    assert v == "did not hold" and "GM many − GM few of w: Δ +0.1500 [95% CI +0.1000, +0.2000] over 3 seeds" in ev
     few = {"x": [{"pm": {"few": None}}] * 2, "y": [{"pm": {"few": None}}] * 2}  # too few samples: null
     assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "PM few"}, few, [])[0] == "could not be tested"
 

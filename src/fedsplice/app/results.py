@@ -8,7 +8,10 @@ groups them into tables, and states each paper claim as a check over the measure
   by seed (and PM accuracy by client within a seed); a 95% paired bootstrap interval of a − b
   (`fedsplice.app.stats`) decides: held if it lies above 0, did not hold if below, else
   inconclusive.
-- best: a beats every other row of its table in that sense (did not hold if any row beats a).
+- best / lowest: a beats (stays below) every other row of its table in that sense (did not
+  hold if any row beats a / is below a).
+- balanced: one experiment's two metrics (zero-shot's many- and few-shot accuracy) do not
+  differ: held if the interval of metric − metric_b over seeds contains 0.
 - ratio: mean(a) / mean(b) lies in [low, high] (the bytes claims, which do not vary).
 - gap_greater: a1 − b1 exceeds a2 − b2 (an advantage that grows with heterogeneity), by the
   interval of the per-seed difference of gaps.
@@ -37,6 +40,7 @@ from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
 
 COLUMNS = {c for c, _ in C.METRICS}
+KINDS = ("greater", "best", "lowest", "balanced", "ratio", "gap_greater", "untestable")
 
 
 @dataclasses.dataclass
@@ -86,9 +90,12 @@ def load_suite(path: Path) -> Suite:
             if cl.get("kind") != "untestable" and m not in COLUMNS and not str(m).startswith("cold-start e"):
                 raise ConfigError(f"{path}: table {tb.get('id')!r}: claim metric {m!r} is unknown; "
                                   f"one of {', '.join(sorted(COLUMNS))} or 'cold-start eN'")
-            if cl.get("kind") not in ("greater", "best", "ratio", "gap_greater", "untestable"):
+            if cl.get("kind") not in KINDS:
                 raise ConfigError(f"{path}: table {tb.get('id')!r}: claim kind {cl.get('kind')!r} is unknown; "
-                                  f"use greater, best, ratio, gap_greater or untestable")
+                                  f"use {', '.join(KINDS)}")
+            if cl.get("kind") == "balanced" and cl.get("metric_b") not in COLUMNS:
+                raise ConfigError(f"{path}: table {tb.get('id')!r}: a balanced claim needs metric_b, one of "
+                                  f"{', '.join(sorted(COLUMNS))}")
             for k in ("a", "b", "a1", "b1", "a2", "b2"):
                 if k in cl and cl[k] not in tb["rows"]:
                     raise ConfigError(f"{path}: table {tb.get('id')!r}: claim {k} = {cl[k]!r} is not one of its rows")
@@ -161,8 +168,17 @@ def verdict(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> tup
         if iv is None:
             return v, f"{metric}: too few test samples to report (eval.min_group_samples)"
         return v, f"{metric}: {np.nanmean(a):.4f} vs {np.nanmean(b):.4f}; {S.describe(iv)}"
-    if kind == "best":
-        return best_verdict(claim, results, rows, metric)
+    if kind in ("best", "lowest"):
+        return best_verdict(claim, results, rows, metric, 1 if kind == "best" else -1)
+    if kind == "balanced":
+        d = per_seed(results, claim["a"], metric) - per_seed(results, claim["a"], claim["metric_b"])
+        v, iv = interval_verdict(d)
+        if iv is None:
+            return v, f"{metric} − {claim['metric_b']}: too few test samples to report (eval.min_group_samples)"
+        ev = f"{metric} − {claim['metric_b']} of {claim['a']}: {S.describe(iv)}"
+        if iv.n < 2:
+            return "inconclusive", ev
+        return ("held" if iv.lo <= 0 <= iv.hi else "did not hold"), ev
     if kind == "ratio":
         q = float(np.mean(per_seed(results, claim["a"], metric)) / np.mean(per_seed(results, claim["b"], metric)))
         ok = claim["low"] <= q <= claim["high"]
@@ -175,19 +191,21 @@ def verdict(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> tup
     return v, f"{metric}: gap {np.nanmean(g1):+.4f} vs {np.nanmean(g2):+.4f}; difference of gaps {S.describe(iv)}"
 
 
-def best_verdict(claim: dict, results, rows: list[str], metric: str) -> tuple[str, str]:
-    """a is best: held if a beats every other row (each paired interval above 0), did not hold if
-    some row beats a (an interval below 0), inconclusive otherwise."""
+def best_verdict(claim: dict, results, rows: list[str], metric: str, sign: int = 1) -> tuple[str, str]:
+    """a is best (sign 1; lowest: −1): held if a beats every other row (each paired interval on
+    a's side of 0), did not hold if some row beats a (an interval on the other side), else
+    inconclusive."""
     a = claim["a"]
     means = {n: float(np.nanmean(per_seed(results, n, metric))) for n in rows}
-    verdicts = {n: interval_verdict(paired(results, a, n, metric)) for n in rows if n != a}
+    verdicts = {n: interval_verdict(paired(results, a, n, metric), sign) for n in rows if n != a}
     if any(v == "could not be tested" for v, _ in verdicts.values()):
         return "could not be tested", f"{metric}: too few test samples to report (eval.min_group_samples)"
     beaten = [n for n, (v, _) in verdicts.items() if v == "did not hold"]
-    runner = max((n for n in rows if n != a), key=lambda n: means[n])
-    ev = f"{metric}: {a} {means[a]:.4f}, best other {means[runner]:.4f} ({runner}); vs it {S.describe(verdicts[runner][1])}"
+    runner = max((n for n in rows if n != a), key=lambda n: sign * means[n])
+    ev = (f"{metric}: {a} {means[a]:.4f}, {'best' if sign > 0 else 'lowest'} other {means[runner]:.4f} ({runner}); "
+          f"vs it {S.describe(verdicts[runner][1])}")
     if beaten:
-        return "did not hold", ev + f"; significantly behind {', '.join(beaten)}"
+        return "did not hold", ev + f"; significantly {'behind' if sign > 0 else 'above'} {', '.join(beaten)}"
     return ("held" if all(v == "held" for v, _ in verdicts.values()) else "inconclusive"), ev
 
 
