@@ -115,6 +115,7 @@ id = "t1"
 title = "Table one"
 rows = ["pf", "fl"]
 columns = ["PM acc", "up B/round"]
+diagnostics = ["orthogonality_raw"]
 plots = true
 [[table.claim]]
 kind = "ratio"
@@ -178,6 +179,11 @@ def test_suite_page_claims_and_resume(suite, tmp_path, monkeypatch):
     want = R.interval_verdict(d)[0]
     assert f"**{want}** — pf beats fl" in text
     assert "**could not be tested** — images *Measured:* none offline" in text
+    # diagnostics: PFAdapter's Lo, mean over its training rounds, then over seeds; none for FedAvgM
+    lo = [np.mean([r["orthogonality_raw"] for r in map(json.loads, (tmp_path / "out" / "runs" / "pf" / f"seed-{s}" /
+                                                                      "metrics.jsonl").read_text().splitlines())
+                   if "orthogonality_raw" in r]) for s in (0, 1)]
+    assert f"| PFAdapter | {np.mean(lo):.3g} ± {np.std(lo):.2g} |" in text and "| fl | — |" in text
     assert "at commit" in text and "`make results`" in text and "2 run(s) at once" not in text
     assert "4 runs (4 run by this invocation" in text
     for png in ("t1/accuracy_vs_round.png", "t1/accuracy_vs_bytes.png", "sweep/sweep.png"):

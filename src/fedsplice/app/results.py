@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsplice.app import compare as C
+from fedsplice.app import diagnostics as D
 from fedsplice.app import stats as S
 from fedsplice.app import tuning as T
 from fedsplice.errors import ConfigError
@@ -74,6 +75,10 @@ def load_suite(path: Path) -> Suite:
         if "tune" in e:
             T.check_tune(path, e["name"], e["tune"], COLUMNS)
         exps[e["name"]] = e
+    for e in exps.values():
+        if "tune_from" in e and "tune" not in exps.get(e["tune_from"], {}):
+            raise ConfigError(f"{path}: experiment {e['name']!r}: tune_from = {e['tune_from']!r} names no "
+                              f"experiment with a `tune` table")
     tables = t.get("table", [])
     for tb in tables:
         for name in tb.get("rows", []):
@@ -289,6 +294,8 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
             md.append(f"| {lab(n)} | " + " | ".join(x + [fmt(per_seed(results, n, c), c) for c in cols]) + " |")
         md += ["", f"mean ± std over {suite.seeds} seeds; every metric, by experiment name: "
                    f"[{rel}/{tb['id']}/table.md]({rel}/{tb['id']}/table.md).", ""]
+    if tb.get("diagnostics"):
+        md += D.diagnostics_md(tb["diagnostics"], rows, sub, lab)
     if tb.get("cold_start"):
         epochs = results[rows[0]][0]["cold_start"]["epochs"]
         md += ["Cold start (held-out clients: the final global adapters, then local epochs):", "",

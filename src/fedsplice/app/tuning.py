@@ -4,7 +4,8 @@ An experiment of a suite may carry `tune = {key = "server.lr", values = [...], m
 each value runs (on `seeds` seeds, default 1) with `eval.on = "validation"`, which evaluates on
 training samples held out of training (`fedsplice.federation.experiment.apply_validation`) and
 never reads the test set; the value with the best mean metric (the first on a tie) is appended
-to the experiment's overrides, and the page records every score. Runs live under
+to the experiment's overrides, and the page records every score. `tune_from = "<experiment>"`
+reuses the value chosen for another experiment (the same method on other data). Runs live under
 OUT/tune/runs/<experiment>--<value>/seed-<s>, so a stopped suite resumes here too.
 """
 
@@ -67,6 +68,10 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
         best = max(t["values"], key=lambda v: (scores[v], -t["values"].index(v)))
         e["set"] = [*e.get("set", []), f"{t['key']}={best}"]
         chosen[name] = {"key": t["key"], "metric": metric, "scores": scores, "chosen": best}
+    for name, e in suite.experiments.items():  # tune_from: the value chosen for another experiment
+        if "tune_from" in e:
+            c = chosen[e["tune_from"]]
+            e["set"] = [*e.get("set", []), f"{c['key']}={c['chosen']}"]
     return chosen
 
 
