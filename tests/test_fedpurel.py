@@ -269,9 +269,10 @@ def test_residual_objective_by_hand():
 
 @pytest.fixture(scope="module")
 def purel_exp(cfg_factory, tiny_bert_dir, toy_jsonl):
+    # per-tensor purification (the official code's), which the hand-computed step below follows
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"', client__optimizer='"sgd"',
                       client__lr=1.0, client__batch_size=64, client__max_steps=1,
-                      client__weight_decay=0.0)
+                      client__weight_decay=0.0, method='{granularity = "tensor"}')
     exp = build(cfg)
     for m in exp.model.modules():  # BERT's dropout off: forwards are deterministic
         if isinstance(m, torch.nn.Dropout):
