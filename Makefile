@@ -34,7 +34,7 @@ $(VENV)/.bench: $(VENV)/.installed
 bench: $(VENV)/.bench
 	for b in overheads comm scale round_time clip_prefix; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 
-# The papers' tables on the offline zoo (configs/results/suite.toml: 3 seeds, about 80 min on 2
+# The papers' tables on the offline zoo (configs/results/suite.toml: 3 seeds, 88 min measured on 2
 # cores; SEEDS=5 for 5) -> docs/results.md + docs/results/; resumable (runs/results). The HTML
 # rendering of the page is checked with a headless-Chromium screenshot (docs/results/report.png).
 SEEDS ?= 3
