@@ -25,7 +25,7 @@ class ClientConfig:
     optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0  # SGD only (torch.optim.SGD's momentum; Dassl, FedPuReL's code base, uses 0.9)
     # the client lr over the rounds: constant, or cosine annealing from client.lr in round 1 to 0
-    # after the last (lr_t = lr·(1 + cos(π·(t−1)/T))/2, t = 1..T; FedPuReL's official code)
+    # after the last (lr_t = lr·(1 + cos(π·(t−1)/T))/2, t = 1..T; PFAdapter's §V-A)
     schedule: Literal["constant", "cosine"] = "constant"
     logit_adjustment: float = 0.0  # τ of logit-adjusted training (Menon et al. 2021); 0 = off
     # Fed-GraB (Xiao et al. 2023; fedsplice.core.grab): per-class PID-steered re-weighting of the
