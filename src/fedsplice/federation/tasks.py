@@ -164,7 +164,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     branch = {}
     if r.personalize and r.personalize.persistent:  # the official code's branch, one round a round
         branch = train_branch(exp, cid, received, stored_branch(exp, stored), range(rnd, rnd + 1),
-                              global_logits(exp, cid, received)[0])
+                              global_logits(exp, cid, received))
     exp.model.load_params({**received, **priv})
     # pooled (centralized): its optimizer state persists across rounds, one continuous training run
     keep = exp.global_names + exp.private_names if r.pooled else exp.private_names
@@ -202,15 +202,15 @@ def evaluate(exp, store, cid: int, global_params: dict) -> dict:
     return score(exp, exp.data.test_labels[idx], logits, idx)
 
 
-def global_logits(exp, cid: int, global_params: dict) -> tuple[torch.Tensor, np.ndarray]:
-    """The frozen global branch l_G on client `cid`'s training data (in a table indexed by
-    training sample id, as the objective looks them up) and on its local test set."""
+def global_logits(exp, cid: int, global_params: dict) -> torch.Tensor:
+    """The frozen global branch l_G on client `cid`'s training data, in a table indexed by
+    training sample id (as the objective looks them up); leaves `global_params` loaded."""
     d, c = exp.data, exp.clients[cid]
     exp.model.load_params(global_params)
     l_g = torch.zeros(len(d.train_texts), len(d.class_names))
     l_g[torch.as_tensor(c.train_idx)] = exp.model.predict([d.train_texts[i] for i in c.train_idx],
                                                           exp.cfg.eval.batch_size)
-    return l_g, predict_local_test(exp, cid)
+    return l_g
 
 
 def train_branch(exp, cid: int, global_params: dict, branch: dict, rounds: range, l_g: torch.Tensor) -> dict:
@@ -238,7 +238,8 @@ def personalize(exp, store, cid: int, global_params: dict) -> dict:
     trained now from a fresh PEFT for the stage's T_p rounds, or, persistent, the client's stored
     branch as the rounds left it."""
     stage, c = exp.recipe.personalize, exp.clients[cid]
-    l_g, l_g_test = global_logits(exp, cid, global_params)
+    l_g = global_logits(exp, cid, global_params)
+    l_g_test = predict_local_test(exp, cid)
     if stage.persistent:
         exp.model.load_params(stored_branch(exp, store.get(cid)))
     else:  # rounds = 0: l_P stays at its fresh init
