@@ -45,8 +45,12 @@ def plan_tuning(suite, out: Path) -> list[tuple]:
     return C.plan_entries(entries, seeds, Path(out) / "tune") if entries else []
 
 
+def _show(v) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+
 def _label(name: str, v) -> str:
-    return f"{name}--{v:g}" if isinstance(v, (int, float)) else f"{name}--{v}"
+    return f"{name}--{_show(v)}"
 
 
 def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[str, dict]:
@@ -83,6 +87,6 @@ def tuning_section(chosen: dict[str, dict], labels: dict[str, str]) -> str:
           "the test set is not read); the best mean is used in every measured run of the experiment.", "",
           "| experiment | key | metric | validation score by value | chosen |", "|---|---|---|---|---|"]
     for name, c in chosen.items():
-        sc = ", ".join(f"{v:g}: {s:.3f}" if isinstance(v, (int, float)) else f"{v}: {s:.3f}" for v, s in c["scores"].items())
+        sc = ", ".join(f"{_show(v)}: {s:.3f}" for v, s in c["scores"].items())
         md.append(f"| {labels.get(name, name)} | `{c['key']}` | {c['metric']} | {sc} | **{c['chosen']}** |")
     return "\n".join(md) + "\n"
