@@ -185,6 +185,13 @@ def test_suite_page_claims_and_resume(suite, tmp_path, monkeypatch):
                    if "orthogonality_raw" in r]) for s in (0, 1)]
     assert f"| PFAdapter | {np.mean(lo):.3g} ± {np.std(lo):.2g} |" in text and "| fl | — |" in text
     assert "at commit" in text and "`make results`" in text and "2 run(s) at once" not in text
+    compute = sum(r["time_s"] for r in runs.values()) / 60
+    assert f"The runs' own times add up to {compute:.0f} min (about {compute:.0f} min from scratch at 1 at once)" in text
+    curves = [[json.loads(x)["pm"]["accuracy"] for x in (tmp_path / "out" / "runs" / "pf" / f"seed-{s}" /
+               "metrics.jsonl").read_text().splitlines() if '"pm"' in x][-2:] for s in (0, 1)]
+    dpm = [b - a for a, b in curves]
+    assert f"{np.mean([c[1] for c in curves]):.3f} ± {np.std([c[1] for c in curves]):.3f} | " \
+           f"{np.mean(dpm):+.3f} ± {np.std(dpm):.3f} |" in text.split("## Convergence")[1].split("(`pf`)")[1]
     assert "4 runs (4 run by this invocation" in text
     for png in ("t1/accuracy_vs_round.png", "t1/accuracy_vs_bytes.png", "sweep/sweep.png"):
         assert (doc.parent / "results" / png).read_bytes()[:4] == b"\x89PNG"
@@ -226,6 +233,34 @@ def _well_formed(page: str) -> None:
     p = _Tags()
     p.feed(page)
     assert p.stack == []
+
+
+def test_group_seeds_and_convergence_rows(suite, tmp_path):
+    """A group's `seeds` sets its runs; `--seeds` forces every group; the convergence table's
+    cells are the last evaluation and its change since the one before, over seeds."""
+    from fedsplice.app import diagnostics as D
+
+    text = suite.read_text().replace('set = ["server.rounds=2"]', 'set = ["server.rounds=2"]\nseeds = 3')
+    suite.write_text(text)
+    s = R.load_suite(suite)
+    assert [r[1] for r in R.plan_suite(s, tmp_path) if r[0] == "pf"] == [0, 1, 2]
+    s.seeds, s.fixed = 1, True
+    assert [r[1] for r in R.plan_suite(s, tmp_path) if r[0] == "pf"] == [0]
+    suite.write_text(text.replace("seeds = 3", "seeds = 0"))
+    with pytest.raises(ConfigError, match=r"\[groups.g\] seeds must be an integer >= 1, got 0"):
+        R.load_suite(suite)
+    runs = []
+    for seed, accs in ((0, [0.5, 0.6, 0.7]), (1, [0.5, 0.7, 0.8])):
+        d = tmp_path / f"r{seed}"
+        d.mkdir()
+        d.joinpath("metrics.jsonl").write_text("\n".join(json.dumps(
+            {"round": 5 * i, "gm": {"accuracy": a}, **({"pm": {"accuracy": a / 2}} if i else {})})
+            for i, a in enumerate(accs)) + "\n" + json.dumps({"round": 11, "train_loss": 1.0}))
+        runs.append(("x", seed, None, d))
+    row = D.convergence_md(["x", "y"], runs, str)
+    # GM: last 0.7, 0.8 (mean 0.75 ± 0.05), change +0.1 both; PM: 0.35, 0.4, change +0.05 both
+    assert "| x | 5 → 10 | 0.750 ± 0.050 | +0.100 ± 0.000 | 0.375 ± 0.025 | +0.050 ± 0.000 |" in row
+    assert "| y | — | — | — | — | — |" in row
 
 
 def test_report_of_run_and_compare_dirs(suite, tmp_path, capsys):

@@ -34,3 +34,37 @@ def diagnostics_md(keys: list[str], rows: list[str], runs: list[tuple], label) -
             cells.append("—" if np.isnan(v).all() else f"{np.nanmean(v):.3g} ± {np.nanstd(v):.2g}")
         md.append(f"| {label(n)} | " + " | ".join(cells) + " |")
     return md + [""]
+
+
+def eval_curve(run_dir: Path, model: str) -> dict[int, float]:
+    """{round: accuracy} of the run's evaluations of `model` ("gm" or "pm") during the rounds."""
+    path = Path(run_dir) / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return {r["round"]: r[model]["accuracy"] for r in recs
+            if isinstance(r.get(model), dict) and isinstance(r[model].get("accuracy"), (int, float))}
+
+
+def convergence_md(names: list[str], runs: list[tuple], label) -> list[str]:
+    """Markdown lines: each experiment's GM and PM accuracy at its last evaluation during the
+    rounds, and the change since the evaluation before (per seed, then mean ± std over seeds):
+    a curve has flattened where that change is small against the spread over seeds."""
+    md = ["## Convergence: the last evaluations of every run", "",
+          "Accuracy at the last evaluation of the rounds and its change since the evaluation before "
+          "(per seed, then mean ± std over seeds; from metrics.jsonl, so FedPuReL's PM here is before "
+          "its phase 2). A change near 0 against the std says the curve has flattened.", "",
+          "| experiment | rounds | GM acc | Δ GM | PM acc | Δ PM |", "|---|---|---|---|---|---|"]
+    for n in names:
+        cells, span = [], ""
+        for model in ("gm", "pm"):
+            last, delta = [], []
+            for r in (r for r in runs if r[0] == n):
+                c = eval_curve(r[3], model)
+                if len(c) >= 2:
+                    a, b = sorted(c)[-2:]
+                    last.append(c[b])
+                    delta.append(c[b] - c[a])
+                    span = f"{a} → {b}"
+            cells += ([f"{np.mean(last):.3f} ± {np.std(last):.3f}", f"{np.mean(delta):+.3f} ± {np.std(delta):.3f}"]
+                      if last else ["—", "—"])
+        md.append(f"| {label(n)} | {span or '—'} | " + " | ".join(cells) + " |")
+    return md + [""]

@@ -362,7 +362,9 @@ def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
              "| table | claim | verdict |", "|---|---|---|"]
     head += [f"| {t} | {c} | **{v}** |" for t, c, v, _ in claims]
     tuned = T.tuning_section(suite.tuned, {n: e.get("label", n) for n, e in suite.experiments.items()})
-    atomic_write_text(doc, "\n".join(head) + "\n\n" + (tuned + "\n" if tuned else "") + "\n".join(sections))
+    conv = D.convergence_md(list(suite.experiments), runs, lambda n: f"{suite.experiments[n].get('label', n)} (`{n}`)")
+    atomic_write_text(doc, "\n".join(head) + "\n\n" + (tuned + "\n" if tuned else "") + "\n".join(sections)
+                      + "\n" + "\n".join(conv))
     return doc
 
 
