@@ -259,3 +259,23 @@ def capture_uploads(monkeypatch):
 
     monkeypatch.setattr(inprocess, "fit_client", wrapped)
     return ups
+
+
+@pytest.fixture
+def cli_refuses(tmp_path, capsys):
+    """`cli_refuses(cfg, ["key=value", ...], match)`: `fedsplice run` of cfg with those --set
+    overrides exits 2 with one line on stderr containing `match`, and writes no results."""
+    from fedsplice.app.cli import main
+    from fedsplice.app.rundir import write_config
+
+    def check(cfg, sets: list[str], match: str) -> None:
+        write_config(tmp_path, cfg)
+        args = ["run", str(tmp_path / "config.toml"), "--out", str(tmp_path / "run"), "--quiet"]
+        for s in sets:
+            args += ["--set", s]
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert match in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "run" / "results.json").exists()
+
+    return check

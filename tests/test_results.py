@@ -343,3 +343,9 @@ def test_suite_tunes_on_a_validation_split(suite, tmp_path):
     with pytest.raises(ConfigError, match="tune.values must list at least 2 values"):
         suite.write_text(text.replace("values = [0.5, 2.0]", "values = [0.5]"))
         R.load_suite(suite)
+
+
+def test_parameter_columns():
+    r = {"params": {"global": 3, "private": 5}}
+    assert R.value(r, "trainable params") == 8.0 and R.value(r, "shared params") == 3.0
+    assert R.fmt(np.array([1000.0, 3000.0]), "trainable params") == "2,000 ± 1,000"

@@ -44,6 +44,9 @@ class Recipe:
     grad_transform: Callable | None = None  # combines per-loss gradients (FedPuReL purification)
     trains: bool = True  # False: evaluation only (zero-shot)
     personalize: PersonalStage | None = None  # a local stage after the rounds (FedPuReL phase 2)
+    # Alternating local training (pFedLoRA): ((split group, local epochs), ...), in order; each
+    # phase trains only that group's tensors, with its own optimizer. Empty: one phase, all tensors.
+    phases: tuple[tuple[str, int], ...] = ()
     needs_zero_shot: bool = False  # cache zero-shot logits of the training set
     # References (fedsplice.algorithms.references). pooled: one model trains alone on the union of
     # every training client's data each round (centralized); nothing is federated, no traffic.

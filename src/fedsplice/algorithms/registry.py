@@ -19,8 +19,11 @@ from importlib.metadata import entry_points
 from typing import Callable
 
 from fedsplice.algorithms.baselines import BASELINES, LORA_BASELINES
+from fedsplice.algorithms.fedotp import FEDOTP
+from fedsplice.algorithms.fedpgp import FEDPGP
 from fedsplice.algorithms.fedpurel import FEDPUREL
 from fedsplice.algorithms.pfadapter import PFADAPTER
+from fedsplice.algorithms.pfedlora import PFEDLORA
 from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe
 from fedsplice.algorithms.references import REFERENCES
 from fedsplice.config import from_dict
@@ -28,7 +31,8 @@ from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
 ENTRY_POINT_GROUP = "fedsplice.algorithms"
-ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "pfadapter": PFADAPTER, **LORA_BASELINES,
+ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp": FEDOTP, "fedpgp": FEDPGP, "pfadapter": PFADAPTER,
+                                    "pfedlora": PFEDLORA, **LORA_BASELINES,
                                     **REFERENCES}  # references last: the sanity rows of a table
 _BUILTIN = frozenset(ALGORITHMS)  # before any register_algorithm: users' own are not checked for peft "full"
 
@@ -125,9 +129,9 @@ def get_algorithm(name: str) -> Algorithm:
 
 def method_params(cfg):
     """The typed `[method]` table of cfg's algorithm (unknown keys are errors), and whether the
-    algorithm fits peft.type "full" (so `fedsplice validate` catches it)."""
+    algorithm fits its PEFT parts (check_peft_fits; so `fedsplice validate` catches it)."""
     algo = get_algorithm(cfg.algorithm)
-    check_full(cfg)
+    check_peft_fits(cfg)
     try:
         params = from_dict(algo.params, cfg.method, "method")
     except ConfigError as e:
@@ -145,7 +149,12 @@ def method_params(cfg):
 FULL_OK = ("full-ft", "fedprox", "fedper", "local", "zeroshot", "centralized", "majority", "local-prior")
 
 
-def check_full(cfg) -> None:
+def check_peft_fits(cfg) -> None:
+    """Refuse PEFT parts a built-in algorithm would misread: peft.private_r (pFedLoRA's adapter) and
+    peft.type = "full" outside FULL_OK."""
+    if cfg.peft.private_r and cfg.algorithm in _BUILTIN and cfg.algorithm != "pfedlora":
+        raise ConfigError(f"peft.private_r adds pFedLoRA's private LoRA adapter, which algorithm {cfg.algorithm!r} "
+                          f"would treat as its own LoRA; set peft.private_r = 0 or algorithm = 'pfedlora'")
     if cfg.peft.type == "full" and cfg.algorithm in _BUILTIN and cfg.algorithm not in FULL_OK:
         raise ConfigError(f"peft.type = 'full' trains the whole backbone, without the LoRA/prompt/adapter parts "
                           f"algorithm {cfg.algorithm!r} splits or freezes; use algorithm = 'full-ft' "

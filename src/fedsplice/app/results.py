@@ -40,7 +40,8 @@ from fedsplice.app import tuning as T
 from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
 
-COLUMNS = {c for c, _ in C.METRICS}
+PARAMS = ("trainable params", "shared params")  # from results.json's params: GLOBAL + PRIVATE, GLOBAL
+COLUMNS = {c for c, _ in C.METRICS} | set(PARAMS)
 KINDS = ("greater", "best", "lowest", "balanced", "ratio", "gap_greater", "untestable")
 
 
@@ -133,6 +134,9 @@ def value(r: dict, metric: str) -> float | None:
         e = int(metric.removeprefix("cold-start e"))
         v = cs["accuracy"][cs["epochs"].index(e)] if e in cs.get("epochs", []) else None
         return None if v is None else float(v)  # null: undefined in results.json
+    if metric in PARAMS:
+        p = r.get("params") or {}
+        return float(p.get("global", 0) + (p.get("private", 0) if metric == PARAMS[0] else 0))
     return C._get(r, dict(C.METRICS)[metric])
 
 
@@ -144,7 +148,7 @@ def fmt(v: np.ndarray, metric: str) -> str:
     if np.isnan(v).all():
         return "—"
     m, s = np.nanmean(v), np.nanstd(v)
-    return f"{m:,.0f} ± {s:,.0f}" if metric.startswith("up") else f"{m:.3f} ± {s:.3f}"
+    return f"{m:,.0f} ± {s:,.0f}" if metric.startswith("up") or metric in PARAMS else f"{m:.3f} ± {s:.3f}"
 
 
 def paired(results: dict[str, list[dict]], a: str, b: str, metric: str) -> np.ndarray:

@@ -77,6 +77,9 @@ class PeftConfig:
     layers: list[int] = field(default_factory=list)  # empty: every layer
     tower: str = ""  # CLIP-style models: "text_model" or "vision_model"; empty: the only tower
     use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
+    # pFedLoRA (Yi et al. 2023): rank of a second LoRA adapter ("private"), on the same modules with
+    # the same alpha, beside the shared one ("default"); both act in every forward. 0 = none
+    private_r: int = 0
     # CoOp prompt context on the class side of a dual encoder. random: n_ctx vectors ~ N(0, 0.02²)
     # from the seeded init stream (CoOp, FedPuReL's official code; round 0 is then NOT zero-shot);
     # template: the word embeddings of data.class_prompt's words before {label} (round 0 = zero-shot)
@@ -84,6 +87,15 @@ class PeftConfig:
     n_ctx: int = 0  # 0: 4 with random init (the FedPuReL paper's prompt length), the words' count with template
     class_specific: bool = False  # one context per class instead of one shared
     portfolio: float = 0.0  # PromptFolio θ: mix a private local prompt's class features with weight θ
+    # FedPGP (Cui et al. 2024): rank r of a low-rank correction U·V (n_ctx × r, r × d, both
+    # ~ N(0, 0.02²)) added to the prompt context; 0 = none. Its official scripts use 8
+    prompt_lowrank: int = 0
+    # FedOTP (Li et al. 2024): a private local prompt beside the global one, both matched to an
+    # input's token features by entropic partial optimal transport (fedsplice.core.ot) moving mass
+    # ot_gamma (0 = off; the official scripts' 0.8), entropy ot_eps, at most ot_iters iterations
+    ot_gamma: float = 0.0
+    ot_eps: float = 0.1
+    ot_iters: int = 100
     # FedCLIP feature adapter on the input embedding
     adapter_hidden: int = 0  # 0: the embedding width
     # random: torch's Linear init (FedCLIP's official code); zero: uniform attention, round 0 = zero-shot
@@ -109,6 +121,20 @@ class PeftConfig:
             raise ConfigError(f"peft.prompt_init must be 'random' or 'template', got {self.prompt_init!r}")
         if self.portfolio > 0 and self.type != "prompt":
             raise ConfigError("peft.portfolio mixes prompt contexts: set peft.type = 'prompt'")
+        if self.private_r < 0 or (self.private_r and self.type != "lora"):
+            raise ConfigError(f"peft.private_r = {self.private_r}: a rank >= 1 adds a private LoRA adapter "
+                              f"(set peft.type = 'lora'), 0 turns it off")
+        if self.prompt_lowrank < 0 or (self.prompt_lowrank and self.type != "prompt"):
+            raise ConfigError(f"peft.prompt_lowrank = {self.prompt_lowrank}: a rank >= 1 corrects a prompt "
+                              f"context (set peft.type = 'prompt'), 0 turns it off")
+        if not 0.0 <= self.ot_gamma <= 1.0 or (self.ot_gamma and self.type != "prompt"):
+            raise ConfigError(f"peft.ot_gamma = {self.ot_gamma}: the mass in (0, 1] that optimal transport moves "
+                              f"between an input's tokens and two prompts (set peft.type = 'prompt'); 0 turns it off")
+        if self.ot_eps <= 0 or self.ot_iters < 1:
+            raise ConfigError(f"peft.ot_eps must be > 0 and peft.ot_iters >= 1, got {self.ot_eps} and {self.ot_iters}")
+        if sum(x > 0 for x in (self.prompt_lowrank, self.portfolio, self.ot_gamma)) > 1:
+            raise ConfigError("peft.prompt_lowrank (FedPGP), peft.portfolio (PromptFolio) and peft.ot_gamma (FedOTP) "
+                              "are three ways to personalize the prompt; set at most one of them above 0")
         if self.type == "full" and (self.layers or self.tower or self.dropout > 0):
             # full fine-tuning trains every layer of every tower, and runs the backbone without
             # dropout as LoRA runs its frozen base: these LoRA placements would be silently ignored

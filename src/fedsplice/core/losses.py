@@ -143,3 +143,16 @@ class Proximal:
         ref = ctx["global_ref"]
         sq = sum(((params[n] - ref[n]) ** 2).sum() for n in self.names)
         return 0.5 * self.mu * sq
+
+
+def prompt_contrastive(z_template: torch.Tensor, z_global: torch.Tensor, z_personal: torch.Tensor,
+                       tau: float) -> torch.Tensor:
+    """FedPGP's prompt-wise contrastive loss (Cui et al. 2024; its official code): for each class
+    c, a two-way InfoNCE with the global prompt's features pulled toward the hand-crafted ones
+    (positive) and pushed from the personalized ones (negative),
+    mean_c −log(e^{pos_c/τ} / (e^{pos_c/τ} + e^{neg_c/τ})) = mean_c softplus((neg_c − pos_c)/τ),
+    pos_c = cos(z_template_c, z_global_c), neg_c = cos(z_global_c, z_personal_c); [C, D] each."""
+    n = torch.nn.functional.normalize
+    pos = (n(z_template, dim=-1) * n(z_global, dim=-1)).sum(-1)
+    neg = (n(z_global, dim=-1) * n(z_personal, dim=-1)).sum(-1)
+    return torch.nn.functional.softplus((neg - pos) / tau).mean()

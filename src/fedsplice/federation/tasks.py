@@ -95,6 +95,30 @@ def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: dict, object
         rng=streams.rng(exp.cfg, streams.CLIENT, rnd, cid), ctx=ctx, epochs=epochs)
 
 
+def train_phases(exp, cid: int, **kw) -> tuple[dict, dict]:
+    """`train_client`, or, with recipe.phases (pFedLoRA), one call per phase on only that split
+    group's tensors (the others frozen) for its epochs. Statistics: the last phase's, with each
+    phase's loss and steps as `<group>_loss`, `<group>_steps`; the kept optimizer state of all."""
+    phases = exp.recipe.phases
+    if not phases:
+        return train_client(exp, cid, **kw)
+    params, split = exp.model.trainable(), exp.recipe.split
+    opt, stats, per = {}, {}, {}
+    state = kw.pop("opt_state", None) or {}
+    try:
+        for group, epochs in phases:
+            for n, p in params.items():
+                p.requires_grad_(split[n] == group)
+            mine = {k: v for k, v in state.items() if split[k.rsplit("/", 1)[0]] == group}
+            o, stats = train_client(exp, cid, **kw, opt_state=mine, epochs=epochs)
+            opt.update(o)
+            per.update({f"{group}_loss": stats.get("loss", float("nan")), f"{group}_steps": stats["steps"]})
+    finally:
+        for p in params.values():
+            p.requires_grad_(True)
+    return opt, {**stats, **per}
+
+
 def check_pooled(cfg) -> None:
     """A pooled recipe trains one model on data gathered in one place: refuse what only a
     federation has (a deployment, a server step, codecs, failing or rejected clients)."""
@@ -168,7 +192,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     exp.model.load_params({**received, **priv})
     # pooled (centralized): its optimizer state persists across rounds, one continuous training run
     keep = exp.global_names + exp.private_names if r.pooled else exp.private_names
-    new_opt, stats = train_client(exp, cid, rnd=rnd, torch_round=rnd, ctx=train_context(exp, cid, received, round=rnd, **grab),
+    new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd, ctx=train_context(exp, cid, received, round=rnd, **grab),
                                   objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
                                   keep_opt=keep, opt_state=opt_state,
                                   client_cfg=round_config(exp, cid, rnd))

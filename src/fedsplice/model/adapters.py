@@ -61,12 +61,27 @@ class PromptLearner(nn.Module):
         self.register_buffer("tail_ids", ids, persistent=False)
         self.register_buffer("mask", mask, persistent=False)
 
-    def inputs(self, word_embeddings: nn.Embedding) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs_embeds [C, L, d], attention_mask [C, L]) for the C class sequences."""
+    def inputs(self, word_embeddings: nn.Embedding, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs_embeds [C, L, d], attention_mask [C, L]) for the C class sequences; `delta`
+        (n × d, FedPGP's U·V) is added to the context."""
         c = self.tail_ids.shape[0]
         head = word_embeddings(self.cls_id).expand(c, 1, -1)
-        ctx = self.ctx if self.ctx.dim() == 3 else self.ctx.unsqueeze(0).expand(c, -1, -1)
+        ctx = self.ctx if delta is None else self.ctx + delta
+        ctx = ctx if ctx.dim() == 3 else ctx.unsqueeze(0).expand(c, -1, -1)
         return torch.cat([head, ctx, word_embeddings(self.tail_ids)], dim=1), self.mask
+
+
+class LowRankDelta(nn.Module):
+    """FedPGP's personalization of a prompt (Cui et al. 2024; its official code): U [n, r] and
+    V [r, d], both ~ N(0, 0.02²) from the seeded generator; the client's context is ctx + U·V."""
+
+    def __init__(self, n_ctx: int, dim: int, rank: int, generator: torch.Generator):
+        super().__init__()
+        self.U = nn.Parameter(torch.randn(n_ctx, rank, generator=generator) * 0.02)
+        self.V = nn.Parameter(torch.randn(rank, dim, generator=generator) * 0.02)
+
+    def forward(self) -> torch.Tensor:
+        return self.U @ self.V
 
 
 class FeatureAdapter(nn.Module):

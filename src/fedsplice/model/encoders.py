@@ -18,7 +18,7 @@ from torch import nn
 
 from fedsplice.data.samples import Sample
 from fedsplice.errors import ConfigError
-from fedsplice.model.adapters import FeatureAdapter, PromptLearner
+from fedsplice.model.adapters import FeatureAdapter, LowRankDelta, PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.peft import adapters_off
 from fedsplice.model.prefix import TextPrefix
@@ -55,17 +55,21 @@ class ClassSide:
 
     def __init__(self, text: TextEncoder, class_names: list[str], templates: list[str], peft_type: str,
                  trains_text: bool, cache_on: bool, prompt: PromptLearner | None = None,
-                 prompt_local: PromptLearner | None = None, portfolio: float = 0.0):
+                 prompt_local: PromptLearner | None = None, portfolio: float = 0.0,
+                 prompt_lowrank: LowRankDelta | None = None, prompt_ot: PromptLearner | None = None):
         self.text, self.class_names, self.templates = text, class_names, templates
         self.peft_type, self.trains_text, self.cache_on = peft_type, trains_text, cache_on
         self.prompt, self.prompt_local, self.portfolio = prompt, prompt_local, portfolio
+        self.prompt_lowrank, self.prompt_ot = prompt_lowrank, prompt_ot
         self.frozen_emb: torch.Tensor | None = None
 
     def embeddings(self, zero_shot: bool) -> torch.Tensor:
         if zero_shot or self.peft_type == "adapter":
             return self.frozen()
+        if self.peft_type == "prompt" and self.prompt_ot is not None:  # FedOTP: [2, C, D], global then local
+            return torch.stack([self.from_prompt(self.prompt), self.from_prompt(self.prompt_ot)])
         if self.peft_type == "prompt":
-            e = self.from_prompt(self.prompt)
+            e = self.from_prompt(self.prompt, self.prompt_lowrank() if self.prompt_lowrank is not None else None)
             if self.prompt_local is not None:  # PromptFolio: a portfolio of global and local features
                 th = self.portfolio
                 e = F.normalize((1 - th) * e + th * self.from_prompt(self.prompt_local), dim=-1)
@@ -73,6 +77,13 @@ class ClassSide:
         if not self.trains_text:
             return self.frozen()
         return self.from_templates()
+
+    def views(self) -> dict[str, torch.Tensor]:
+        if self.prompt is None or self.prompt_lowrank is None:
+            raise ConfigError("the personal / global / template prompt views need peft.type = 'prompt' "
+                              "and peft.prompt_lowrank >= 1 (FedPGP)")
+        return {"personal": self.from_prompt(self.prompt, self.prompt_lowrank()),
+                "global": self.from_prompt(self.prompt), "template": self.frozen()}
 
     def from_templates(self) -> torch.Tensor:
         """Normalized class embeddings; a prompt ensemble averages its templates' (CLIP)."""
@@ -93,8 +104,8 @@ class ClassSide:
             return self.text.hf.text_model.embeddings.token_embedding
         return self.text.backbone.get_input_embeddings()
 
-    def from_prompt(self, learner: PromptLearner) -> torch.Tensor:
-        embeds, mask = learner.inputs(self.word_embeddings())
+    def from_prompt(self, learner: PromptLearner, delta: torch.Tensor | None = None) -> torch.Tensor:
+        embeds, mask = learner.inputs(self.word_embeddings(), delta)
         if self.text.is_clip:
             return F.normalize(clip_text_from_embeds(self.text.hf, embeds, mask), dim=-1)
         out = self.text.backbone(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
@@ -111,6 +122,7 @@ class InputSide:
                  features: FrozenCache | None = None, clip_inputs: ClipInputs | None = None):
         self.text, self.peft_type, self.adapter = text, peft_type, adapter
         self.features, self.clip_inputs = features, clip_inputs
+        self.token_cache: FrozenCache | None = None  # FedOTP's token features (TaskModel sets it)
 
     @staticmethod
     def clip(text: TextEncoder, processor, image_prefix: ClipImagePrefix | None, captions_frozen: bool) -> ClipInputs:
@@ -127,6 +139,29 @@ class InputSide:
         with torch.no_grad():  # the encoder is frozen on the input side for prompts and adapters
             f = self.frozen(items)
         return f if (self.adapter is None or zero_shot) else self.adapter(f)
+
+    @torch.no_grad()
+    def tokens(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """FedOTP's local features, L2-normalized per token and padded: ([B, M, D], mask [B, M]).
+        A text: the frozen encoder's last hidden state of every token its mean-pooled embedding
+        averages; an image (CLIP): its projected patch tokens. Cached per input."""
+        def compute(missing: list[str]) -> list[torch.Tensor]:
+            enc = self.text.tokens(missing)
+            out, m = self.text.encode(enc, missing), enc["attention_mask"].bool()
+            return [out[i][m[i]] for i in range(len(missing))]
+
+        if self.clip_inputs is not None:
+            rows = self.clip_inputs.patch_tokens(items, self.token_cache)
+        elif any(isinstance(s, Sample) for s in items):
+            raise ConfigError("peft.ot_gamma (FedOTP): this data set holds images; use a CLIP dual encoder")
+        else:
+            rows = self.token_cache.rows(items, compute) if self.token_cache is not None else compute(items)
+        longest = max(len(r) for r in rows)
+        h = torch.zeros(len(rows), longest, rows[0].shape[-1])
+        mask = torch.zeros(len(rows), longest, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            h[i, :len(r)], mask[i, :len(r)] = r, True
+        return F.normalize(h, dim=-1), mask
 
     def frozen(self, items: list) -> torch.Tensor:
         if self.features is None:

@@ -12,6 +12,7 @@ A init (drawn by peft from torch's RNG) runs inside a forked, locally seeded RNG
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from contextlib import nullcontext
@@ -22,7 +23,7 @@ from torch import nn
 from fedsplice.config import PeftConfig
 from fedsplice.core.split import ParamInfo
 from fedsplice.errors import ConfigError
-from fedsplice.model.adapters import FeatureAdapter, PromptLearner
+from fedsplice.model.adapters import FeatureAdapter, LowRankDelta, PromptLearner
 from fedsplice.model.loading import target_regex
 
 LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
@@ -40,7 +41,11 @@ def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int
         warnings.simplefilter("ignore", FutureWarning)  # peft probing deprecated HF helpers
         torch.manual_seed(seed)
         try:
-            return get_peft_model(base, lcfg)
+            model = get_peft_model(base, lcfg)
+            if pc.private_r:  # pFedLoRA: a second adapter on the same modules, both active
+                model.add_adapter("private", dataclasses.replace(lcfg, r=pc.private_r))
+                model.base_model.set_adapter(["default", "private"])
+            return model
         except ValueError as e:
             raise ConfigError(f"peft: no module of this {mtype} backbone matches roles {pc.roles}, "
                               f"layers {pc.layers or 'all'}, tower {pc.tower or '(any)'} ({e}); "
@@ -67,19 +72,26 @@ def adapters_off(backbone: nn.Module, peft_type: str):
 
 def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class_names: list[str],
                   pc: PeftConfig, gen: torch.Generator, positions: int | None):
-    """(prompt, prompt_local): the CoOp context, and PromptFolio's local one when portfolio > 0
-    (drawn after the global one, from the same generator)."""
+    """{module name: module}: "prompt", the CoOp context; "prompt_local", PromptFolio's local one
+    (portfolio > 0); "prompt_lowrank", FedPGP's U·V (prompt_lowrank > 0); "prompt_ot", FedOTP's
+    local prompt (ot_gamma > 0). Each is drawn after the ones before it, from one generator."""
     def make():
         return PromptLearner(tokenizer, word_embeddings, template, class_names, pc.n_ctx, pc.class_specific, gen,
                               pc.prompt_init)
 
     prompt = make()
-    local = make() if pc.portfolio > 0 else None
+    parts = {"prompt": prompt}
+    if pc.portfolio > 0:
+        parts["prompt_local"] = make()
+    if pc.prompt_lowrank:
+        parts["prompt_lowrank"] = LowRankDelta(prompt.n_ctx, word_embeddings.weight.shape[1], pc.prompt_lowrank, gen)
+    if pc.ot_gamma > 0:
+        parts["prompt_ot"] = make()
     if positions and prompt.mask.shape[1] > positions:
         raise ConfigError(f"peft.n_ctx: the longest class sequence has {prompt.mask.shape[1]} "
                           f"tokens, CLIP's text tower takes {positions}; lower peft.n_ctx or shorten "
                           f"data.class_prompt / the class names")
-    return prompt, local
+    return parts
 
 
 def build_adapter(hidden: int, pc: PeftConfig, gen: torch.Generator) -> FeatureAdapter:
@@ -105,7 +117,8 @@ def param_infos(names, rmap: dict[str, str]) -> dict[str, ParamInfo]:
             module = name.split(f".lora_{factor}.")[0]
             role = next((r for r, s in rmap.items() if module.endswith("." + s)), None)
             m = LAYER.match(module)
-            infos[name] = ParamInfo(role, factor, m.group(1) if m else module, "lora")
+            kind = "lora_private" if f".lora_{factor}.private." in name else "lora"  # pFedLoRA's second adapter
+            infos[name] = ParamInfo(role, factor, m.group(1) if m else module, kind)
         else:  # head, prompt, prompt_local, adapter, projector, backbone ("full"): named by their module
             infos[name] = ParamInfo(None, None, None, name.split(".")[0])
     return infos
@@ -115,9 +128,10 @@ def lora_scalings(named_modules) -> dict[str, float]:
     """LoRA scaling s (alpha/r, or alpha/sqrt(r) with rsLoRA) for each LoRA tensor name."""
     out = {}
     for mname, mod in named_modules:
-        if hasattr(mod, "scaling") and isinstance(mod.scaling, dict) and "default" in mod.scaling:
-            for f in ("A", "B"):
-                out[f"{mname}.lora_{f}.default.weight"] = float(mod.scaling["default"])
+        if hasattr(mod, "scaling") and isinstance(mod.scaling, dict):
+            for adapter, s in mod.scaling.items():
+                for f in ("A", "B"):
+                    out[f"{mname}.lora_{f}.{adapter}.weight"] = float(s)
     return out
 
 

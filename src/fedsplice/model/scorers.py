@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedsplice.core.ot import ot_scores
 from fedsplice.data.samples import Sample
 from fedsplice.errors import ConfigError
 from fedsplice.model.cache import FrozenCache
@@ -31,6 +32,24 @@ class DualEncoderScorer:
         # evaluation passes them in once per model.
         ce = self.classes.embeddings(zero_shot) if class_emb is None else class_emb
         return self.logit_scale * F.normalize(self.inputs(items, zero_shot), dim=-1) @ ce.T
+
+
+class OTScorer:
+    """FedOTP: each class scores Σ T·cos between the input's token features and its global and
+    local prompt features, T the entropic partial transport plan (fedsplice.core.ot). The
+    zero-shot model scores as the dual encoder does (pooled features, the template prompts)."""
+
+    def __init__(self, inputs: InputSide, classes: ClassSide, logit_scale: float, gamma: float, eps: float,
+                 iters: int):
+        self.inputs, self.classes, self.logit_scale = inputs, classes, logit_scale
+        self.gamma, self.eps, self.iters = gamma, eps, iters
+
+    def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
+        ce = self.classes.embeddings(zero_shot) if class_emb is None else class_emb
+        if zero_shot:
+            return self.logit_scale * F.normalize(self.inputs(items, zero_shot), dim=-1) @ ce.T
+        tokens, mask = self.inputs.tokens(list(items))
+        return self.logit_scale * ot_scores(tokens, mask, ce, self.gamma, self.eps, self.iters)
 
 
 class EncoderHeadScorer:

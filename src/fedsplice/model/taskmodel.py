@@ -30,7 +30,7 @@ from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
 from fedsplice.model.loading import Backbone, load_backbone
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
-from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens,
+from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, OTScorer,
                                      VLMScorer, lm_prompts)
 from fedsplice.model.vision import Projector, load_vision_tower
 
@@ -57,15 +57,16 @@ class TaskModel(nn.Module):
         of trainable()) and drawing their inits in a fixed order from one seeded generator."""
         pc = cfg.peft
         gen = torch.Generator().manual_seed(cfg.seed)
-        self.prompt = self.prompt_local = self.adapter = self.head = None
+        self.prompt = self.prompt_local = self.prompt_lowrank = self.prompt_ot = self.adapter = self.head = None
         if pc.type == "lora":
             self.backbone = peft.inject_lora(bb.model, self.rmap, pc, cfg.seed, bb.model_type)
         else:
             self.backbone = peft.unfreeze(bb.model) if pc.type == "full" else bb.model
         if pc.type == "prompt":
             we = bb.model.text_model.embeddings.token_embedding if self.is_clip else bb.model.get_input_embeddings()
-            self.prompt, self.prompt_local = peft.build_prompts(
-                self.tokenizer, we, self.class_prompt, self.class_names, pc, gen, bb.text_positions)
+            for name, module in peft.build_prompts(self.tokenizer, we, self.class_prompt, self.class_names, pc, gen,
+                                                   bb.text_positions).items():
+                setattr(self, name, module)
         if pc.type == "adapter":
             self.adapter = peft.build_adapter(bb.hidden, pc, gen)
         if self.task == "encoder_head":
@@ -94,7 +95,8 @@ class TaskModel(nn.Module):
         trains_text = cfg.model.class_side_adapters or pc.type == "full" or (
             self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
         self._classes = ClassSide(self._text, self.class_names, [self.class_prompt, *cfg.data.class_prompts],
-                                  pc.type, trains_text, self.cache_on, self.prompt, self.prompt_local, pc.portfolio)
+                                  pc.type, trains_text, self.cache_on, self.prompt, self.prompt_local, pc.portfolio,
+                                  self.prompt_lowrank, self.prompt_ot)
         lm_task = self.task in ("causal_lm", "vlm")
         # prompt/adapter: the input side is frozen whole, so its pooled features are cached
         features = (FrozenCache({"kind": "features"}, 1 << 62)
@@ -102,11 +104,19 @@ class TaskModel(nn.Module):
         clip_inputs = (InputSide.clip(self._text, self.image_processor, self._img_prefix,
                                       self.cache_on and not trains_text) if self.is_clip else None)
         self._inputs = InputSide(self._text, pc.type, self.adapter, features, clip_inputs)
+        if pc.ot_gamma > 0:  # FedOTP: the frozen input tower's token features, per input
+            if self.task != "dual_encoder":
+                raise ConfigError("peft.ot_gamma (FedOTP) matches an input's token features to class prompts: "
+                                  "it needs model.task = 'dual_encoder'")
+            self._inputs.token_cache = FrozenCache({"kind": "tokens"}, rc.cache_budget_mb << 20) if rc.cache else None
         # vlm: the frozen vision tower's tokens, per image (keyed by its pixels: vision.image_key)
         self._vis = FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20) if rc.cache and self.task == "vlm" else None
         self._scorer = self._build_scorer()
 
     def _build_scorer(self):
+        if self.task == "dual_encoder" and self.pcfg.ot_gamma > 0:
+            pc = self.pcfg
+            return OTScorer(self._inputs, self._classes, self.mcfg.logit_scale, pc.ot_gamma, pc.ot_eps, pc.ot_iters)
         if self.task == "dual_encoder":
             return DualEncoderScorer(self._inputs, self._classes, self.mcfg.logit_scale)
         if self.task == "encoder_head":
@@ -175,6 +185,11 @@ class TaskModel(nn.Module):
     # ----------------------------------------------------------------- scoring
     def class_embeddings(self) -> torch.Tensor:
         return self._classes.embeddings(self._zero_shot)
+
+    def prompt_views(self) -> dict[str, torch.Tensor]:
+        """FedPGP's three class-feature views [C, D]: "personal" (ctx + U·V), "global" (ctx) and
+        "template" (the frozen model on the class prompt's words)."""
+        return self._classes.views()
 
     def forward(self, texts: list, class_emb: torch.Tensor | None = None) -> torch.Tensor:
         return self._scorer(texts, class_emb, self._zero_shot)

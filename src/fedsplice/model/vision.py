@@ -180,3 +180,20 @@ class ClipInputs:
             for j, (i, _) in enumerate(texts):
                 feats[i].append(F.normalize(txt[j], dim=-1))
         return torch.stack([torch.stack(f).mean(0) for f in feats])
+
+    @torch.no_grad()
+    def patch_tokens(self, items: list, cache=None) -> list[torch.Tensor]:
+        """FedOTP's local features: each image's patch tokens in the joint space, [P, D] per
+        sample (post-layernorm, visual projection; the class token dropped), cached by pixels."""
+        if not all(isinstance(s, Sample) and s.has_image and s.text is None for s in items):
+            raise ConfigError("peft.ot_gamma on CLIP matches an image's patches to the prompts: every sample "
+                              "needs an image and no caption")
+        by_key = {image_key(s): s for s in items}
+
+        def compute(keys: list[str]) -> list[torch.Tensor]:
+            vm = self.clip.vision_model
+            h = vm(pixel_values=pixel_values(self.processor, [by_key[k] for k in keys])).last_hidden_state
+            return list(self.clip.visual_projection(vm.post_layernorm(h[:, 1:])))
+
+        keys = [image_key(s) for s in items]
+        return cache.rows(keys, compute) if cache is not None else compute(keys)

@@ -1,0 +1,44 @@
+"""pFedLoRA (Yi et al., "pFedLoRA: Model-Heterogeneous Personalized Federated Learning with LoRA
+Tuning", 2023, https://arxiv.org/abs/2310.13283; the PFAdapter paper's baseline [37]). No
+official code is public; this is the homogeneous-backbone reading of the paper (docs/fidelity.md).
+
+- Parameters: the paper gives each client a private local model and a small homogeneous
+  LoRA-style adapter that is shared. On one frozen backbone the private model becomes a second
+  LoRA adapter on the same modules (peft.private_r > 0): the "default" adapter is GLOBAL
+  (averaged, as FedAvg-LoRA's: the 617 MB a round of PFAdapter's Table I), the "private" one is
+  PRIVATE. Both act in every forward; PM uses both, GM the shared one with a fresh private one.
+- Training (the paper's iterative optimisation): each round, first the private adapter with the
+  shared one frozen, for method.private_epochs local epochs, then the shared one with the private
+  one frozen, for method.global_epochs; each phase has its own optimizer. Task loss only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedsplice.algorithms.recipe import Algorithm, Recipe
+from fedsplice.core import split as S
+from fedsplice.errors import ConfigError
+
+
+@dataclass
+class PFedLoRAParams:
+    private_epochs: int = 1  # E_1: the private adapter, the shared one frozen
+    global_epochs: int = 1  # E_2: the shared adapter, the private one frozen
+
+    def check(self) -> None:
+        if self.private_epochs < 1 or self.global_epochs < 1:
+            raise ConfigError(f"method.private_epochs and method.global_epochs must be >= 1, got "
+                              f"{self.private_epochs} and {self.global_epochs}")
+
+
+def build(p: PFedLoRAParams, infos, *_) -> Recipe:
+    if not any(i.kind == "lora_private" for i in infos.values()):
+        raise ConfigError("algorithm 'pfedlora' trains a shared and a private LoRA adapter: set peft.type = "
+                          "'lora' and peft.private_r = r (e.g. 8, the shared adapter's peft.r)")
+    split = {n: S.PRIVATE if i.kind == "lora_private" else S.GLOBAL for n, i in infos.items()}
+    return Recipe(split, phases=((S.PRIVATE, p.private_epochs), (S.GLOBAL, p.global_epochs)))
+
+
+PFEDLORA = Algorithm(PFedLoRAParams, build, "shared LoRA adapter averaged, private LoRA adapter kept; trained "
+                     "alternately, private then shared (pFedLoRA)", "https://arxiv.org/abs/2310.13283")

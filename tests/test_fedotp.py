@@ -1,0 +1,138 @@
+"""FedOTP (algorithms/fedotp.py): the partial-OT plan against hand-solved cases and POT, the OT
+head's scores and gradient path, the split (only the global prompt travels), an end-to-end tiny
+run and bad parameters."""
+
+import math
+
+import numpy as np
+import ot
+import pytest
+import torch
+
+from fedsplice.core import wire
+from fedsplice.core.ot import ot_scores, partial_plan
+from fedsplice.federation.experiment import build
+from fedsplice.federation.store import MemoryStore
+from fedsplice.model.taskmodel import TaskModel
+from fedsplice.runtimes.inprocess import run_rounds
+
+CLASSES = ["sports", "science", "music"]
+OTP = dict(algorithm='"fedotp"', peft__type='"prompt"', peft__ot_gamma=0.8)
+
+
+def test_plan_hand_solved_case():
+    # cos [[.5, .1], [.1, .5]] (tokens × prompts), ε 0.1, γ 0.8: no token reaches its cap 1/2, so
+    # each prompt's mass 0.4 is a softmax over tokens of cos/ε: T = 0.4·[[s, 1−s], [1−s, s]], s = 1/(1+e⁻⁴)
+    sim = torch.tensor([[[0.5, 0.1], [0.1, 0.5]]])
+    t = partial_plan(1 - sim, torch.full((1, 2), 0.5), 0.8, 0.1)
+    s = 1 / (1 + math.exp(-4))
+    assert torch.allclose(t[0], 0.4 * torch.tensor([[s, 1 - s], [1 - s, s]]), atol=1e-6)
+    # the cap binds (cos [[.9, .1], [.1, .2]]): token 0 is saturated at 1/2; the official loop's
+    # plan after its stopping rule (mean |Δv| < 1e-3, 48 iterations), from a port of its code
+    t = partial_plan(1 - torch.tensor([[[0.9, 0.1], [0.1, 0.2]]]), torch.full((1, 2), 0.5), 0.8, 0.1)
+    want = torch.tensor([[0.399852, 0.100151], [0.000148, 0.299849]])
+    assert torch.allclose(t[0], want, atol=2e-6)
+    assert t[0].sum(1)[0] == pytest.approx(0.5, abs=1e-5) and torch.allclose(t[0].sum(0), torch.tensor([0.4, 0.4]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_equals_pot_partial_wasserstein(seed):
+    """Run to convergence, the batched solver gives POT's entropic partial plan; padding tokens
+    (capacity 0) take no mass and change nothing."""
+    g = np.random.default_rng(seed)
+    m, n, gamma, eps = 5, 2, 0.8, 0.1
+    cost = g.uniform(0.3, 1.2, size=(m, n))
+    want = ot.partial.entropic_partial_wasserstein(np.full(m, 1 / m), np.full(n, gamma / n), cost, reg=eps,
+                                                   m=gamma, numItermax=10000, stopThr=1e-14)
+    padded = np.vstack([cost, g.uniform(0, 2, size=(2, n))])
+    cap = torch.tensor([[1 / m] * m + [0.0, 0.0]], dtype=torch.float64)
+    got = partial_plan(torch.tensor(padded)[None], cap, gamma, eps, iters=10000, thresh=1e-14)[0]
+    assert np.allclose(got[:m].numpy(), want, atol=1e-8)
+    assert float(got[m:].abs().sum()) == 0.0
+
+
+def test_scores_weight_cosines_by_a_constant_plan():
+    g = torch.Generator().manual_seed(0)
+    tok = torch.nn.functional.normalize(torch.randn(2, 4, 3, generator=g), dim=-1)
+    mask = torch.tensor([[True] * 4, [True, True, True, False]])
+    prompts = torch.nn.functional.normalize(torch.randn(2, 5, 3, generator=g), dim=-1).requires_grad_()
+    s = ot_scores(tok, mask, prompts, 0.8, 0.1)
+    sim = torch.einsum("bmd,nkd->bkmn", tok, prompts.detach())
+    cap = (mask.double() / mask.sum(1, keepdim=True)).unsqueeze(1).expand(2, 5, 4).reshape(10, 4)
+    plan = partial_plan((1 - sim).reshape(10, 4, 2), cap, 0.8, 0.1).reshape(2, 5, 4, 2)
+    assert torch.allclose(s, (plan * sim).sum((-2, -1)), atol=1e-6)
+    assert float(plan[1, :, 3].abs().sum()) == 0.0  # the padding token
+    s.sum().backward()  # d/d prompt_{n,k} = Σ_b Σ_m T_bkmn·token_bm: the plan is a constant
+    assert torch.allclose(prompts.grad, torch.einsum("bkmn,bmd->nkd", plan, tok), atol=1e-6)
+
+
+def test_model_ot_head(tiny_cfg):
+    m = TaskModel(tiny_cfg(**OTP), CLASSES)
+    m.eval()
+    texts = ["a goal in the last minute", "the cell divides", "a new album"]
+    with torch.no_grad():
+        ce = m.class_embeddings()
+        assert ce.shape[:2] == (2, 3)  # the global prompt's class features, then the local one's
+        tokens, mask = m._inputs.tokens(texts)
+        want = m.mcfg.logit_scale * ot_scores(tokens, mask, ce, 0.8, 0.1)
+        assert torch.allclose(m(texts), want, atol=1e-5)
+        # the official stopping rule is batch-wide (mean |Δv| over every problem of the batch), so a
+        # score depends a little on its batch: the same batch gives the same scores
+        assert torch.allclose(m.predict(texts, 3), want, atol=1e-5)
+        assert torch.allclose(m.predict(texts, 2), want, atol=1e-2)
+        with m.zero_shot():  # the frozen model scores pooled features against the template prompts
+            zs = m.predict(texts, 8)
+    ref = TaskModel(tiny_cfg(algorithm='"promptfl"', peft__type='"prompt"'), CLASSES)
+    with torch.no_grad(), ref.zero_shot():
+        assert torch.allclose(zs, ref.predict(texts, 8), atol=1e-5)
+
+
+def test_split_and_what_travels(tiny_cfg, capture_uploads):
+    exp = build(tiny_cfg(**OTP, server__rounds=2))
+    assert exp.global_names == ["prompt.ctx"] and exp.private_names == ["prompt_ot.ctx"]
+    store = MemoryStore()
+    records = []
+    final = run_rounds(exp, store, records.append)
+    assert capture_uploads and all(sorted(wire.decode(b)) == ["prompt.ctx"] for _, _, b in capture_uploads)
+    for cid in {c for _, c, _ in capture_uploads}:  # the local prompt stays on the client, trained
+        assert not torch.equal(store.get(cid)["param/prompt_ot.ctx"], exp.init_params["prompt_ot.ctx"])
+    assert not torch.equal(final["global_params"]["prompt.ctx"], exp.init_params["prompt.ctx"])
+    assert records[-1]["gm"]["accuracy"] is not None and records[-1]["pm"]["accuracy"] is not None
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["peft.ot_gamma=1.5"], "peft.ot_gamma = 1.5"),
+    (["peft.ot_eps=0"], "peft.ot_eps must be > 0"),
+    (["peft.ot_gamma=0"], "peft.ot_gamma = γ"),
+    (["peft.type=\"lora\""], "set peft.type = 'prompt'"),
+    (["peft.portfolio=0.2"], "set at most one of them above 0"),
+])
+def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses):
+    cli_refuses(tiny_cfg(**OTP), sets, match)
+
+
+def test_clip_matches_image_patches(tmp_path):
+    """On CLIP the local features are an image's projected patch tokens (the class token dropped)."""
+    import numpy as np
+
+    from fedsplice.config import DataConfig, ExperimentConfig, ModelConfig, PeftConfig
+    from fedsplice.data import zoo
+    from fedsplice.data.samples import Sample
+
+    clip_dir = str(zoo.tiny_clip(tmp_path / "clip"))
+    cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, logit_scale=100.0),
+                           peft=PeftConfig(type="prompt", ot_gamma=0.8), data=DataConfig(class_prompt="a photo of a {label}."))
+    cfg.check()
+    m = TaskModel(cfg, ["circle", "square", "triangle"])
+    m.eval()
+    g = np.random.default_rng(0)
+    items = [Sample(f"toy/{i}", g.integers(0, 256, (20, 24, 3), dtype=np.uint8), None) for i in range(3)]
+    with torch.no_grad():
+        vm, clip = m._hf().vision_model, m._hf()
+        from fedsplice.model.vision import pixel_values
+        h = vm(pixel_values=pixel_values(m.image_processor, items)).last_hidden_state
+        tok = torch.nn.functional.normalize(clip.visual_projection(vm.post_layernorm(h[:, 1:])), dim=-1)
+        want = 100.0 * ot_scores(tok, torch.ones(tok.shape[:2], dtype=torch.bool), m.class_embeddings(), 0.8, 0.1)
+        assert torch.allclose(m(items), want, atol=1e-4)
+    with pytest.raises(Exception, match="needs an image and no caption"):
+        m([Sample("toy/x", items[0].image, "a caption")])
