@@ -34,9 +34,10 @@ $(VENV)/.bench: $(VENV)/.installed
 bench: $(VENV)/.bench
 	for b in overheads comm scale round_time clip_prefix; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 
-# The papers' tables on the offline zoo (configs/results/suite.toml and its seeds, about 2 hours
+# The papers' tables on the offline zoo (configs/results/suite.toml and its seeds, about 2.5 hours
 # on 2 cores; SEEDS=N forces N seeds in every group) -> docs/results.md + docs/results/;
-# resumable (runs/results). The HTML rendering of the page is checked with a headless-Chromium screenshot (docs/results/report.png).
+# resumable (runs/results). The HTML rendering of the page is checked with a headless-Chromium
+# screenshot (docs/results/report.png).
 SEEDS ?=
 results: $(VENV)/.installed
 	$(VENV)/bin/fedsplice results configs/results/suite.toml $(if $(SEEDS),--seeds $(SEEDS)) --out runs/results --doc docs/results.md \

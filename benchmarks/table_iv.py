@@ -1,10 +1,12 @@
 """PFAdapter's Table IV here: what full fine-tuning costs against LoRA — trainable parameters,
 bytes per round and seconds per local step.
 
-    python benchmarks/table_iv.py [--steps N]
+    python benchmarks/table_iv.py [--steps N] [--smol-steps N] [--backbones minilm,smollm2]
 
-Full fine-tuning (full-ft), FedAvg-LoRA and PFAdapter on the shipped MiniLM configs (same data,
-clients, batch of 16 texts padded per batch to <= 64 tokens, AdamW). Each method runs in its own
+Full fine-tuning (full-ft), FedAvg-LoRA, pFedLoRA and PFAdapter on the shipped MiniLM configs (same
+data, clients, batch of 16 texts padded per batch to <= 64 tokens, AdamW); full-ft, FedAvg-LoRA and
+PFAdapter on SmolLM2-135M (configs/pfadapter-smollm2.toml with the method switched; a causal LM
+scoring the class names, whole quotes; a small test set, as nothing is evaluated here). Each method runs in its own
 process: it builds the experiment, runs one warm-up `fit` client task (tokenizer and class-side
 work, first allocations), then times `fit` for the other 3 clients of the first round. Bytes are the
 measured serialized uploads (safetensors, headers included); a round moves them up and down for
@@ -28,8 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import ROOT, report  # noqa: E402
 
-METHODS = {"full fine-tuning (full-ft)": "full-ft-minilm.toml", "FedAvg-LoRA": "fedavg-lora-minilm.toml",
-           "PFAdapter": "pfadapter-minilm.toml"}
+SMOL = "pfadapter-smollm2.toml"
+SMOL_SETS = ["data.test_per_class=1", "data.local_test_size=2"]  # build-time zero-shot scoring: keep it small
+# (backbone, method, config, overrides); the FedAvg-LoRA row of each backbone is its reference
+METHODS = [("MiniLM", "full fine-tuning (full-ft)", "full-ft-minilm.toml", []),
+           ("MiniLM", "FedAvg-LoRA", "fedavg-lora-minilm.toml", []),
+           ("MiniLM", "pFedLoRA", "pfedlora-minilm.toml", []),
+           ("MiniLM", "PFAdapter", "pfadapter-minilm.toml", []),
+           ("SmolLM2", "full fine-tuning (full-ft)", SMOL,
+            ["algorithm=full-ft", "peft.type=full", "method={}", "client.lr=5e-5", *SMOL_SETS]),
+           ("SmolLM2", "FedAvg-LoRA", SMOL, ["algorithm=lora", "method={}", *SMOL_SETS]),
+           ("SmolLM2", "PFAdapter", SMOL, SMOL_SETS)]
 
 
 def worker(job: dict) -> dict:
@@ -73,34 +84,42 @@ def measure(config: str, sets: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="local steps per timed fit (client.max_steps)")
+    ap.add_argument("--smol-steps", type=int, default=2, help="the same for SmolLM2 (slow on a CPU)")
+    ap.add_argument("--backbones", default="minilm,smollm2", help="comma-separated: minilm, smollm2")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(sys.stdin.read()))))
         return
-    sets = [f"client.max_steps={args.steps}", "eval.cold_start_epochs=0"]
     rows = []
-    for method, cfg in METHODS.items():
-        r = measure(cfg, sets)
+    for backbone, method, cfg, extra in METHODS:
+        if backbone.lower() not in args.backbones.split(","):
+            continue
+        steps = args.smol_steps if backbone == "SmolLM2" else args.steps
+        r = measure(cfg, [f"client.max_steps={steps}", "eval.cold_start_epochs=0", *extra])
         m = r["clients_per_round"]
-        rows.append({"method": method, "config": cfg, "trainable_params": r["trainable"],
+        rows.append({"backbone": backbone, "method": method, "config": cfg, "trainable_params": r["trainable"],
                      "shared_params": r["shared"], "up_bytes_per_client": r["up_bytes_per_client"],
                      "bytes_per_round": m * (r["up_bytes_per_client"] + r["down_bytes_per_client"]),
                      "step_s": r["step_s"], "peak_rss_mb": r["peak_rss_mb"]})
-        print(f"  {method}: {r['trainable']:,} trainable, {r['up_bytes_per_client']:,} B up, "
+        print(f"  {backbone} {method}: {r['trainable']:,} trainable, {r['up_bytes_per_client']:,} B up, "
               f"{r['step_s']:.3f} s/step", flush=True)
-    ref = rows[1]
     for r in rows:
+        ref = next(x for x in rows if x["backbone"] == r["backbone"] and x["method"] == "FedAvg-LoRA")
         r["bytes_vs_fedavg_lora"] = r["bytes_per_round"] / ref["bytes_per_round"]
         r["step_vs_fedavg_lora"] = r["step_s"] / ref["step_s"]
-    report("table_iv", rows, ["method", "trainable_params", "shared_params", "up_bytes_per_client",
+    report("table_iv", rows, ["backbone", "method", "trainable_params", "shared_params", "up_bytes_per_client",
                               "bytes_per_round", "bytes_vs_fedavg_lora", "step_s", "step_vs_fedavg_lora",
                               "peak_rss_mb"], False, [
         "MiniLM (all-MiniLM-L6-v2, 22.7M weights) as a dual encoder on fortunes (19 classes); LoRA r=8 on "
-        "q,k,v,o of all 6 layers; full-ft trains every backbone weight (client.lr 5e-5), FedAvg.",
+        "q,k,v,o of all 6 layers; full-ft trains every backbone weight (client.lr 5e-5), FedAvg; pFedLoRA "
+        "adds a private r=8 adapter and trains two phases of up to N steps a fit; its step_s divides the fit "
+        "by one phase's steps: one step of each phase.",
+        "SmolLM2-135M (causal LM, verbalizer scoring of the 19 class names after whole quotes): the same "
+        f"methods, {args.smol_steps} steps a timed fit.",
         "bytes_per_round: up + down, float32 safetensors, for the 4 clients a round samples; PFAdapter "
         "shares q,k only (v,o LoRA stay on the client).",
-        f"step_s: median over 3 timed fits (up to {args.steps} steps each, batch 16, <= 64 tokens; the "
+        f"step_s: median over 3 timed fits (up to {args.steps} steps each on MiniLM, batch 16, <= 64 tokens; the "
         "fit's decode, fresh AdamW state and upload encoding included), after a warm-up fit; CPU, 2 threads, "
         "on a machine shared with other jobs: rerun when it is quiet (under load we saw full-ft at 5 s/step, "
         "LoRA at 0.7).",
