@@ -13,10 +13,15 @@ from pathlib import Path
 import numpy as np
 
 
+def records(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl records ([] when it has none)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def run_means(run_dir: Path, keys: list[str]) -> dict[str, float]:
     """Each key's mean over the run's training rounds (NaN where no round has it)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    recs = records(run_dir)
     return {k: float(np.mean(v)) if (v := [r[k] for r in recs if isinstance(r.get(k), (int, float))]) else np.nan
             for k in keys}
 
@@ -36,10 +41,8 @@ def diagnostics_md(keys: list[str], rows: list[str], runs: list[tuple], label) -
     return md + [""]
 
 
-def eval_curve(run_dir: Path, model: str) -> dict[int, float]:
-    """{round: accuracy} of the run's evaluations of `model` ("gm" or "pm") during the rounds."""
-    path = Path(run_dir) / "metrics.jsonl"
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+def eval_curve(recs: list[dict], model: str) -> dict[int, float]:
+    """{round: accuracy} of a run's evaluations of `model` ("gm" or "pm") during the rounds."""
     return {r["round"]: r[model]["accuracy"] for r in recs
             if isinstance(r.get(model), dict) and isinstance(r[model].get("accuracy"), (int, float))}
 
@@ -55,10 +58,11 @@ def convergence_md(names: list[str], runs: list[tuple], label) -> list[str]:
           "| experiment | rounds | GM acc | Δ GM | PM acc | Δ PM |", "|---|---|---|---|---|---|"]
     for n in names:
         cells, span = [], ""
+        recs = [records(r[3]) for r in runs if r[0] == n]  # each run's file read once
         for model in ("gm", "pm"):
             last, delta = [], []
-            for r in (r for r in runs if r[0] == n):
-                c = eval_curve(r[3], model)
+            for rec in recs:
+                c = eval_curve(rec, model)
                 if len(c) >= 2:
                     a, b = sorted(c)[-2:]
                     last.append(c[b])
