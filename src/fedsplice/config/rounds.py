@@ -8,10 +8,10 @@ optimizer accepts its hyperparameters is checked where the optimizers live
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from fedsplice.config.checks import check_positive
+from fedsplice.config.checks import check_device_name, check_positive
 from fedsplice.errors import ConfigError
 
 
@@ -184,6 +184,16 @@ class RuntimeConfig:
     insecure: bool = False
     store: Literal["memory", "disk"] = "memory"  # where PRIVATE client state lives between rounds
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    # where the model, its PEFT tensors, caches and training live: "auto" = CUDA when present,
+    # else MPS, else CPU. The store, the wire and the server math stay on the CPU (float64 server)
+    device: str = "auto"
+    # autocast for forward + backward; trainable tensors stay fp32 masters; fp16 adds a gradient
+    # scaler. "auto": bf16 where this machine runs it faster than fp32 (fedsplice.model.device)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    # simulation: persistent worker processes, each holding its own model and caches; a round's
+    # clients are spread across them (client c on worker c % workers). Results equal workers = 1
+    workers: int = 1
+    devices: list[str] = field(default_factory=list)  # per worker (cycled); empty: runtime.device
     checkpoint_every: int = 1  # rounds between checkpoints (the last round always); 0 = none
     keep_checkpoints: int = 2  # the newest k checkpoints are kept
     # Frozen work computed once (DESIGN §7): tokenized inputs, frozen input features, hidden
@@ -196,6 +206,9 @@ class RuntimeConfig:
     def check(self) -> None:
         if self.threads < 0:
             raise ConfigError("runtime.threads must be >= 0 (0 = torch default)")
+        check_positive("runtime.workers", self.workers)
+        for i, d in enumerate([self.device, *self.devices]):
+            check_device_name("runtime.device" if i == 0 else f"runtime.devices[{i - 1}]", d)
         check_positive("runtime.num_supernodes", self.num_supernodes)
         if self.checkpoint_every < 0:
             raise ConfigError(f"runtime.checkpoint_every must be >= 0 (0 = no checkpoints), got {self.checkpoint_every}")

@@ -51,6 +51,12 @@ class ModelConfig:
     class_side_adapters: bool = False
     logit_scale: float = 20.0  # s in s·cos(E(x), T(c)); ~20 fits MiniLM far better than CLIP's 100
     max_length: int = 128  # tokens per input; batches are padded to their longest member only
+    # the frozen base weights' dtype (bf16 / fp16 halve their memory); trainable tensors stay fp32
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # QLoRA: the frozen base loaded quantized by bitsandbytes (transformers' BitsAndBytesConfig,
+    # then peft's k-bit preparation); needs `pip install bitsandbytes` and, for most builds, CUDA
+    quantization: Literal["none", "int8", "nf4"] = "none"
+    gradient_checkpointing: bool = False  # HF's own switch: recompute activations in backward
 
     def check(self) -> None:
         check_positive("model.logit_scale", self.logit_scale)

@@ -1,0 +1,96 @@
+"""Where a model runs and in what precision: `runtime.device`, `runtime.precision`, `model.dtype`.
+
+The model, its PEFT tensors and the training loop live on the resolved device; everything that
+leaves a client (uploads, stored PRIVATE state, metrics) is moved back to the CPU in float32, so
+the store, the wire and the server's float64 math never see a device tensor.
+
+Mixed precision is autocast over the forward and backward passes: the trainable tensors stay
+fp32 (master copies the optimizer steps), matmuls run in bf16 / fp16; fp16 adds a gradient
+scaler. `model.dtype` is separate: the frozen base weights' own dtype (bf16 halves their memory).
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from fedsplice.errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str, field: str = "runtime.device") -> torch.device:
+    """"auto": CUDA when present, else MPS, else CPU. A device this machine lacks is an error."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        return torch.device("mps" if mps is not None and mps.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"{field} = {name!r}: this machine has no CUDA device (torch.cuda.is_available() "
+                              f"is False; torch {torch.__version__}); use 'auto' or 'cpu'")
+        if dev.index is not None and dev.index >= n:
+            raise ConfigError(f"{field} = {name!r}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ConfigError(f"{field} = 'mps': this machine has no Apple MPS device; use 'auto' or 'cpu'")
+    return dev
+
+
+def cpu_has_bf16() -> bool:
+    """The CPU computes bf16 natively (AVX-512 BF16 or AMX): only then is bf16 autocast faster
+    than fp32 on a CPU (benchmarks/precision.py measures it); with AVX2 alone it is slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def resolve_precision(name: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype ("fp32": none). "auto": bf16 on a CUDA device that supports it and on
+    a CPU with native bf16, else fp32 (fp16 is never chosen for you: it needs loss scaling)."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
+    if name == "fp16" and device.type == "mps":
+        raise ConfigError("runtime.precision = 'fp16' is not supported on MPS here; use 'fp32'")
+    return DTYPES[name]
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """torch.autocast for `dtype` on `device`; a no-op context for fp32."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def grad_scaler(device: torch.device, dtype: torch.dtype):
+    """fp16 needs its gradients scaled (they underflow otherwise); None for bf16 / fp32."""
+    if dtype != torch.float16:
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def to_device(obj, device: torch.device):
+    """Tensors in (nested) dicts, lists and tuples moved to `device`; anything else as it is."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Name-keyed tensors as the store and the wire hold them: detached CPU copies."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
