@@ -66,4 +66,5 @@ class Algorithm:
 
 
 def clone(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in params.items()}
+    """Detached CPU copies: the currency of the store and the wire, wherever the model runs."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in params.items()}

@@ -70,6 +70,17 @@ class ExperimentConfig:
         if self.client.upload != "fp32" and self.runtime.kind == "flower":
             raise ConfigError(f"client.upload = {self.client.upload!r} is implemented by the simulation "
                               f"runtime only; use client.upload = 'fp32' with runtime.kind = 'flower'")
+        self.check_hardware()
+
+    def check_hardware(self) -> None:
+        """model.dtype / quantization against what trains (whether the device exists: at build)."""
+        if self.model.quantization != "none" and self.peft.type != "lora":
+            raise ConfigError(f"model.quantization = {self.model.quantization!r} freezes a quantized base under "
+                              f"LoRA (QLoRA): set peft.type = 'lora', or model.quantization = 'none'")
+        if self.model.dtype != "fp32" and self.peft.type == "full":
+            raise ConfigError(f"model.dtype = {self.model.dtype!r} would train the base weights without fp32 "
+                              f"masters (peft.type = 'full'): set model.dtype = 'fp32' (runtime.precision still "
+                              f"runs autocast)")
 
 
 DEFAULT_CONFIG = Path(__file__).parent.parent / "defaults" / "default.toml"

@@ -130,10 +130,10 @@ class Balancer:
         w_pos, w_neg = self.weights()
         base, g = logit_grad(logits, y, self.p.loss)
         target = F.one_hot(y, logits.shape[1]).to(g.dtype)
-        w = target * w_pos.to(g.dtype) + (1.0 - target) * w_neg.to(g.dtype)
+        w = target * w_pos.to(g) + (1.0 - target) * w_neg.to(g)  # the state may live on the CPU
         gw = (w * g).detach()
         a = gw.abs()
-        self.state["pos"] = self.state["pos"] + (a * target).sum(0).to(self.state["pos"].dtype)
-        self.state["neg"] = self.state["neg"] + (a * (1.0 - target)).sum(0).to(self.state["neg"].dtype)
+        self.state["pos"] = self.state["pos"] + (a * target).sum(0).to(self.state["pos"])
+        self.state["neg"] = self.state["neg"] + (a * (1.0 - target)).sum(0).to(self.state["neg"])
         surrogate = (gw * logits).sum()
         return base.detach() + surrogate - surrogate.detach()

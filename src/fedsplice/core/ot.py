@@ -27,7 +27,7 @@ def partial_plan(cost: torch.Tensor, capacity: torch.Tensor, gamma: float, eps: 
     a = capacity.double().unsqueeze(-1)  # [P, M, 1]
     k = torch.exp(-c / eps) * (a > 0)  # padding tokens take no mass
     b = gamma / c.shape[-1]
-    v = torch.ones(c.shape[0], 1, c.shape[-1], dtype=torch.float64)
+    v = torch.ones(c.shape[0], 1, c.shape[-1], dtype=torch.float64, device=c.device)
     u = torch.ones_like(a)
     for _ in range(iters):
         v_old = v

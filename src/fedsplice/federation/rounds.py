@@ -41,7 +41,7 @@ class Reply:
 
 def initial_global(exp) -> dict:
     params = exp.model.trainable()
-    return {n: params[n].detach().clone() for n in exp.global_names}
+    return {n: params[n].detach().to("cpu", copy=True) for n in exp.global_names}
 
 
 def gm_and_pm(exp, transport, global_params: dict, gm_first: bool = False) -> dict:

@@ -28,6 +28,7 @@ import math
 import numpy as np
 import torch
 
+from fedsplice.algorithms import clone
 from fedsplice.core import grab as G
 from fedsplice.core import wire
 from fedsplice.core import streams
@@ -196,7 +197,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
                                   objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
                                   keep_opt=keep, opt_state=opt_state,
                                   client_cfg=round_config(exp, cid, rnd))
-    params = exp.model.trainable()
+    params = clone(exp.model.trainable())  # on the CPU: the wire and the store never hold device tensors
     codec = exp.cfg.client.upload
     residual = {k[3:]: v for k, v in (stored or {}).items() if k.startswith("ef/")} if codec == "int8" else {}
     up, residual = wire.compress({n: params[n] for n in exp.global_names}, received, codec, residual)
@@ -248,7 +249,7 @@ def train_branch(exp, cid: int, global_params: dict, branch: dict, rounds: range
         opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r, torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
                               ctx=train_context(exp, cid, global_params, global_logits=l_g), client_cfg=ccfg,
                               objective=exp.recipe.personalize.objective, keep_opt=set(branch), opt_state=opt)
-    return {n: t.detach().clone() for n, t in exp.model.trainable().items()}
+    return clone(exp.model.trainable())
 
 
 def stored_branch(exp, stored: dict | None) -> dict:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fedsplice.config import ClientConfig
+from fedsplice.model.device import grad_scaler, to_device
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: ClientConfig) -> torch.optim.Optimizer:
@@ -16,21 +19,23 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: ClientConfig) -> torch
 
 
 def export_opt_state(opt, names_by_param: dict, keep: set[str]) -> dict[str, torch.Tensor]:
-    """Optimizer state of the `keep` parameters, as name-keyed tensors ("<param>/<slot>")."""
+    """Optimizer state of the `keep` parameters, as name-keyed CPU tensors ("<param>/<slot>")."""
     out = {}
     for p, st in opt.state.items():
         name = names_by_param[p]
         if name in keep:
             for slot, v in st.items():
                 if torch.is_tensor(v):
-                    out[f"{name}/{slot}"] = v.detach().clone()
+                    out[f"{name}/{slot}"] = v.detach().to("cpu", copy=True)
     return out
 
 
 def import_opt_state(opt, params: dict[str, torch.nn.Parameter], state: dict[str, torch.Tensor]) -> None:
     for key, v in state.items():
         name, slot = key.rsplit("/", 1)
-        opt.state[params[name]][slot] = v.clone()
+        p = params[name]
+        # Adam's step counter stays where torch keeps it (CPU); moments go beside their tensor
+        opt.state[p][slot] = v.clone() if v.dim() == 0 else v.to(p.device, copy=True)
 
 
 def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.ndarray, ctx: dict) -> dict:
@@ -43,18 +48,22 @@ def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.nd
     return {"task": F.cross_entropy(logits, y) if grab is None else grab.loss(logits, y)}
 
 
-def backward(losses: dict, total, plist: list, grad_transform, sums: dict) -> None:
+def backward(losses: dict, total, plist: list, grad_transform, sums: dict, scaler=None) -> None:
     """Set every parameter's .grad: of the summed losses, or, with a grad transform, the
-    transform's combination of each loss's own gradient (adding its statistics to `sums`)."""
+    transform's combination of each loss's own gradient (adding its statistics to `sums`).
+    `scaler` (fp16's GradScaler) scales the losses; a transform sees the true gradients (divided
+    back, exactly: the scale is a power of two) and its result is scaled again for scaler.step."""
+    up = scaler.scale if scaler is not None else (lambda x: x)
     if grad_transform is None:
-        total.backward()
+        up(total).backward()
         return
-    grads = {k: [g if g is not None else torch.zeros_like(p) for g, p in zip(
-        torch.autograd.grad(v, plist, retain_graph=True, allow_unused=True), plist)]
+    s = scaler.get_scale() if scaler is not None else 1.0
+    grads = {k: [g / s if g is not None else torch.zeros_like(p) for g, p in zip(
+        torch.autograd.grad(up(v), plist, retain_graph=True, allow_unused=True), plist)]
         for k, v in losses.items()}
     final, tstats = grad_transform(grads)
     for p, g in zip(plist, final):
-        p.grad = g
+        p.grad = g * s if s != 1.0 else g
     for k, v in tstats.items():
         sums[k] = sums.get(k, 0.0) + float(v)
 
@@ -86,6 +95,20 @@ def term_diagnostics(task, terms: dict, plist: list, names: list[str], split: di
     return out
 
 
+def add_terms(losses: dict, loss_terms, params: dict, ctx: dict, sums: dict, last: bool) -> dict:
+    """Add the parameter-only loss terms to losses["task"] (their values to `sums`); on the
+    round's `last` step, {name: (term, weight)} of the weighted ones, for term_diagnostics."""
+    weighted = {}
+    for term in loss_terms:
+        v = term(params, ctx)
+        key = type(term).__name__.lower()
+        sums[key] = sums.get(key, 0.0) + float(v.detach())
+        if last and getattr(term, "weight", 0) > 0 and v.requires_grad:
+            weighted[key] = (v, term.weight)
+        losses["task"] = losses["task"] + v
+    return weighted
+
+
 def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, loss_terms,
                 keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: dict,
                 objective=None, grad_transform=None, ids: np.ndarray | None = None,
@@ -110,7 +133,11 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
     opt = make_optimizer(plist, cfg)
     import_opt_state(opt, params, opt_state)
     by_param = {params[n]: n for n in names}
-    y_all = torch.as_tensor(labels, dtype=torch.long)
+    dev = getattr(model, "device", torch.device("cpu"))  # a TaskModel's; plain modules: CPU, fp32
+    amp = getattr(model, "autocast", nullcontext)
+    scaler = grad_scaler(dev, getattr(model, "amp_dtype", torch.float32))
+    ctx = to_device(ctx, dev)
+    y_all = torch.as_tensor(labels, dtype=torch.long).to(dev)
     ids = np.arange(len(texts)) if ids is None else np.asarray(ids)
     steps, sums, diag = 0, {}, {}
     last = planned_steps(len(texts), cfg, epochs) - 1
@@ -119,21 +146,19 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
         order = rng.permutation(len(texts))
         for i in range(0, len(order), cfg.batch_size):
             idx = order[i:i + cfg.batch_size]
-            losses = objective(model, [texts[j] for j in idx], y_all[idx], ids[idx], ctx)
-            weighted, task = {}, losses["task"]
-            for term in loss_terms:
-                v = term(params, ctx)
-                key = type(term).__name__.lower()
-                sums[key] = sums.get(key, 0.0) + float(v.detach())
-                if steps == last and getattr(term, "weight", 0) > 0 and v.requires_grad:
-                    weighted[key] = (v, term.weight)
-                losses["task"] = losses["task"] + v
+            with amp():  # runtime.precision: the forward and the losses under autocast
+                losses = objective(model, [texts[j] for j in idx], y_all[idx], ids[idx], ctx)
+                task, weighted = losses["task"], add_terms(losses, loss_terms, params, ctx, sums, steps == last)
+                total = sum(losses.values())
             if weighted:  # measured once a round, on its last step (where the terms have grown most)
                 diag = term_diagnostics(task, weighted, plist, names, ctx.get("split", {}))
-            total = sum(losses.values())
             opt.zero_grad(set_to_none=True)
-            backward(losses, total, plist, grad_transform, sums)
-            opt.step()
+            backward(losses, total, plist, grad_transform, sums, scaler)
+            if scaler is None:
+                opt.step()
+            else:  # unscales, skips a step whose gradients overflowed, adapts the scale
+                scaler.step(opt)
+                scaler.update()
             steps += 1
             sums["loss"] = sums.get("loss", 0.0) + float(total.detach())
             for k, v in losses.items():

@@ -30,7 +30,10 @@ def fingerprint(tensors) -> str:
 
 
 class FrozenCache:
-    def __init__(self, namespace: dict, budget_bytes: int, root: str | Path = ""):
+    def __init__(self, namespace: dict, budget_bytes: int, root: str | Path = "", device: torch.device | str = "cpu"):
+        """Entries are kept in host memory (or on disk) as float32 arrays and come back from
+        `rows` on `device`: a cache may outgrow an accelerator's memory, never the budget."""
+        self.device = torch.device(device)
         blob = json.dumps(namespace, sort_keys=True).encode()
         self.key = hashlib.sha256(blob).hexdigest()[:20]
         self.budget, self.used = budget_bytes, 0
@@ -81,7 +84,7 @@ class FrozenCache:
             for i, v in zip(miss, compute([texts[i] for i in miss])):
                 rows[i] = v
                 self.put(texts[i], v)
-        return [r if torch.is_tensor(r) else torch.from_numpy(np.array(r)) for r in rows]
+        return [r if torch.is_tensor(r) else torch.from_numpy(np.array(r)).to(self.device) for r in rows]
 
     def stats(self) -> dict:
         return {"entries": len(self._mem), "bytes": self.used, "hits": self.hits, "misses": self.misses}
@@ -90,16 +93,18 @@ class FrozenCache:
 class TokenCache:
     """Tokenized inputs, per text: padding a batch from them gives the tokenizer's own batch."""
 
-    def __init__(self, tokenizer, max_length: int, enabled: bool = True):
+    def __init__(self, tokenizer, max_length: int, enabled: bool = True, device: torch.device | str = "cpu"):
         self.tok, self.max_length, self.enabled = tokenizer, max_length, enabled
+        self.device = torch.device(device)  # where the padded batches go (the model's device)
         self._ids: dict[str, dict] = {}
 
     def __call__(self, texts: list[str]):
         if not self.enabled:
-            return self.tok(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+            enc = self.tok(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+            return enc.to(self.device)
         new = [t for t in dict.fromkeys(texts) if t not in self._ids]
         if new:
             enc = self.tok(new, truncation=True, max_length=self.max_length)
             for i, t in enumerate(new):
                 self._ids[t] = {k: v[i] for k, v in enc.items()}
-        return self.tok.pad([self._ids[t] for t in texts], padding=True, return_tensors="pt")
+        return self.tok.pad([self._ids[t] for t in texts], padding=True, return_tensors="pt").to(self.device)

@@ -74,10 +74,13 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def grad_scaler(device: torch.device, dtype: torch.dtype):
-    """fp16 needs its gradients scaled (they underflow otherwise); None for bf16 / fp32."""
+    """fp16 needs its gradients scaled (they underflow otherwise); None for bf16 / fp32. A client
+    trains a few steps a round with a fresh scaler, so it starts at 2^10, not torch's 2^16: at
+    2^16 the first steps of a round overflowed and were skipped (tests/test_hardware.py's tiny
+    FedPuReL run lost every step that way); an overflow still skips its step and halves the scale."""
     if dtype != torch.float16:
         return None
-    return torch.amp.GradScaler(device.type)
+    return torch.amp.GradScaler(device.type, init_scale=2.0 ** 10)
 
 
 def to_device(obj, device: torch.device):

@@ -129,7 +129,7 @@ class InputSide:
         """CLIP's E(x); with a frozen text tower (and caching on) captions are encoded once."""
         fn = text.embed_text
         if captions_frozen:
-            captions = FrozenCache({"kind": "clip-captions"}, 1 << 62)
+            captions = FrozenCache({"kind": "clip-captions"}, 1 << 62, device=text.tokens.device)
             fn = lambda ts: torch.stack(captions.rows(ts, text.embed_text))  # noqa: E731
         return ClipInputs(text.hf, processor, fn, image_prefix)
 
@@ -157,8 +157,9 @@ class InputSide:
         else:
             rows = self.token_cache.rows(items, compute) if self.token_cache is not None else compute(items)
         longest = max(len(r) for r in rows)
-        h = torch.zeros(len(rows), longest, rows[0].shape[-1])
-        mask = torch.zeros(len(rows), longest, dtype=torch.bool)
+        dev = rows[0].device
+        h = torch.zeros(len(rows), longest, rows[0].shape[-1], device=dev)
+        mask = torch.zeros(len(rows), longest, dtype=torch.bool, device=dev)
         for i, r in enumerate(rows):
             h[i, :len(r)], mask[i, :len(r)] = r, True
         return F.normalize(h, dim=-1), mask

@@ -14,6 +14,7 @@ import torch
 
 from fedsplice.config import ExperimentConfig
 from fedsplice.data.zoo import resolve_model
+from fedsplice.model.device import DTYPES
 from fedsplice.errors import ConfigError
 from fedsplice.model.vision import load_image_processor
 
@@ -43,8 +44,30 @@ def target_regex(rmap: dict[str, str], roles, layers, tower: str) -> str:
     return rf"{prefix}\.(?:layer|layers|h)\.(?:{idx})\.(?:{suffix})"
 
 
-def load_pretrained(cfg: ExperimentConfig):
-    """(model, tokenizer, resolved path) of `model.name`, fp32; the tokenizer always has a pad."""
+def quantization_config(cfg: ExperimentConfig):
+    """transformers' BitsAndBytesConfig for `model.quantization` (None for "none"); a missing
+    bitsandbytes is a one-line ConfigError before anything loads."""
+    mc = cfg.model
+    if mc.quantization == "none":
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"model.quantization = {mc.quantization!r} needs bitsandbytes, which is not installed: "
+                          f"pip install bitsandbytes (QLoRA runs on a CUDA GPU), or set model.quantization = 'none'")
+    from transformers import BitsAndBytesConfig
+
+    compute = DTYPES[mc.dtype] if mc.dtype != "fp32" else torch.bfloat16
+    if mc.quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute)
+
+
+def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
+    """(model, tokenizer, resolved path) of `model.name` in `model.dtype`; the tokenizer always
+    has a pad. A quantized base is placed on `device` as it loads (bitsandbytes weights cannot
+    move afterwards) and prepared for k-bit training (peft); any other stays on the CPU here."""
     # transformers is imported here, not at module level: importing fedsplice stays fast
     import transformers
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -53,16 +76,56 @@ def load_pretrained(cfg: ExperimentConfig):
     transformers.utils.logging.set_verbosity_error()
 
     path = resolve_model(cfg.model.name)
+    quant = quantization_config(cfg)
+    kw = {"dtype": DTYPES[cfg.model.dtype]}
+    if quant is not None:
+        kw.update(quantization_config=quant, device_map={"": str(device or "cpu")})
     try:
         tok = AutoTokenizer.from_pretrained(path)
         cls = AutoModelForCausalLM if cfg.model.task in ("causal_lm", "vlm") else AutoModel
-        model = cls.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.name: cannot load {cfg.model.name!r} ({str(e).splitlines()[0]}); "
+        model = cls.from_pretrained(path, **kw)
+    except (OSError, ValueError, RuntimeError, ImportError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if quant is not None and not isinstance(e, OSError):
+            raise ConfigError(f"model.quantization = {cfg.model.quantization!r}: bitsandbytes cannot load "
+                              f"{cfg.model.name!r} here ({first}); set model.quantization = 'none'") from None
+        raise ConfigError(f"model.name: cannot load {cfg.model.name!r} ({first}); "
                           f"use zoo:minilm, zoo:smollm2, a local folder or a hub id") from None
+    if quant is not None:
+        model = prepare_kbit(model)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok, path
+
+
+def prepare_kbit(model):
+    """peft's k-bit preparation (norms and embeddings in fp32, input grads). On a CPU with AVX-512
+    BF16, bitsandbytes repacks a 4-bit weight at its first no-grad eval forward into a layout
+    with no backward, after which LoRA silently gets no gradients (bitsandbytes 0.50.2, measured
+    here): that fast path is switched off."""
+    import logging
+
+    import bitsandbytes as bnb
+    from peft import prepare_model_for_kbit_training
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # per-matmul cast notices
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """HF's own switch (non-reentrant: the frozen base needs no input gradients); a model
+    without support is a one-line error."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"model.gradient_checkpointing: {type(model).__name__} does not support it; "
+                          f"set model.gradient_checkpointing = false")
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name for it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
 def check_peft_fits_task(peft_type: str, task: str) -> None:
@@ -87,12 +150,14 @@ class Backbone:
     text_positions: int | None  # CLIP's text tower has a fixed number of positions (77)
 
 
-def load_backbone(cfg: ExperimentConfig) -> Backbone:
+def load_backbone(cfg: ExperimentConfig, device: torch.device | None = None) -> Backbone:
     """Load, freeze and check `model.name` against `peft.type` and `model.task` (in this order, so
     a config with several problems always reports the same one first)."""
-    base, tok, path = load_pretrained(cfg)
+    base, tok, path = load_pretrained(cfg, device)
     for p in base.parameters():
         p.requires_grad_(False)
+    if cfg.model.gradient_checkpointing:
+        enable_gradient_checkpointing(base)
     mtype = getattr(base.config, "model_type", "?")
     rmap = role_map(mtype)
     is_clip = mtype == "clip"

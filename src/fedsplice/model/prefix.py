@@ -81,7 +81,7 @@ class TextPrefix:
             ns = {"kind": "prefix", "model": cfg.model.name, "first_adapted_layer": l0,
                   "max_length": cfg.model.max_length, "tokenizer": tokens.tok.name_or_path,
                   "weights": fingerprint(p for m in frozen for p in m.parameters())}
-            cache = FrozenCache(ns, cfg.runtime.cache_budget_mb << 20, cfg.runtime.cache_dir)
+            cache = FrozenCache(ns, cfg.runtime.cache_budget_mb << 20, cfg.runtime.cache_dir, tokens.device)
             return cls(backbone, hf, tokens, cache, l0, (emb, layers))
         return None
 
@@ -105,7 +105,7 @@ class TextPrefix:
         """[B, T, H] hidden states entering layer l0, from the cache or computed (and kept)."""
         rows = self.cache.rows(texts, self._compute)
         mask = enc["attention_mask"].bool()
-        h = torch.zeros(*mask.shape, rows[0].shape[-1])
+        h = torch.zeros(*mask.shape, rows[0].shape[-1], device=mask.device)
         for i, r in enumerate(rows):
             h[i][mask[i]] = r
         return h
@@ -134,5 +134,6 @@ def build_image_prefix(cfg: ExperimentConfig, clip: nn.Module, processor) -> Cli
     frozen = [vm.embeddings, vm.pre_layrnorm, *layers[:l0]]
     ns = {"kind": "clip-image-prefix", "model": cfg.model.name, "first_adapted_layer": l0,
           "weights": fingerprint(p for m in frozen for p in m.parameters())}
-    cache = FrozenCache(ns, cfg.runtime.cache_budget_mb << 20, cfg.runtime.cache_dir)
+    cache = FrozenCache(ns, cfg.runtime.cache_budget_mb << 20, cfg.runtime.cache_dir,
+                        next(clip.parameters()).device)
     return ClipImagePrefix(clip, processor, l0, cache)

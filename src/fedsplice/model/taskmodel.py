@@ -27,6 +27,7 @@ from fedsplice.data.datasets import class_prompt_of
 from fedsplice.errors import ConfigError
 from fedsplice.model import peft
 from fedsplice.model.cache import FrozenCache, TokenCache
+from fedsplice.model.device import autocast, resolve_device, resolve_precision
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
 from fedsplice.model.loading import Backbone, load_backbone
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
@@ -44,12 +45,24 @@ class TaskModel(nn.Module):
         self.mcfg = cfg.model
         self.pcfg = cfg.peft
         self.class_names = list(class_names)
-        bb = load_backbone(cfg)
+        self.device = resolve_device(cfg.runtime.device)
+        # autocast dtype of every forward (and the backward under it); trainable tensors stay fp32
+        self.amp_dtype = resolve_precision(cfg.runtime.precision, self.device)
+        if cfg.model.dtype != "fp32" and self.amp_dtype == torch.float32:
+            raise ConfigError(f"model.dtype = {cfg.model.dtype!r} runs the fp32 adapters beside a {cfg.model.dtype} base "
+                              f"under autocast: set runtime.precision = 'bf16' or 'fp16' (it resolved to fp32)")
+        self.checkpointing = cfg.model.gradient_checkpointing
+        bb = load_backbone(cfg, self.device)
         self.tokenizer, self.rmap, self.is_clip = bb.tokenizer, bb.rmap, bb.is_clip
         self.image_processor, self.vision, self.projector = bb.image_processor, None, None
         self._build_trainables(cfg, bb)
         self._zero_shot = False
         self.cache_on = cfg.runtime.cache
+        # a quantized base was placed as it loaded (device_map; bitsandbytes weights cannot move
+        # afterwards) and peft put its LoRA beside it; everything else moves now
+        for name, mod in self.named_children():
+            if name != "backbone" or cfg.model.quantization == "none":
+                mod.to(self.device)
         self._build_parts(cfg, bb)
 
     def _build_trainables(self, cfg: ExperimentConfig, bb: Backbone) -> None:
@@ -82,7 +95,7 @@ class TaskModel(nn.Module):
         """Caches, encoders and the task's scorer: plain objects over the modules built above."""
         pc, rc = cfg.peft, cfg.runtime
         max_len = self.mcfg.max_length if bb.text_positions is None else min(self.mcfg.max_length, bb.text_positions)
-        self._tok = TokenCache(self.tokenizer, max_len, rc.cache)
+        self._tok = TokenCache(self.tokenizer, max_len, rc.cache, self.device)
         # a plain object, like every part below: a module attribute here would register the HF
         # model a second time (under another name in state_dict)
         self._text = TextEncoder(self.backbone, peft.hf_model(self.backbone, pc.type), self._tok, self.is_clip)
@@ -99,7 +112,7 @@ class TaskModel(nn.Module):
                                   self.prompt_lowrank, self.prompt_ot)
         lm_task = self.task in ("causal_lm", "vlm")
         # prompt/adapter: the input side is frozen whole, so its pooled features are cached
-        features = (FrozenCache({"kind": "features"}, 1 << 62)
+        features = (FrozenCache({"kind": "features"}, 1 << 62, device=self.device)
                     if rc.cache and pc.type in ("prompt", "adapter") and not lm_task else None)
         clip_inputs = (InputSide.clip(self._text, self.image_processor, self._img_prefix,
                                       self.cache_on and not trains_text) if self.is_clip else None)
@@ -108,9 +121,9 @@ class TaskModel(nn.Module):
             if self.task != "dual_encoder":
                 raise ConfigError("peft.ot_gamma (FedOTP) matches an input's token features to class prompts: "
                                   "it needs model.task = 'dual_encoder'")
-            self._inputs.token_cache = FrozenCache({"kind": "tokens"}, rc.cache_budget_mb << 20) if rc.cache else None
+            self._inputs.token_cache = FrozenCache({"kind": "tokens"}, rc.cache_budget_mb << 20, device=self.device) if rc.cache else None
         # vlm: the frozen vision tower's tokens, per image (keyed by its pixels: vision.image_key)
-        self._vis = FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20) if rc.cache and self.task == "vlm" else None
+        self._vis = FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20, device=self.device) if rc.cache and self.task == "vlm" else None
         self._scorer = self._build_scorer()
 
     def _build_scorer(self):
@@ -142,9 +155,14 @@ class TaskModel(nn.Module):
         self.backbone.eval()
         if self.vision is not None:
             self.vision.eval()
+        ckpt = ()
+        if self.checkpointing:  # transformers is imported lazily (importing fedsplice stays fast)
+            from transformers.modeling_layers import GradientCheckpointingLayer as ckpt
         for name, mod in self.backbone.named_modules():
             if "lora_dropout" in name:
                 mod.train(mode)
+            elif ckpt and isinstance(mod, ckpt):
+                mod.training = mode  # HF checkpoints a layer only in training; its dropouts stay off
         return self
 
     @contextmanager
@@ -194,12 +212,18 @@ class TaskModel(nn.Module):
     def forward(self, texts: list, class_emb: torch.Tensor | None = None) -> torch.Tensor:
         return self._scorer(texts, class_emb, self._zero_shot)
 
+    def autocast(self):
+        """The run's precision (runtime.precision) on the model's device."""
+        return autocast(self.device, self.amp_dtype)
+
     @torch.no_grad()
     def predict(self, texts: list, batch_size: int) -> torch.Tensor:
+        """Logits [N, C], float32 on the CPU whatever the device and precision."""
         was = self.training
         self.eval()
-        ce = self.class_embeddings() if self.task == "dual_encoder" else None
-        out = [self(texts[i:i + batch_size], ce) for i in range(0, len(texts), batch_size)]
+        with self.autocast():
+            ce = self.class_embeddings() if self.task == "dual_encoder" else None
+            out = [self(texts[i:i + batch_size], ce).float().cpu() for i in range(0, len(texts), batch_size)]
         self.train(was)
         return torch.cat(out) if out else torch.zeros(0, len(self.class_names))
 

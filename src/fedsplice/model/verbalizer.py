@@ -80,8 +80,9 @@ def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 def _checkpointing(model) -> bool:
-    """Training with activation checkpointing: HF drops the cache, so skip straight to "full"."""
-    if not getattr(model, "training", False):
+    """Activation checkpointing while gradients flow: HF drops the cache, so skip straight to
+    "full" (fedsplice trains with the backbone in eval mode and its layers in training mode)."""
+    if not torch.is_grad_enabled():
         return False
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         try:

@@ -35,9 +35,11 @@ def load_image_processor(path: str, field: str):
                           f"give a checkpoint with a preprocessor_config.json") from None
 
 
-def pixel_values(processor, items: list) -> torch.Tensor:
-    """[B, 3, H, W] model inputs of the samples' images (grey images become RGB first)."""
-    return processor(images=[rgb(s.image) for s in items], return_tensors="pt")["pixel_values"]
+def pixel_values(processor, items: list, model: nn.Module) -> torch.Tensor:
+    """[B, 3, H, W] model inputs of the samples' images (grey images become RGB first), on the
+    device of `model`, the tower they go into."""
+    pv = processor(images=[rgb(s.image) for s in items], return_tensors="pt")["pixel_values"]
+    return pv.to(next(model.parameters()).device)
 
 
 def load_vision_tower(spec: str):
@@ -107,7 +109,7 @@ def image_key(s: Sample) -> str:
 def vision_tokens(tower, processor, items: list) -> list[torch.Tensor]:
     """Frozen last hidden states [T, Dv] of each sample's image (CLS + patches)."""
     with torch.no_grad():
-        h = tower(pixel_values=pixel_values(processor, items)).last_hidden_state
+        h = tower(pixel_values=pixel_values(processor, items, tower)).last_hidden_state
     return list(h)
 
 
@@ -138,7 +140,7 @@ class ClipImagePrefix:
     def _bottom(self, items: list) -> list[torch.Tensor]:
         vm = self.clip.vision_model
         with torch.no_grad():
-            h = vm.pre_layrnorm(vm.embeddings(pixel_values(self.processor, items)))
+            h = vm.pre_layrnorm(vm.embeddings(pixel_values(self.processor, items, vm)))
             for layer in vm.encoder.layers[:self.l0]:
                 h = layer(h, None)
         return list(h)
@@ -171,7 +173,7 @@ class ClipInputs:
             if self.image_features is not None:
                 img = self.image_features([items[i] for i in with_img])
             else:
-                pv = pixel_values(self.processor, [items[i] for i in with_img])
+                pv = pixel_values(self.processor, [items[i] for i in with_img], self.clip)
                 img = self.clip.get_image_features(pixel_values=pv).pooler_output
             for j, i in enumerate(with_img):
                 feats[i].append(F.normalize(img[j], dim=-1))
@@ -192,7 +194,7 @@ class ClipInputs:
 
         def compute(keys: list[str]) -> list[torch.Tensor]:
             vm = self.clip.vision_model
-            h = vm(pixel_values=pixel_values(self.processor, [by_key[k] for k in keys])).last_hidden_state
+            h = vm(pixel_values=pixel_values(self.processor, [by_key[k] for k in keys], vm)).last_hidden_state
             return list(self.clip.visual_projection(vm.post_layernorm(h[:, 1:])))
 
         keys = [image_key(s) for s in items]

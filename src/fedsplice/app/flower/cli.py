@@ -29,6 +29,10 @@ def add_parser(sub) -> None:
     u.add_argument("--site-data", action="append", default=[], metavar="SPEC",
                    help="per-site data (data.dataset = 'sites'): SuperNode i's own file, e.g. csv:site0.csv; "
                         "once per SuperNode")
+    u.add_argument("--devices", metavar="LIST",
+                   help="comma-separated devices, cycled over the SuperNodes (node p gets the (p mod len)-th), "
+                        "e.g. cuda:0,cuda:1; each node's model trains there (node config device). Default: "
+                        "runtime.devices, else every node uses runtime.device")
     u.add_argument("--quiet", action="store_true")
     u.set_defaults(fn=cmd_up)
 
@@ -88,18 +92,20 @@ def resume_flower(out: Path, quiet: bool = False) -> dict:
     cfg = load_config(out / "config.toml")
     return run_flower(cfg, out, quiet=quiet, resume=True, supernodes=cfg.runtime.num_supernodes,
                       insecure=cfg.runtime.insecure, isolation=how["isolation"], node_wait_s=float(how["node_wait_s"]),
-                      site_data=how.get("site_data", []))
+                      site_data=how.get("site_data", []), devices=how.get("devices"))
 
 
 def cmd_up(args) -> None:
     from fedsplice.app.runner import print_table
     from fedsplice.federation.validate import load_config
     from fedsplice.app.rundir import default_out
+    from fedsplice.app.flower.launcher import parse_devices
 
+    devices = None if args.devices is None else parse_devices(args.devices)
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else default_out(cfg)
     results = run_flower(cfg, out, overwrite=args.overwrite, quiet=args.quiet, supernodes=args.supernodes,
-                         insecure=args.insecure, isolation=args.isolation, site_data=args.site_data)
+                         insecure=args.insecure, isolation=args.isolation, site_data=args.site_data, devices=devices)
     if not args.quiet:
         print_table(results)
         print(f"results: {out / 'results.json'}", file=sys.stderr)

@@ -7,7 +7,7 @@ Everything runs as separate processes on 127.0.0.1 (free ports), exactly as on m
                      needs nothing installed: fedsplice, torch and flwr are already here)
   flwr supernode register <key.pub>   one EC key pair per SuperNode (`certs.make_node_key`)
   flower-supernode   --root-certificates, --auth-supernode-private-key, --node-config node.toml
-                     (partition-id, num-partitions, state-dir)
+                     (partition-id, num-partitions, state-dir; device with --devices)
   flwr run <app> --stream   the Flower App written by `write_app`; its ServerApp output is
                      streamed here (lines starting with "[fedsplice]")
 
@@ -95,18 +95,21 @@ def _printer(quiet: bool) -> Callable[[str], None]:
 def up(cfg, out: Path, *, supernodes: int | None = None, insecure: bool | None = None, overwrite: bool = False,
        isolation: str = "fedsplice", quiet: bool = False, node_wait_s: float = 300.0, timeout: float | None = None,
        on_cluster: Callable[[Cluster], None] | None = None, on_tick: Callable[[Cluster], None] | None = None,
-       resume: bool = False, site_data: list[str] | None = None) -> dict:
+       resume: bool = False, site_data: list[str] | None = None, devices: list[str] | None = None) -> dict:
     """Run `cfg` on a local Flower deployment (SuperLink + `supernodes` SuperNodes); write the
     run directory `out` as `fedsplice run` does; tear everything down. Returns results.json.
     `resume`: continue the run in `out` from its last checkpoint (`fedsplice resume`), on new
     processes over the same SuperNode folders (their PRIVATE state). `site_data`: per-site data
-    (data.dataset = "sites"), SuperNode i's own file (node config data-path), one per SuperNode."""
+    (data.dataset = "sites"), SuperNode i's own file (node config data-path), one per SuperNode.
+    `devices`: SuperNode p's device is devices[p % len(devices)] (node config device); None:
+    runtime.devices, cycled the same way; neither: every node uses runtime.device."""
     import dataclasses
 
     rt = cfg.runtime
     site_data = list(site_data or [])
     n = supernodes or len(site_data) or rt.num_supernodes
     check_sites(cfg, site_data, n)
+    per_node = node_entries(n, site_data, node_devices(cfg, devices, n))
     insecure = rt.insecure if insecure is None else insecure
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     if n > n_train:
@@ -118,16 +121,17 @@ def up(cfg, out: Path, *, supernodes: int | None = None, insecure: bool | None =
     root = _prepare_out(out, overwrite, resume)
     say = _printer(quiet)
     say(f"flower: SuperLink + {n} SuperNodes on 127.0.0.1 ({'INSECURE' if insecure else 'TLS + node auth'}) -> {out}"
-        + (" (resuming)" if resume else ""))
+        + (" (resuming)" if resume else "")
+        + (f"; devices {', '.join(e['device'] for e in per_node)}" if devices or rt.devices else ""))
     t0 = time.monotonic()
     old = _install_sigterm()
     try:
         with Cluster(root, insecure=insecure, isolation=isolation, say=say) as cl:
             # how to start it again (`fedsplice resume`), and the tag that finds its processes
             atomic_write_json(root / LAUNCH_FILE, {"isolation": isolation, "node_wait_s": node_wait_s, "tag": cl.tag,
-                                                   "site_data": site_data})
+                                                   "site_data": site_data, "devices": devices})
             cl.start_superlink()
-            cl.add_supernodes(n, per_node=[{"data-path": s} for s in site_data] or None)
+            cl.add_supernodes(n, per_node=per_node)
             say(f"flower: up in {time.monotonic() - t0:.1f}s (SuperLink {cl.address}); submitting the run")
             if on_cluster:
                 on_cluster(cl)
@@ -152,6 +156,45 @@ def check_sites(cfg, site_data: list[str], n: int) -> None:
     if sites and (len(site_data) != n or n != cfg.data.num_clients):
         raise ConfigError(f"per-site data: give --site-data once per SuperNode, one site per client "
                           f"(data.num_clients = {cfg.data.num_clients}; got {len(site_data)} files for {n} SuperNodes)")
+
+
+def parse_devices(text: str) -> list[str]:
+    """`--devices cuda:0,cuda:1`: the comma-separated names (each is checked by `node_devices`)."""
+    names = [d.strip() for d in text.split(",")]
+    if not all(names):
+        raise ConfigError(f"--devices {text!r}: an empty device name; give comma-separated devices, "
+                          f"e.g. --devices cuda:0,cuda:1")
+    return names
+
+
+def node_devices(cfg, devices: list[str] | None, n: int) -> list[str]:
+    """Each of the n SuperNodes' device: `devices` (--devices), else runtime.devices, cycled (node
+    p gets devices[p % len]); [] when neither is given (each node uses runtime.device). The
+    ServerApp and the SuperNodes run on this machine, so runtime.device (the ServerApp's) and every
+    node's device are checked and resolved here, before anything starts: a misspelt one or one this
+    machine lacks is a one-line ConfigError naming the option."""
+    from fedsplice.config.checks import check_device_name
+    from fedsplice.model.device import resolve_device
+
+    resolve_device(cfg.runtime.device, "runtime.device")
+    field = "runtime.devices" if devices is None else "--devices"
+    devices = list(cfg.runtime.devices if devices is None else devices)
+    if field == "--devices" and not devices:
+        raise ConfigError("--devices: give at least one device, e.g. --devices cuda:0,cuda:1")
+    for d in dict.fromkeys(devices):
+        check_device_name(field, d)
+        resolve_device(d, field)
+    return [devices[p % len(devices)] for p in range(n)] if devices else []
+
+
+def node_entries(n: int, site_data: list[str], devices: list[str]) -> list[dict]:
+    """SuperNode i's own node-config entries: its site's data file, its device."""
+    entries: list[dict] = [{} for _ in range(n)]
+    for i, path in enumerate(site_data):
+        entries[i]["data-path"] = path
+    for i, d in enumerate(devices):
+        entries[i]["device"] = d
+    return entries
 
 
 def _prepare_out(out: Path, overwrite: bool, resume: bool) -> Path:

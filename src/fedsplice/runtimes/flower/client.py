@@ -28,20 +28,26 @@ Node config (flower-supernode --node-config):
   data-path         optional: this host's copy of the dataset (replaces data.dataset, e.g. "jsonl:/data/x.jsonl");
                     with per-site data (data.dataset = "sites"): required, this site's own file
   cache-dir         optional: this host's fedsplice asset cache (FEDSPLICE_CACHE)
+  device            optional: this node's device ("cpu", "cuda", "cuda:N", "mps", "auto"), in place of
+                    the run config's runtime.device (`fedsplice flower up --devices`); the run
+                    config's runtime.precision and model.dtype still apply
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedsplice.errors import ConfigError
 from fedsplice.version import __version__
 from fedsplice.federation import SITES, DiskStore, accepts, build, client_task, config_from_text, fit_client, validate_config, wire
 from fedsplice.runtimes.flower.records import finite_json, from_record, to_record
@@ -66,8 +72,9 @@ class Node:
         self.partition_id, self.num_partitions = partition(nc)
         if "cache-dir" in nc:
             os.environ["FEDSPLICE_CACHE"] = str(nc["cache-dir"])
-        cfg = config_from_text(str(context.run_config[CONFIG_KEY]))
-        self.exp = build(cfg, site_of(nc, cfg, self.partition_id, self.num_partitions))
+        cfg = on_node_device(config_from_text(str(context.run_config[CONFIG_KEY])), nc)
+        with device_errors(nc):  # the device is resolved when the model is built
+            self.exp = build(cfg, site_of(nc, cfg, self.partition_id, self.num_partitions))
         self.state_root, self.run_id = state_root(nc), context.run_id
         self._stores: dict[Path, DiskStore] = {}
 
@@ -112,6 +119,31 @@ def site_of(nc, cfg, partition_id: int, num_partitions: int) -> tuple[str, int] 
         raise ValueError(f"per-site data: num-partitions = {num_partitions} but data.num_clients = "
                          f"{cfg.data.num_clients}; each SuperNode is one site (one client)")
     return str(nc["data-path"]), partition_id
+
+
+DEVICE_KEY = "device"  # node config: this node's device, in place of runtime.device
+
+
+def on_node_device(cfg, nc):
+    """`cfg` with the node config's `device`, if it has one, as runtime.device (a spelling error
+    names the node config key); unchanged otherwise. Precision and dtype stay the run config's."""
+    if DEVICE_KEY not in nc:
+        return cfg
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device=str(nc[DEVICE_KEY])))
+    with device_errors(nc):
+        return validate_config(cfg)
+
+
+@contextmanager
+def device_errors(nc):
+    """A ConfigError about runtime.device, when the node config set it, names the node config key."""
+    try:
+        yield
+    except ConfigError as e:
+        head = "runtime.device ="
+        if DEVICE_KEY not in nc or not str(e).startswith(head):
+            raise
+        raise ConfigError(f"node config {DEVICE_KEY} ={str(e)[len(head):]}") from None
 
 
 def partition(nc) -> tuple[int, int]:
@@ -227,7 +259,8 @@ def _result(payload: dict, arrays: dict | None = None) -> RecordDict:
 @client_app.query()
 def node_query(msg: Message, context: Context) -> Message:
     p, n = partition(context.node_config)
-    rec = {"partition-id": p, "num-partitions": n, "fedsplice-version": __version__, "python": sys.version.split()[0]}
+    rec = {"partition-id": p, "num-partitions": n, "fedsplice-version": __version__, "python": sys.version.split()[0],
+           DEVICE_KEY: str(context.node_config.get(DEVICE_KEY, ""))}  # "": the run config's runtime.device
     task = msg.content.config_records.get(TASK_KEY)
     if task is not None and RUN_KEY_FIELD in task:  # the run starts (0) or resumes: roll PRIVATE state back
         try:

@@ -143,6 +143,7 @@ class FlowerTransport:
             time.sleep(self.poll_s)
         self.say(f"[fedsplice] {len(nodes)} SuperNode(s) connected after {time.monotonic() - t0:.1f}s")
         parts: dict[int, tuple[int, int]] = {}
+        devices: dict[int, str] = {}  # node -> its node config's device ("": runtime.device)
         extra = {ROLLBACK_FIELD: self.rollback} if self.run_key else {}
         for node, (rep, err, _) in self._exchange(MessageType.QUERY, "query", {n: [] for n in nodes},
                                                   None, 0, extra).items():
@@ -156,6 +157,7 @@ class FlowerTransport:
                 raise FlowerRuntimeError(f"SuperNode {node} could not restore its PRIVATE state to the end of "
                                          f"round {self.rollback}: {rec.get(ROLLBACK_ERROR) or 'no rollback support'}")
             parts[node] = (int(rec["partition-id"]), int(rec["num-partitions"]))
+            devices[node] = str(rec.get("device", ""))
         if not parts:
             raise FlowerRuntimeError("no SuperNode answered the partition query; see events.jsonl")
         counts = sorted({n for _, n in parts.values()})
@@ -179,7 +181,8 @@ class FlowerTransport:
             by_node.setdefault(node, []).append(cid)
         for node, cids in by_node.items():
             p, n = parts[node]
-            self.say(f"[fedsplice] SuperNode {node}: partition {p}/{n}, clients {cids}")
+            on = f" on {devices[node]}" if devices.get(node) else ""
+            self.say(f"[fedsplice] SuperNode {node}: partition {p}/{n}, clients {cids}{on}")
 
     def _event(self, event: str, node: int, cids: list[int], detail: str, rnd: int | None = None) -> None:
         rec: dict = {"event": event}

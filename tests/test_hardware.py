@@ -1,0 +1,223 @@
+"""Issue 14 on a CPU: device resolution and placement, mixed precision (bf16 / fp16 autocast with
+fp32 masters, a gradient scaler for fp16), `model.dtype`, a quantized base (bitsandbytes, which
+runs on a CPU at the pinned version), a missing quantization backend, gradient checkpointing.
+Speed lives in benchmarks/precision.py, never here."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from fedsplice.errors import ConfigError
+from fedsplice.federation.experiment import build
+from fedsplice.federation.store import MemoryStore
+from fedsplice.model.device import resolve_device, resolve_precision
+from fedsplice.runtimes.inprocess import run_rounds
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+def _run(cfg) -> tuple[object, list[dict]]:
+    exp, records = build(cfg), []
+    run_rounds(exp, MemoryStore(), records.append)
+    return exp, records
+
+
+def _linear_dtypes(model, texts) -> set:
+    """The dtypes the backbone's Linear layers compute in during one training forward."""
+    seen, hooks = set(), []
+    for m in model.backbone.modules():
+        if isinstance(m, torch.nn.Linear):
+            hooks.append(m.register_forward_hook(lambda mod, a, out: seen.add(out.dtype)))
+    try:
+        model.train()
+        with model.autocast():
+            model(texts)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+# ----------------------------------------------------------------------------- device
+
+
+def test_auto_resolves_to_what_the_machine_has():
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available() and torch.backends.mps.is_available():
+        want = "mps"
+    assert resolve_device("auto").type == want
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@no_cuda
+@pytest.mark.parametrize("name", ["cuda", "cuda:1"])
+def test_a_missing_cuda_device_is_a_one_line_error(name):
+    with pytest.raises(ConfigError, match=r"runtime.device = 'cuda.*no CUDA device") as e:
+        resolve_device(name)
+    assert "\n" not in str(e.value)
+
+
+@no_cuda
+def test_cli_refuses_cuda_on_this_machine(tiny_cfg, cli_refuses):
+    cli_refuses(tiny_cfg(), ["runtime.device=cuda"], "runtime.device = 'cuda': this machine has no CUDA device")
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "CPU", ""])
+def test_a_misspelt_device_is_refused_at_load(tiny_cfg, bad):
+    with pytest.raises(ConfigError, match="runtime.device"):
+        tiny_cfg(runtime__device=f'"{bad}"')
+    with pytest.raises(ConfigError, match=r"runtime.devices\[1\]"):
+        tiny_cfg(runtime__devices=f'["cpu", "{bad}"]')
+
+
+def test_model_and_uploads_live_where_they_should(tiny_cfg):
+    exp, _ = _run(tiny_cfg(runtime__device='"cpu"'))
+    assert exp.model.device == torch.device("cpu")
+    assert {p.device.type for p in exp.model.parameters()} == {"cpu"}
+    assert all(t.device.type == "cpu" for t in exp.init_params.values())
+    assert exp.model.amp_dtype == torch.float32  # runtime.precision defaults to fp32
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+def test_auto_precision_follows_the_cpu_flags(monkeypatch):
+    import fedsplice.model.device as D
+
+    for has, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(D, "cpu_has_bf16", lambda has=has: has)
+        assert resolve_precision("auto", torch.device("cpu")) == want
+    assert resolve_precision("fp16", torch.device("cpu")) == torch.float16
+
+
+def test_bf16_autocast_runs_the_matmuls_in_bf16_with_fp32_masters(tiny_cfg):
+    exp = build(tiny_cfg(runtime__precision='"bf16"'))
+    assert torch.bfloat16 in _linear_dtypes(exp.model, ["play the ball", "the moon"])
+    assert {p.dtype for p in exp.model.trainable().values()} == {torch.float32}
+    assert exp.model.predict(["play the ball"], 4).dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision, tol", [("bf16", 0.05), ("fp16", 0.01)])
+def test_mixed_precision_run_lands_near_fp32(tiny_cfg, precision, tol):
+    """The same tiny run in fp32 and under autocast: the training losses agree to `tol`
+    (bf16 keeps 8 bits of mantissa, fp16 11), and the uploads stay fp32 on the CPU."""
+    _, ref = _run(tiny_cfg(algorithm='"lora"', method="{}"))
+    exp, got = _run(tiny_cfg(algorithm='"lora"', method="{}", runtime__precision=f'"{precision}"'))
+    assert exp.model.amp_dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    for a, b in zip(ref[1:], got[1:]):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=tol)
+        assert b["train_loss"] != a["train_loss"]  # autocast really ran in lower precision
+    assert got[-1]["gm"]["accuracy"] == pytest.approx(ref[-1]["gm"]["accuracy"], abs=0.2)
+
+
+def test_fp16_scaler_with_a_grad_transform(tiny_cfg):
+    """FedPuReL purifies per-loss gradients: under fp16 they are computed scaled and unscaled
+    exactly before the transform (its statistics match the fp32 run's)."""
+    _, ref = _run(tiny_cfg(algorithm='"fedpurel"', method="{}", peft__type='"prompt"'))
+    _, got = _run(tiny_cfg(algorithm='"fedpurel"', method="{}", peft__type='"prompt"', runtime__precision='"fp16"'))
+    for k in ("train_loss", "task_loss", "purified_steps"):
+        assert got[1][k] == pytest.approx(ref[1][k], rel=0.02), k
+    # the KL to the zero-shot logits is ~1e-3 here: fp16's logits (scale 20) move it by about that
+    assert got[1]["align_loss"] == pytest.approx(ref[1]["align_loss"], abs=5e-3)
+    assert got[-1]["gm"]["accuracy"] == pytest.approx(ref[-1]["gm"]["accuracy"], abs=0.1)
+
+
+def test_backward_unscales_exactly_for_a_transform():
+    """With a scaler the transform sees the unscaled gradients bit for bit, and the gradients
+    it leaves are scaled again for scaler.step (which divides them back)."""
+    from fedsplice.federation.train import backward
+
+    w = torch.nn.Parameter(torch.tensor([0.3, -1.7, 2.5]))
+    seen = []
+
+    def transform(grads):
+        seen.append({k: [g.clone() for g in v] for k, v in grads.items()})
+        return [grads["task"][0] + grads["align"][0]], {}
+
+    def losses():
+        return {"task": (w ** 2).sum(), "align": (3 * w).sum()}
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for sc in (None, scaler):
+        ls = losses()
+        backward(ls, sum(ls.values()), [w], transform, {}, sc)
+        if sc is None:
+            plain = w.grad.clone()
+    assert torch.equal(seen[0]["task"][0], seen[1]["task"][0])
+    assert torch.equal(seen[0]["align"][0], seen[1]["align"][0])
+    assert torch.equal(w.grad, plain * 2.0 ** 10)
+
+
+def test_bf16_base_weights_halve_memory_and_keep_fp32_adapters(tiny_cfg):
+    exp = build(tiny_cfg(model__dtype='"bf16"', runtime__precision='"bf16"'))
+    frozen = {p.dtype for p in exp.model.backbone.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16}
+    assert {p.dtype for p in exp.model.trainable().values()} == {torch.float32}
+    records = []
+    run_rounds(exp, MemoryStore(), records.append)
+    assert torch.isfinite(torch.tensor(records[-1]["train_loss"]))
+
+
+def test_bf16_base_needs_autocast(tiny_cfg):
+    with pytest.raises(ConfigError, match="model.dtype = 'bf16'.*runtime.precision"):
+        build(tiny_cfg(model__dtype='"bf16"'))
+
+
+# ----------------------------------------------------------------------------- quantization
+
+
+def test_missing_quantization_backend_exits_2(tiny_cfg, cli_refuses, monkeypatch, tiny_llama_dir, cfg_factory,
+                                              toy_jsonl):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
+    cfg = cfg_factory(tiny_llama_dir, toy_jsonl, model__task='"causal_lm"')
+    cli_refuses(cfg, ["model.quantization=nf4"], "model.quantization = 'nf4' needs bitsandbytes")
+
+
+def test_quantization_needs_lora(tiny_cfg):
+    with pytest.raises(ConfigError, match="model.quantization = 'int8'.*peft.type = 'lora'"):
+        tiny_cfg(model__quantization='"int8"', algorithm='"promptfl"', peft__type='"prompt"')
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is in the test extras")
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+def test_qlora_trains_on_a_quantized_base(cfg_factory, tiny_llama_dir, toy_jsonl, quant):
+    import bitsandbytes as bnb
+
+    cfg = cfg_factory(tiny_llama_dir, toy_jsonl, model__task='"causal_lm"', model__quantization=f'"{quant}"',
+                      runtime__precision='"bf16"', algorithm='"lora"', method="{}")
+    exp = build(cfg)  # builds the zero-shot caches first: a no-grad eval forward before training
+    kind = bnb.nn.Linear4bit if quant == "nf4" else bnb.nn.Linear8bitLt
+    assert any(isinstance(m, kind) for m in exp.model.backbone.modules())
+    before = {n: t.clone() for n, t in exp.model.trainable().items()}
+    records = []
+    run_rounds(exp, MemoryStore(), records.append)
+    after = exp.model.trainable()
+    moved = [n for n in before if "lora_A" in n and not torch.equal(before[n], after[n].detach().cpu())]
+    assert moved, "no LoRA A tensor changed: the quantized base passed no gradient"
+    assert torch.isfinite(torch.tensor(records[-1]["train_loss"]))
+
+
+# ----------------------------------------------------------------------------- gradient checkpointing
+
+
+def test_gradient_checkpointing_engages_and_changes_nothing(tiny_cfg, monkeypatch):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    _, ref = _run(tiny_cfg(algorithm='"lora"', method="{}"))
+    cfg = tiny_cfg(algorithm='"lora"', method="{}", model__gradient_checkpointing=True)
+    exp, calls = build(cfg), []
+    for m in exp.model.backbone.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            fn = m._gradient_checkpointing_func
+            m._gradient_checkpointing_func = lambda *a, fn=fn, **k: (calls.append(1), fn(*a, **k))[1]
+    got = []
+    run_rounds(exp, MemoryStore(), got.append)
+    assert calls, "no layer was checkpointed"
+    for a, b in zip(ref, got):
+        assert b["gm"]["accuracy"] == pytest.approx(a["gm"]["accuracy"], abs=1e-6)
+        if "train_loss" in a:
+            assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
