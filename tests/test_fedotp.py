@@ -130,7 +130,7 @@ def test_clip_matches_image_patches(tmp_path):
     with torch.no_grad():
         vm, clip = m._hf().vision_model, m._hf()
         from fedsplice.model.vision import pixel_values
-        h = vm(pixel_values=pixel_values(m.image_processor, items)).last_hidden_state
+        h = vm(pixel_values=pixel_values(m.image_processor, items, vm)).last_hidden_state
         tok = torch.nn.functional.normalize(clip.visual_projection(vm.post_layernorm(h[:, 1:])), dim=-1)
         want = 100.0 * ot_scores(tok, torch.ones(tok.shape[:2], dtype=torch.bool), m.class_embeddings(), 0.8, 0.1)
         assert torch.allclose(m(items), want, atol=1e-4)

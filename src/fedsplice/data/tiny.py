@@ -103,13 +103,20 @@ def tiny_tokenizer(save_dir: Path | None = None, style: str = "bert"):
     return tok
 
 
-def build_seeded(build, seed: int):
-    """`build()` under torch seed `seed`, in a forked RNG: the global torch RNG is left untouched."""
+def build_seeded(build, seed: int, device=None):
+    """`build()` under torch seed `seed`, in a forked RNG: the global torch RNG is left untouched.
+
+    `device` (e.g. "cuda"): tensors are created there (a large random model initializes much
+    faster on a GPU); that device's RNG is forked and seeded too. None: the CPU."""
     import torch
 
-    with torch.random.fork_rng(devices=[]):
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
-        return build()
+        if dev.type == "cpu":
+            return build()
+        with dev:
+            return build()
 
 
 def tiny_bert(save_dir: Path, seed: int = TINY_SEED) -> Path:
@@ -127,25 +134,38 @@ def tiny_bert(save_dir: Path, seed: int = TINY_SEED) -> Path:
     return save_dir
 
 
-def tiny_llama(save_dir: Path, seed: int = TINY_SEED) -> Path:
+def _save(model, save_dir: Path, dtype) -> None:
+    """`save_pretrained` as safetensors, cast to `dtype` first when given (bf16 halves the file)."""
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(save_dir, safe_serialization=True)
+
+
+def tiny_llama(save_dir: Path, seed: int = TINY_SEED, *, shape: dict | None = None, dtype=None,
+               device=None) -> Path:
     """A random 2-layer Llama causal LM with grouped-query attention like SmolLM2.
 
     hidden 32, 4 query heads / 2 key-value heads (head_dim 8: q/o projections 32 wide, k/v 16),
     intermediate 64, tied embeddings, init std 0.2 (so its outputs depend visibly on token order
     and position); saved with the tiny tokenizer (``style="llama"``).
+
+    `shape` overrides ``LlamaConfig`` fields (e.g. a real model's hidden size and layer count:
+    scripts/gpu_check.py); the vocabulary stays the tiny tokenizer's. `dtype` (a torch dtype)
+    casts the weights before saving; `device` builds them there (`build_seeded`).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     save_dir = Path(save_dir)
     tok = tiny_tokenizer(style="llama")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                      max_position_embeddings=512, tie_word_embeddings=True,
-                      initializer_range=0.2,  # far from uniform, so tests can tell positions apart
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    model = build_seeded(lambda: LlamaForCausalLM(cfg), seed)
-    model.save_pretrained(save_dir, safe_serialization=True)
+    fields = dict(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                  max_position_embeddings=512, tie_word_embeddings=True,
+                  initializer_range=0.2,  # far from uniform, so tests can tell positions apart
+                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(**{**fields, **(shape or {})})
+    model = build_seeded(lambda: LlamaForCausalLM(cfg), seed, device)
+    _save(model, save_dir, dtype)
     tok.save_pretrained(save_dir)
     return save_dir
 
@@ -164,22 +184,33 @@ def _tiny_vision_config():
                             num_attention_heads=4, image_size=32, patch_size=8, projection_dim=16)
 
 
-def tiny_clip(save_dir: Path, seed: int = TINY_SEED) -> Path:
+def tiny_clip(save_dir: Path, seed: int = TINY_SEED, *, text: dict | None = None, vision: dict | None = None,
+              projection_dim: int = 16, dtype=None, device=None) -> Path:
     """A random CLIP: text and vision towers of 2 layers, hidden 32, 4 heads, projection 16,
-    32x32 images in 8x8 patches; saved with a CLIP-style tiny tokenizer and image processor."""
+    32x32 images in 8x8 patches; saved with a CLIP-style tiny tokenizer and image processor.
+
+    `text` / `vision` override ``CLIPTextConfig`` / ``CLIPVisionConfig`` fields and
+    `projection_dim` the shared projection (e.g. ViT-B/16's shape: scripts/gpu_check.py); the
+    image processor follows the vision tower's ``image_size``. `dtype` casts before saving;
+    `device` builds the weights there (`build_seeded`).
+    """
     from transformers import CLIPConfig, CLIPModel, CLIPTextConfig
 
     save_dir = Path(save_dir)
     tok = tiny_tokenizer(style="clip")
-    text = CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, max_position_embeddings=77, projection_dim=16,
-                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.eos_token_id)
-    cfg = CLIPConfig(text_config=text.to_dict(), vision_config=_tiny_vision_config().to_dict(), projection_dim=16)
-    model = build_seeded(lambda: CLIPModel(cfg), seed)
-    model.save_pretrained(save_dir, safe_serialization=True)
+    text_fields = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=77, projection_dim=projection_dim,
+                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                       eos_token_id=tok.eos_token_id)
+    text_cfg = CLIPTextConfig(**{**text_fields, **(text or {})})
+    vision_cfg = _tiny_vision_config()
+    for k, v in {"projection_dim": projection_dim, **(vision or {})}.items():
+        setattr(vision_cfg, k, v)
+    cfg = CLIPConfig(text_config=text_cfg.to_dict(), vision_config=vision_cfg.to_dict(), projection_dim=projection_dim)
+    model = build_seeded(lambda: CLIPModel(cfg), seed, device)
+    _save(model, save_dir, dtype)
     tok.save_pretrained(save_dir)
-    tiny_image_processor().save_pretrained(save_dir)
+    tiny_image_processor(vision_cfg.image_size).save_pretrained(save_dir)
     return save_dir
 
 

@@ -74,6 +74,7 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+    quiet_bitsandbytes()
 
     path = resolve_model(cfg.model.name)
     quant = quantization_config(cfg)
@@ -98,17 +99,25 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
     return model, tok, path
 
 
+def quiet_bitsandbytes() -> None:
+    """bitsandbytes, when installed, is imported by peft and transformers and warns at import on
+    a CPU (an optional kernels package) and at every int8 matmul (a dtype cast): noise in every
+    run's output. Its logger is set to errors only, unless the user configured it."""
+    import logging
+
+    log = logging.getLogger("bitsandbytes")
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.ERROR)
+
+
 def prepare_kbit(model):
     """peft's k-bit preparation (norms and embeddings in fp32, input grads). On a CPU with AVX-512
     BF16, bitsandbytes repacks a 4-bit weight at its first no-grad eval forward into a layout
     with no backward, after which LoRA silently gets no gradients (bitsandbytes 0.50.2, measured
     here): that fast path is switched off."""
-    import logging
-
     import bitsandbytes as bnb
     from peft import prepare_model_for_kbit_training
 
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # per-matmul cast notices
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False

@@ -27,7 +27,7 @@ from fedsplice.data.datasets import class_prompt_of
 from fedsplice.errors import ConfigError
 from fedsplice.model import peft
 from fedsplice.model.cache import FrozenCache, TokenCache
-from fedsplice.model.device import autocast, resolve_device, resolve_precision
+from fedsplice.model.device import DTYPES, autocast, resolve_device, resolve_precision
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
 from fedsplice.model.loading import Backbone, load_backbone
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
@@ -87,7 +87,7 @@ class TaskModel(nn.Module):
         if pc.type == "lora":
             peft.check_roles(self.param_infos(), pc.roles, bb.model_type, self.rmap)
         if self.task == "vlm":
-            self.vision, self.image_processor, vh = load_vision_tower(cfg.model.vision)
+            self.vision, self.image_processor, vh = load_vision_tower(cfg.model.vision, DTYPES[cfg.model.dtype])
             pgen = torch.Generator().manual_seed(cfg.seed + streams.PROJECTOR)
             self.projector = Projector(vh, bb.hidden, cfg.model.projector, pgen)
 

@@ -42,7 +42,7 @@ def pixel_values(processor, items: list, model: nn.Module) -> torch.Tensor:
     return pv.to(next(model.parameters()).device)
 
 
-def load_vision_tower(spec: str):
+def load_vision_tower(spec: str, dtype: torch.dtype = torch.float32):
     """(frozen vision model, its image processor, hidden size) for `model.vision`: a CLIP or SigLIP
     checkpoint (its vision half) or any HF vision model, by zoo name, hub id or local path."""
     from transformers import AutoConfig, AutoModel
@@ -57,7 +57,7 @@ def load_vision_tower(spec: str):
             from transformers import SiglipVisionModel as cls
         else:
             cls = AutoModel
-        tower = cls.from_pretrained(path, dtype=torch.float32)
+        tower = cls.from_pretrained(path, dtype=dtype)  # frozen: model.dtype, like the LM
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.vision: cannot load {spec!r} ({str(e).splitlines()[0]}); "
                           f"use zoo:tiny-vit, a local folder or a hub id") from None
