@@ -218,14 +218,24 @@ class TaskModel(nn.Module):
 
     @torch.no_grad()
     def predict(self, texts: list, batch_size: int) -> torch.Tensor:
-        """Logits [N, C], float32 on the CPU whatever the device and precision."""
+        """Logits [N, C] in the order given, float32 on the CPU whatever the device and precision.
+        Texts are scored shortest first: a batch pads to its longest member, and sorting removes
+        most of that padding (1.49x less evaluation compute on MiniLM, docs/performance.md);
+        images keep their order, ties keep theirs."""
         was = self.training
         self.eval()
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]) if isinstance(texts[i], str) else 0)
+        items = [texts[i] for i in order]
         with self.autocast():
             ce = self.class_embeddings() if self.task == "dual_encoder" else None
-            out = [self(texts[i:i + batch_size], ce).float().cpu() for i in range(0, len(texts), batch_size)]
+            out = [self(items[i:i + batch_size], ce).float().cpu() for i in range(0, len(items), batch_size)]
         self.train(was)
-        return torch.cat(out) if out else torch.zeros(0, len(self.class_names))
+        if not out:
+            return torch.zeros(0, len(self.class_names))
+        logits = torch.cat(out)
+        res = torch.empty_like(logits)
+        res[torch.as_tensor(order, dtype=torch.long)] = logits
+        return res
 
     def cache_stats(self) -> dict:
         img = self._img_prefix.cache if self._img_prefix is not None else None
