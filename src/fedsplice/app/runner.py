@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +31,7 @@ from fedsplice.federation import build, cold_start, evaluate_only, make_store, p
 from fedsplice.federation import checkpoint as ckpt
 from fedsplice.federation.validate import load_config
 from fedsplice.runtimes.inprocess import InProcess
+from fedsplice.runtimes.workers import Workers, check_workers
 
 console = Console(stderr=True)
 
@@ -303,6 +305,8 @@ def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, tra
 
     track.inner = (make_transport(exp, store) if make_transport
                    else InProcess(exp, store, progress=track.client_done))
+    if isinstance(track.inner, Workers):  # it also ticks as each client's reply arrives
+        track.inner.progress = track.client_done
     if exp.recipe.trains:
         final = run_rounds(exp, store, on_round, transport=track,
                            start=loaded.state if loaded is not None else None, on_state=on_state)
@@ -327,6 +331,18 @@ def _say_data(data: dict, quiet: bool, echo) -> None:
             console.print(line, soft_wrap=True, markup=False, style="bold yellow" if line.startswith("warning") else None)
 
 
+@contextmanager
+def client_side(cfg: ExperimentConfig, exp, store, make_transport):
+    """(the store, the transport maker) of the run: as given (this process, or Flower), or
+    `runtime.workers` worker processes, which hold the clients' state from then on and are shut
+    down when the block ends, however it ends (error, Ctrl-C)."""
+    if cfg.runtime.workers == 1 or make_transport is not None:
+        yield store, make_transport
+        return
+    with Workers(exp, store) as pool:
+        yield pool.store, lambda exp, store: pool
+
+
 def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, quiet: bool = False,
                    resume: bool = False, make_transport=None, echo=None,
                    progress: Callable[[dict], None] | None = None) -> dict:
@@ -336,6 +352,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     uninterrupted run, apart from the wall-clock `time_s` fields. `make_transport(exp, store)`
     gives the round loop another runtime (Flower); `echo(line)` also receives each round line;
     `progress(event)` the progress events (`RunProgress`), quiet or not."""
+    check_workers(cfg, make_transport)
     if cfg.data.dataset == SITES and make_transport is None:
         raise ConfigError("data.dataset = 'sites': each Flower SuperNode brings its own file, so it runs on Flower "
                           "(`fedsplice flower up --site-data csv:A --site-data csv:B ...`, or runtime.kind = "
@@ -354,12 +371,13 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     loaded = ckpt.load(last_ckpt, cfg, exp.sampling) if last_ckpt is not None else None
     out = _prepare_dir(cfg, exp, out, loaded, overwrite, resume, quiet)
     rundir.atomic_write_json(out / "data.json", data)  # readable while the run goes on
-    store = make_store(cfg.runtime.store, out / "client_state")
     log = rundir.MetricsLog(out / "metrics.jsonl")
     checkpointer = ckpt.Checkpointer(out, cfg, exp.sampling, cfg.runtime.keep_checkpoints)
-    if loaded is not None:
-        _restore(loaded, store, log, checkpointer)
-    with RunProgress(cfg, exp, loaded.state.round if loaded is not None else 0, quiet, progress) as track:
+    with (client_side(cfg, exp, make_store(cfg.runtime.store, out / "client_state"), make_transport)
+          as (store, make_transport),
+          RunProgress(cfg, exp, loaded.state.round if loaded is not None else 0, quiet, progress) as track):
+        if loaded is not None:
+            _restore(loaded, store, log, checkpointer)
         final, transport = _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, track)
         records = log.records()
         results = results_table(cfg, exp, name, records, final)

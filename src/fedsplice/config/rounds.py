@@ -190,8 +190,10 @@ class RuntimeConfig:
     # autocast for forward + backward; trainable tensors stay fp32 masters; fp16 adds a gradient
     # scaler. "auto": bf16 where this machine runs it faster than fp32 (fedsplice.model.device)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
-    # simulation: persistent worker processes, each holding its own model and caches; a round's
-    # clients are spread across them (client c on worker c % workers). Results equal workers = 1
+    # simulation only: persistent worker processes, each building its own model and caches once
+    # and using runtime.threads torch threads (0: cores // workers). A round's clients run on them
+    # at once; client c always on worker c % workers, where its PRIVATE state lives. Metrics equal
+    # workers = 1 at the same runtime.threads (docs/performance.md). Flower: set num_supernodes
     workers: int = 1
     devices: list[str] = field(default_factory=list)  # per worker (cycled); empty: runtime.device
     checkpoint_every: int = 1  # rounds between checkpoints (the last round always); 0 = none
@@ -207,6 +209,10 @@ class RuntimeConfig:
         if self.threads < 0:
             raise ConfigError("runtime.threads must be >= 0 (0 = torch default)")
         check_positive("runtime.workers", self.workers)
+        if self.workers > 1 and self.kind != "simulation":
+            raise ConfigError(f"runtime.workers = {self.workers} runs clients in parallel processes in the simulation "
+                              f"only; on Flower every SuperNode is a process of its own: set runtime.workers = 1 "
+                              f"and runtime.num_supernodes")
         for i, d in enumerate([self.device, *self.devices]):
             check_device_name("runtime.device" if i == 0 else f"runtime.devices[{i - 1}]", d)
         check_positive("runtime.num_supernodes", self.num_supernodes)

@@ -15,33 +15,53 @@ from fedsplice.federation import FAULTS, Reply, client_task, fit_client, rng, wi
 from fedsplice.federation import run_rounds as federation_run_rounds
 
 
+def injected_fault(cfg, rnd: int, attempt: int, cid: int) -> str:
+    """The fault `[faults]` injects into client `cid`'s fit in this attempt of round `rnd`:
+    "dropout", "late" or "" (none). Every runtime that simulates faults draws them here."""
+    f, deadline = cfg.faults, cfg.server.round_deadline_s
+    if f.dropout <= 0 and f.straggler <= 0:
+        return ""
+    u_drop, u_slow = rng(cfg, FAULTS, rnd, attempt, cid).random(2)
+    if u_drop < f.dropout:
+        return "dropout"
+    if u_slow < f.straggler and 0 < deadline < f.straggler_delay_s:
+        return "late"
+    return ""
+
+
+class FaultPlan:
+    """Which of a fit call's clients fail, as replies that stand in for them: the attempt count
+    per round (a retry draws anew) and the replies of dropped and late clients."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._attempts: dict[int, int] = {}  # round -> fit calls so far
+
+    def failed(self, rnd: int, cids: list[int], down: bytes) -> dict[int, Reply]:
+        attempt = self._attempts.get(rnd, 0)
+        self._attempts[rnd] = attempt + 1
+        out = {}
+        for cid in cids:
+            fault = injected_fault(self.cfg, rnd, attempt, cid)
+            if fault:
+                out[cid] = Reply(cid, b"", 0, {}, 0, len(down), error="" if fault == "late" else
+                                 "dropout (simulated)", late=fault == "late")
+        return out
+
+
 class InProcess:
     """`progress(task)`, if given, is called as each client task ends ("fit", "evaluate", ...)."""
 
     def __init__(self, exp, store, progress: Callable[[str], None] | None = None):
         self.exp, self.store, self.progress = exp, store, progress
-        self._attempts: dict[int, int] = {}  # round -> fit calls so far (a retry draws anew)
-
-    def _fault(self, rnd: int, attempt: int, cid: int) -> str:
-        f, deadline = self.exp.cfg.faults, self.exp.cfg.server.round_deadline_s
-        if f.dropout <= 0 and f.straggler <= 0:
-            return ""
-        u_drop, u_slow = rng(self.exp.cfg, FAULTS, rnd, attempt, cid).random(2)
-        if u_drop < f.dropout:
-            return "dropout"
-        if u_slow < f.straggler and 0 < deadline < f.straggler_delay_s:
-            return "late"
-        return ""
+        self.faults = FaultPlan(exp.cfg)
 
     def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]:
-        attempt = self._attempts.get(rnd, 0)
-        self._attempts[rnd] = attempt + 1
+        failed = self.faults.failed(rnd, cids, down)
         out = []
         for cid in cids:
-            fault = self._fault(rnd, attempt, cid)
-            if fault:
-                out.append(Reply(cid, b"", 0, {}, 0, len(down), error="" if fault == "late" else
-                                 "dropout (simulated)", late=fault == "late"))
+            if cid in failed:
+                out.append(failed[cid])
                 continue
             up, st = fit_client(self.exp, self.store, cid, rnd, down)
             out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
