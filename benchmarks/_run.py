@@ -43,7 +43,14 @@ def main() -> None:
         start = RoundState(0, gp, exp.server_opt.init(gp), 0, 0)
         stamps.append(time.perf_counter())
     with tempfile.TemporaryDirectory() as tmp:
-        run_rounds(exp, make_store(cfg.runtime.store, Path(tmp) / "store"), on_round, start=start)
+        store = make_store(cfg.runtime.store, Path(tmp) / "store")
+        if cfg.runtime.workers > 1:  # parallel clients, as `fedsplice run` does (app.runner.client_side)
+            from fedsplice.runtimes.workers import Workers
+
+            with Workers(exp, store) as pool:
+                run_rounds(exp, pool.store, on_round, start=start, transport=pool)
+        else:
+            run_rounds(exp, store, on_round, start=start)
     if start is not None:
         records.insert(0, {})
     last = records[-1]
@@ -53,7 +60,10 @@ def main() -> None:
         "mean_train_s": sum(r["time_s"] for r in records[1:]) / max(len(records) - 1, 1), "mean_round_s": sum(per_round) / max(len(per_round), 1),
         "gm_accuracy": last.get("gm", {}).get("accuracy"), "pm_accuracy": last.get("pm", {}).get("accuracy"),
         "up_bytes_per_round": sum(r.get("up_bytes", 0) for r in records[1:]) / max(len(records) - 1, 1),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # workers: this process's peak plus each worker's, bounded by the largest reaped child's
+        "peak_rss_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                        + (cfg.runtime.workers if cfg.runtime.workers > 1 else 0)
+                        * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024,
         "cache": exp.model.cache_stats()}))
 
 

@@ -221,3 +221,14 @@ def test_gradient_checkpointing_engages_and_changes_nothing(tiny_cfg, monkeypatc
         assert b["gm"]["accuracy"] == pytest.approx(a["gm"]["accuracy"], abs=1e-6)
         if "train_loss" in a:
             assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+
+
+def test_the_run_says_what_auto_resolved_to(tiny_cfg, monkeypatch):
+    import fedsplice.model.device as D
+    from fedsplice.app.summary import hardware_line
+
+    monkeypatch.setattr(D, "cpu_has_bf16", lambda: True)
+    cfg = tiny_cfg(runtime__device='"cpu"', runtime__precision='"auto"', model__gradient_checkpointing=True)
+    exp = build(cfg)
+    assert exp.model.amp_dtype == torch.bfloat16
+    assert hardware_line(cfg, exp) == "device cpu, bf16 autocast (auto), gradient checkpointing"

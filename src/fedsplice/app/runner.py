@@ -21,7 +21,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 
 from fedsplice.algorithms import display_name
 from fedsplice.app import rundir
-from fedsplice.app.summary import data_table, results_table
+from fedsplice.app.summary import data_table, hardware_line, results_table
 from fedsplice.config import SITES, ExperimentConfig
 from fedsplice.data.report import summary_lines
 from fedsplice.data.scenarios import summary_line
@@ -365,6 +365,8 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         if random_label(cfg):
             console.print(f"[bold red]{random_label(cfg)}[/]")
     exp = build(cfg)  # a missing or broken asset (model, data set) fails here, before training
+    if not quiet:
+        console.print(hardware_line(cfg, exp), markup=False, highlight=False)
     data = data_table(exp)
     _say_data(data, quiet, echo)
     ckpt.check_space(out, _space_needed(cfg, exp))

@@ -1,4 +1,5 @@
-"""results.json's tables: what a finished run reports, and the data report it starts with."""
+"""results.json's tables: what a finished run reports, and the data report it starts with; the
+line saying where a run computes."""
 
 from __future__ import annotations
 
@@ -59,3 +60,18 @@ def results_table(cfg: ExperimentConfig, exp, name: str, records: list[dict], fi
     if purified:
         results["purified_fraction"] = float(sum(purified) / len(purified))
     return results
+
+
+def hardware_line(cfg: ExperimentConfig, exp) -> str:
+    """Where the run computes, with what "auto" resolved to: "device cpu, bf16 autocast (auto), ..."."""
+    amp = {"torch.float32": "fp32", "torch.bfloat16": "bf16 autocast", "torch.float16": "fp16 autocast"}
+    rc, mc = cfg.runtime, cfg.model
+    parts = [f"device {exp.model.device}" + (" (auto)" if rc.device == "auto" else ""),
+             amp[str(exp.model.amp_dtype)] + (" (auto)" if rc.precision == "auto" else "")]
+    if mc.dtype != "fp32" or mc.quantization != "none":
+        parts.append(f"base weights {mc.quantization if mc.quantization != 'none' else mc.dtype}")
+    if mc.gradient_checkpointing:
+        parts.append("gradient checkpointing")
+    if rc.workers > 1:
+        parts.append(f"{rc.workers} worker processes")
+    return ", ".join(parts)
