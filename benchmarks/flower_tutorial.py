@@ -125,6 +125,7 @@ def make_client_app(cfg: ExperimentConfig) -> ClientApp:
         texts = [d.train_texts[i] for i in c.train_idx]
         # lite.caches is empty, so ctx has no "zero_shot": with runtime.cache = false FedPuReL's
         # objective runs an extra frozen forward per step for the zero-shot logits.
+        lite.recipe = recipe  # train_context reads the recipe's split (the term diagnostics use it)
         ctx = train_context(lite, cid, received, round=rnd)
         t1 = time.perf_counter()
         seed_torch(cfg, rnd, cid)  # as federation.tasks.fit: same dropout and data order

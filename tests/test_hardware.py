@@ -232,3 +232,17 @@ def test_the_run_says_what_auto_resolved_to(tiny_cfg, monkeypatch):
     exp = build(cfg)
     assert exp.model.amp_dtype == torch.bfloat16
     assert hardware_line(cfg, exp) == "device cpu, bf16 autocast (auto), gradient checkpointing"
+
+
+def test_caches_take_bf16_rows_and_weights():
+    """Under bf16 autocast a cached row can come out of a Linear in bf16, and a bf16 base is
+    fingerprinted: both are stored / hashed as their bytes (numpy has no bf16)."""
+    from fedsplice.model.cache import FrozenCache, fingerprint
+
+    w = torch.randn(4, 3)
+    assert fingerprint([w]) != fingerprint([w.bfloat16()])
+    cache = FrozenCache({"kind": "t"}, 1 << 20)
+    rows = cache.rows(["a", "b"], lambda ts: [torch.ones(2, dtype=torch.bfloat16) * len(t) for t in ts])
+    again = cache.rows(["a", "b"], lambda ts: pytest.fail("cached rows were computed again"))
+    assert [r.dtype for r in rows] == [r.dtype for r in again] == [torch.float32] * 2
+    assert all(torch.equal(x, y) for x, y in zip(rows, again))

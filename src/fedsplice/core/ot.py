@@ -45,7 +45,8 @@ def ot_scores(tokens: torch.Tensor, mask: torch.Tensor, prompts: torch.Tensor, g
     class, T the partial plan on the cost 1 − cos. tokens [B, M, D] and prompts [N, K, D] are
     L2-normalized; mask [B, M] marks the real tokens (each gets capacity 1/M_real). The gradient
     reaches the features through the cosines only."""
-    sim = torch.einsum("bmd,nkd->bkmn", tokens, prompts)  # [B, K, M, N]
+    with torch.autocast(tokens.device.type, enabled=False):  # the plan's precision is the point
+        sim = torch.einsum("bmd,nkd->bkmn", tokens.float(), prompts.float())  # [B, K, M, N]
     bsz, ncls, m, n = sim.shape
     cap = mask.to(torch.float64) / mask.sum(1, keepdim=True).clamp_min(1)  # [B, M]
     cap = cap.unsqueeze(1).expand(bsz, ncls, m).reshape(bsz * ncls, m)

@@ -35,7 +35,7 @@ def import_opt_state(opt, params: dict[str, torch.nn.Parameter], state: dict[str
         name, slot = key.rsplit("/", 1)
         p = params[name]
         # Adam's step counter stays where torch keeps it (CPU); moments go beside their tensor
-        opt.state[p][slot] = v.clone() if v.dim() == 0 else v.to(p.device, copy=True)
+        opt.state[p][slot] = v.clone() if slot == "step" else v.to(p.device, copy=True)
 
 
 def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.ndarray, ctx: dict) -> dict:
@@ -146,10 +146,11 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
         order = rng.permutation(len(texts))
         for i in range(0, len(order), cfg.batch_size):
             idx = order[i:i + cfg.batch_size]
-            with amp():  # runtime.precision: the forward and the losses under autocast
+            with amp():  # runtime.precision: the forward and its losses under autocast
                 losses = objective(model, [texts[j] for j in idx], y_all[idx], ids[idx], ctx)
-                task, weighted = losses["task"], add_terms(losses, loss_terms, params, ctx, sums, steps == last)
-                total = sum(losses.values())
+            # parameter-only terms in fp32 (PFAdapter's orthogonality products are ~1e-9 early on)
+            task, weighted = losses["task"], add_terms(losses, loss_terms, params, ctx, sums, steps == last)
+            total = sum(losses.values())
             if weighted:  # measured once a round, on its last step (where the terms have grown most)
                 diag = term_diagnostics(task, weighted, plist, names, ctx.get("split", {}))
             opt.zero_grad(set_to_none=True)

@@ -39,7 +39,7 @@ class PromptLearner(nn.Module):
             raise ConfigError(f"peft.n_ctx = {n_ctx}: peft.prompt_init = 'template' takes one context vector per "
                               f"token of {prefix.strip()!r} ({len(prefix_ids)}); set peft.n_ctx = 0")
         if init == "template":
-            init = emb[prefix_ids].detach().clone()
+            init = emb[prefix_ids].detach().float().clone()  # an fp32 master, whatever model.dtype
         else:
             init = torch.randn(n_ctx or 4, emb.shape[1], generator=generator) * 0.02
         if class_specific:

@@ -25,7 +25,8 @@ def fingerprint(tensors) -> str:
     """sha256 of the bytes of frozen tensors (the weights a cached computation depends on)."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+        # the raw bytes (numpy has no bf16; for fp32 these are the bytes hashed before)
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -62,7 +63,7 @@ class FrozenCache:
 
     def put(self, text: str, value: torch.Tensor) -> bool:
         """Keep `value` if the budget allows; False when it did not fit."""
-        a = value.detach().cpu().numpy().astype(np.float32, copy=False)
+        a = value.detach().float().cpu().numpy()  # float32 whatever autocast computed it in
         if self.used + a.nbytes > self.budget:
             return False
         self.used += a.nbytes
@@ -82,7 +83,7 @@ class FrozenCache:
         miss = [i for i, r in enumerate(rows) if r is None]
         if miss:
             for i, v in zip(miss, compute([texts[i] for i in miss])):
-                rows[i] = v
+                rows[i] = v.float()  # as a cached row comes back: a batch is the same either way
                 self.put(texts[i], v)
         return [r if torch.is_tensor(r) else torch.from_numpy(np.array(r)).to(self.device) for r in rows]
 

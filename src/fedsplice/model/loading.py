@@ -14,7 +14,7 @@ import torch
 
 from fedsplice.config import ExperimentConfig
 from fedsplice.data.zoo import resolve_model
-from fedsplice.model.device import DTYPES
+from fedsplice.model.device import DTYPES, resolve_precision
 from fedsplice.errors import ConfigError
 from fedsplice.model.vision import load_image_processor
 
@@ -44,9 +44,10 @@ def target_regex(rmap: dict[str, str], roles, layers, tower: str) -> str:
     return rf"{prefix}\.(?:layer|layers|h)\.(?:{idx})\.(?:{suffix})"
 
 
-def quantization_config(cfg: ExperimentConfig):
+def quantization_config(cfg: ExperimentConfig, device: torch.device | None = None):
     """transformers' BitsAndBytesConfig for `model.quantization` (None for "none"); a missing
-    bitsandbytes is a one-line ConfigError before anything loads."""
+    bitsandbytes is a one-line ConfigError before anything loads. nf4 computes in model.dtype,
+    or, with an fp32 base, in the run's autocast dtype (runtime.precision)."""
     mc = cfg.model
     if mc.quantization == "none":
         return None
@@ -57,7 +58,8 @@ def quantization_config(cfg: ExperimentConfig):
                           f"pip install bitsandbytes (QLoRA runs on a CUDA GPU), or set model.quantization = 'none'")
     from transformers import BitsAndBytesConfig
 
-    compute = DTYPES[mc.dtype] if mc.dtype != "fp32" else torch.bfloat16
+    compute = DTYPES[mc.dtype] if mc.dtype != "fp32" else resolve_precision(cfg.runtime.precision,
+                                                                              device or torch.device("cpu"))
     if mc.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -77,7 +79,7 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
     quiet_bitsandbytes()
 
     path = resolve_model(cfg.model.name)
-    quant = quantization_config(cfg)
+    quant = quantization_config(cfg, device)
     kw = {"dtype": DTYPES[cfg.model.dtype]}
     if quant is not None:
         kw.update(quantization_config=quant, device_map={"": str(device or "cpu")})

@@ -37,7 +37,7 @@ def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int
     lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, target_modules=regex,
                       use_rslora=pc.use_rslora, bias="none")
     # LoRA A init draws from torch's RNG: seed it locally so the global stream is untouched.
-    with torch.random.fork_rng(), warnings.catch_warnings():
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft probing deprecated HF helpers
         torch.manual_seed(seed)
         try:

@@ -48,9 +48,12 @@ class TaskModel(nn.Module):
         self.device = resolve_device(cfg.runtime.device)
         # autocast dtype of every forward (and the backward under it); trainable tensors stay fp32
         self.amp_dtype = resolve_precision(cfg.runtime.precision, self.device)
-        if cfg.model.dtype != "fp32" and self.amp_dtype == torch.float32:
+        if cfg.model.dtype != "fp32" and self.amp_dtype != DTYPES[cfg.model.dtype]:
             raise ConfigError(f"model.dtype = {cfg.model.dtype!r} runs the fp32 adapters beside a {cfg.model.dtype} base "
-                              f"under autocast: set runtime.precision = 'bf16' or 'fp16' (it resolved to fp32)")
+                              f"under autocast: set runtime.precision = {cfg.model.dtype!r} (it resolved to "
+                              f"{str(self.amp_dtype).removeprefix('torch.')})")
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # libraries that allocate on "the current device" follow
         self.checkpointing = cfg.model.gradient_checkpointing
         bb = load_backbone(cfg, self.device)
         self.tokenizer, self.rmap, self.is_clip = bb.tokenizer, bb.rmap, bb.is_clip

@@ -126,25 +126,27 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     a_ids = tokenize_answers(tokenizer, answers)
     if prefix is not None and all(x is None for x in prefix):
         prefix = None
-    if method == "full" or _checkpointing(model):
+    multi = [c for c, a in enumerate(a_ids) if len(a) > 1]
+    ckpt = _checkpointing(model)
+    # one-token answers need the prompt pass alone (no cache), checkpointing or not
+    if method == "full" or (ckpt and multi):
         return _full(model, p_ids, a_ids, pad, device, prefix, bos)
-    out, mask = _prompt_pass(model, p_ids, pad, device, prefix, bos)
+    out, mask = _prompt_pass(model, p_ids, pad, device, prefix, bos, use_cache=bool(multi))
+    last = out.logits[:, -1, :].float()                                   # [B, V]
+    last_lp = last - torch.logsumexp(last, dim=-1, keepdim=True)
+    first = torch.tensor([a[0] for a in a_ids], device=device)
+    scores = last_lp[:, first]                                            # [B, C]
+    if not multi:
+        return scores
     cache = getattr(out, "cache", None)
     if cache is None:
         cache = getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return _full(model, p_ids, a_ids, pad, device, prefix, bos)
-    last = out.logits[:, -1, :].float()                                   # [B, V]
-    last_lp = last - torch.logsumexp(last, dim=-1, keepdim=True)
-    first = torch.tensor([a[0] for a in a_ids], device=device)
-    scores = last_lp[:, first]                                            # [B, C]
-    multi = [c for c, a in enumerate(a_ids) if len(a) > 1]
-    if not multi:
-        return scores
     return scores + _continuations(model, cache, mask, a_ids, multi, pad, device)
 
 
-def _prompt_pass(model, p_ids, pad, device, prefix, bos):
+def _prompt_pass(model, p_ids, pad, device, prefix, bos, use_cache: bool = True):
     """(output with the KV cache and the last position's logits, [B, P] attention mask) of the
     left-padded prompts (as embeddings, with their image tokens, when there is a prefix)."""
     if prefix is None:
@@ -155,7 +157,7 @@ def _prompt_pass(model, p_ids, pad, device, prefix, bos):
         inputs = {"inputs_embeds": embeds}
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = _forward(model, **inputs, attention_mask=mask, position_ids=pos,
-                   use_cache=True, logits_to_keep=1)
+                   use_cache=use_cache, logits_to_keep=1)
     return out, mask
 
 

@@ -123,7 +123,7 @@ def clip_text_from_embeds(clip, embeds: torch.Tensor, mask: torch.Tensor) -> tor
     h = tm.embeddings(inputs_embeds=embeds)
     am = create_causal_mask(config=tm.config, inputs_embeds=h, attention_mask=mask, cache=None)
     h = tm.final_layer_norm(tm.encoder(inputs_embeds=h, attention_mask=am, is_causal=True).last_hidden_state)
-    pooled = h[torch.arange(h.shape[0]), mask.sum(-1) - 1]
+    pooled = h[torch.arange(h.shape[0], device=h.device), mask.sum(-1) - 1]
     return clip.text_projection(pooled)
 
 
