@@ -16,8 +16,9 @@ round, evaluation). Target (issues 8, 14): fedsplice at its best settings for th
 `--rounds 10`), at the same accuracy (within 0.5 points), with peak RSS no higher.
 
 "fedsplice (best)" is fedsplice with the settings that won on this machine (BEST below):
-caches on, runtime.precision = "auto" (bf16 where the CPU has it), runtime.workers = 2 with
-one torch thread each. torch.compile lost (docs/performance.md) and is not among them.
+caches on, runtime.precision = "auto" (bf16 where the CPU has it), one process with torch's
+threads. On this idle 2-core CPU runtime.workers = 2 × 1 thread was slower than 1 × 2 threads
+(docs/performance.md, Parallel clients), and torch.compile lost: neither is among them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import ROOT, in_subprocess, report  # noqa: E402
 
-BEST = ["runtime.precision=auto", "runtime.workers=2", "runtime.threads=1"]
+BEST = ["runtime.precision=auto"]
 IMPLS = ("fedsplice (caches on)", "fedsplice (caches off)", "fedsplice (best)", "Flower tutorial style")
 
 WORKLOADS = {
@@ -117,8 +118,8 @@ def main() -> None:
         "round_s: training + that round's evaluation (speedup_vs_tutorial); train_s: training only (train_speedup).",
         "gm_diff_pts: GM accuracy points against the tutorial-style run.",
         "wall_s: the run's process from start to exit; wall_speedup: the tutorial's wall_s / this one's.",
-        "fedsplice (best): " + ", ".join(BEST) + "; its peak RSS is the main process's plus each worker's "
-        "(the workers report their own), as the tutorial's is its driver's plus a Ray worker's.",
+        "fedsplice (best): " + ", ".join(BEST) + " (with runtime.workers > 1 its peak RSS would be the main "
+        "process's plus each worker's, as the tutorial's is its driver's plus a Ray worker's).",
         "target: ≥5× per round and in wall time, GM within 0.5 points, peak RSS ≤ the tutorial's; "
         "otherwise what misses, by how much."])
 
