@@ -54,7 +54,7 @@ class ModelConfig:
     # the frozen base weights' dtype (bf16 / fp16 halve their memory); trainable tensors stay fp32
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # QLoRA: the frozen base loaded quantized by bitsandbytes (transformers' BitsAndBytesConfig,
-    # then peft's k-bit preparation); needs `pip install bitsandbytes` and, for most builds, CUDA
+    # then peft's k-bit preparation); needs bitsandbytes (`fedsplice[quant]`; 0.50.2 also runs on a CPU)
     quantization: Literal["none", "int8", "nf4"] = "none"
     gradient_checkpointing: bool = False  # HF's own switch: recompute activations in backward
 
