@@ -95,6 +95,16 @@ def term_diagnostics(task, terms: dict, plist: list, names: list[str], split: di
     return out
 
 
+def optimizer_step(opt, scaler) -> None:
+    """opt.step(); with fp16's GradScaler: unscale, skip a step whose gradients overflowed, and
+    adapt the scale."""
+    if scaler is None:
+        opt.step()
+        return
+    scaler.step(opt)
+    scaler.update()
+
+
 def add_terms(losses: dict, loss_terms, params: dict, ctx: dict, sums: dict, last: bool) -> dict:
     """Add the parameter-only loss terms to losses["task"] (their values to `sums`); on the
     round's `last` step, {name: (term, weight)} of the weighted ones, for term_diagnostics."""
@@ -155,11 +165,7 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
                 diag = term_diagnostics(task, weighted, plist, names, ctx.get("split", {}))
             opt.zero_grad(set_to_none=True)
             backward(losses, total, plist, grad_transform, sums, scaler)
-            if scaler is None:
-                opt.step()
-            else:  # unscales, skips a step whose gradients overflowed, adapts the scale
-                scaler.step(opt)
-                scaler.update()
+            optimizer_step(opt, scaler)
             steps += 1
             sums["loss"] = sums.get("loss", 0.0) + float(total.detach())
             for k, v in losses.items():
