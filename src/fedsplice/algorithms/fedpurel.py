@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from fedsplice.algorithms.recipe import Algorithm, PersonalStage, Recipe
 from fedsplice.core import split as S
-from fedsplice.core.purify import purification
+from fedsplice.core.purify import TIE_TOL, purification
 from fedsplice.core.tkl import tkl
 from fedsplice.errors import ConfigError
 
@@ -31,6 +31,9 @@ class FedPuReLParams:
     granularity: Literal["tensor", "flat"] = "flat"  # purify flat (the paper's Eq. 5) or per tensor (official code)
     align: Literal["tkl", "kl"] = "tkl"  # temperature-aligned KL, or plain KL (Table 6 ablation)
     purify: bool = True  # False: phase 1 is plain FedAvg of the same PEFT (ablation)
+    # a product ⟨g_task, g_align⟩ below working precision is no conflict (core/purify.py: g_align
+    # ~ 0 at zero-shot, or orthogonal); 0 = the exact sign rule of the paper and official code
+    tie_tol: float = TIE_TOL
     # phase 2: "after" the T rounds, T_p = personal_rounds rounds of the client's local budget
     # (the paper's Algorithm 1); "persistent": a branch kept on the client and trained one round's
     # budget in every round it is sampled (the official code); personal_rounds is then unused
@@ -42,6 +45,8 @@ class FedPuReLParams:
             raise ConfigError(f"method.lam must be in [0, 1], got {self.lam}")
         if self.personal_rounds < 0:
             raise ConfigError(f"method.personal_rounds (T_p) must be >= 0, got {self.personal_rounds}")
+        if not 0.0 <= self.tie_tol < 1.0:
+            raise ConfigError(f"method.tie_tol must be in [0, 1) (0: the exact sign rule), got {self.tie_tol}")
         if self.phase2 not in ("after", "persistent"):
             raise ConfigError(f"method.phase2 must be 'after' (the paper) or 'persistent' (the official code), "
                               f"got {self.phase2!r}")
@@ -86,7 +91,7 @@ def residual_objective(lam: float):
 def build(p: FedPuReLParams, infos, shapes, scalings) -> Recipe:
     return Recipe(S.all_global(infos),
                   objective=align_objective(p.align == "tkl") if p.purify else None,
-                  grad_transform=purification(p.granularity) if p.purify else None,
+                  grad_transform=purification(p.granularity, p.tie_tol) if p.purify else None,
                   needs_zero_shot=p.purify,
                   personalize=PersonalStage(residual_objective(p.lam), p.personal_rounds, p.phase2 == "persistent"))
 

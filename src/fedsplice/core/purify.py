@@ -3,6 +3,16 @@ that opposes the alignment gradient, so a step never increases the alignment los
 
 A grad transform combines per-loss gradients into the one the optimizer steps with
 (`transform(grads: {loss: [tensor per param]}) -> ([tensor per param], stats)`). Pure math.
+
+Ties (docs/fidelity.md "purification ties"): the sign of ⟨g_task, g_align⟩ decides whether a
+step is projected, but where that product is rounding noise its sign is the CPU's, not the
+model's. Two such cases are not conflicts:
+- g_align is zero to working precision: ‖g_align‖ ≤ tie_tol·‖g_task‖. While the model still
+  sits at zero-shot (LoRA's B = 0 in its first step, f = z), the alignment gradient is the
+  rounding noise of f − z (cached z vs this batch's f: ~1e-7 relative), not a direction.
+- the two are orthogonal to working precision: |⟨g_task, g_align⟩| ≤ tie_tol·‖g_task‖‖g_align‖.
+  Projecting would change g_task by at most tie_tol·‖g_task‖ anyway.
+tie_tol = 0 is the exact sign rule of the paper and the official code.
 """
 
 from __future__ import annotations
@@ -10,17 +20,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Measured (benchmarks/purify_ties.py, benchmarks/results/purify_ties.md): ‖g_align‖/‖g_task‖ is
+# ~1e-7 (float32's rounding, 2.5 ulps at most) where the model sits at zero-shot and >= 1e-3 once
+# it has taken one step; 1e-5 leaves about two decades on either side.
+TIE_TOL = 1e-5
 
-def project(g_task: torch.Tensor, g_align: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Remove the component of g_task opposing g_align (only when ⟨g_task, g_align⟩ < 0)."""
+
+def is_tie(dot: float, norm_task: float, norm_align: float, tie_tol: float = TIE_TOL) -> bool:
+    """Whether the sign of dot = ⟨g_task, g_align⟩ is below working precision (see above)."""
+    return norm_align <= tie_tol * norm_task or abs(dot) <= tie_tol * norm_task * norm_align
+
+
+def project(g_task: torch.Tensor, g_align: torch.Tensor, tie_tol: float = TIE_TOL) -> tuple[torch.Tensor, bool]:
+    """Remove the component of g_task opposing g_align (only when ⟨g_task, g_align⟩ < 0 and that
+    is not a tie)."""
     dot = (g_task * g_align).sum()
     nrm = (g_align * g_align).sum()
-    if dot < 0 and nrm > 0:
+    if dot < 0 and nrm > 0 and not is_tie(float(dot), float(g_task.norm()), float(nrm.sqrt()), tie_tol):
         return g_task - (dot / nrm) * g_align, True
     return g_task, False
 
 
-def purification(granularity: str = "tensor"):
+def purification(granularity: str = "tensor", tie_tol: float = TIE_TOL):
     """The grad transform: step with the purified task gradient only.
 
     granularity "tensor" projects each parameter tensor separately (the official code);
@@ -32,13 +53,13 @@ def purification(granularity: str = "tensor"):
         if granularity == "flat":
             flat_t = torch.cat([g.reshape(-1) for g in gt])
             flat_a = torch.cat([g.reshape(-1) for g in ga])
-            out, hit = project(flat_t, flat_a)
+            out, hit = project(flat_t, flat_a, tie_tol)
             parts, i = [], 0
             for g in gt:
                 parts.append(out[i:i + g.numel()].view_as(g))
                 i += g.numel()
             return parts, {"purified_steps": float(hit), "purified_tensors": float(hit)}
-        res = [project(a, b) for a, b in zip(gt, ga)]
+        res = [project(a, b, tie_tol) for a, b in zip(gt, ga)]
         hits = [h for _, h in res]
         return [g for g, _ in res], {"purified_steps": float(any(hits)),
                                      "purified_tensors": float(np.mean(hits)) if hits else 0.0}
