@@ -90,7 +90,7 @@ def row(config: str, granularity: str, runs: dict[str, list[dict]], tie_tol: flo
             "decisions changed": sum(c["exact"] for c in ties),
             "ratio at ties, max": sci(max((c["ratio"] for c in ties), default=None)),
             "ratio elsewhere, min": sci(min((c["ratio"] for c in rest), default=None)),
-            "|cos| elsewhere, min": sci(min((abs(c["cos"]) for c in rest), default=None)),
+            "abs cos elsewhere, min": sci(min((abs(c["cos"]) for c in rest), default=None)),
             "exact rule: CPUs disagree": len(flips),
             "of which ties": sum(d[i]["tie"] or a[i]["tie"] for i in flips),
             "tie rule: CPUs disagree": sum((d[i]["exact"] and not d[i]["tie"]) != (a[i]["exact"] and not a[i]["tie"])
