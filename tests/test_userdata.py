@@ -127,6 +127,8 @@ def test_report_sizes(tmp_path, tiny_cfg):
     assert rep["clients"][-1]["role"] == "holdout"
     text = "\n".join(summary_lines(rep))
     assert f"train {len(data.train_texts)}" in text and f"{len(clients)} clients" in text
+    assert summary_lines(rep)[0].endswith(f"; {len(data.class_names)} classes")
+    assert summary_lines({**rep, "class_names": ["a"]})[0].endswith("; 1 class")  # a site's one-class file
 
 
 @pytest.fixture
@@ -176,3 +178,59 @@ def test_generic_prompt_and_coop_without_words_before_the_label(tiny_cfg):
         build(tiny_cfg(algorithm="promptfl", peft__type="prompt", peft__prompt_init="template",
                        data__class_prompt='"{label}."'))
     build(tiny_cfg(algorithm="promptfl", peft__type="prompt", data__class_prompt='"{label}."'))  # random: fine
+
+
+# ----------------------------------------------------------------------------- ambiguous or useless files
+
+
+@pytest.mark.parametrize("header,dup,at", [("label,text,label,split", "label", "1, 3"),
+                                           ("label,text,split,text", "text", "2, 4")])
+def test_duplicated_column_is_refused(tmp_path, header, dup, at):
+    p = tmp_path / "d.csv"
+    p.write_text(header + "\n" + "\n".join(f"a,t{i},b,train" if i % 2 else f"b,u{i},a,test" for i in range(8)) + "\n")
+    with pytest.raises(ConfigError, match=rf"d\.csv: the header row names `{dup}` 2 times \(fields {at}\)"):
+        load_dataset(f"csv:{p}")
+
+
+def test_duplicated_jsonl_key_is_refused(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"label": "a", "text": "x"}\n{"label": "a", "text": "y", "label": "b"}\n')
+    with pytest.raises(ConfigError, match=r"d\.jsonl line 2 names `label` 2 times"):
+        load_dataset(f"jsonl:{p}")
+
+
+def test_one_class_is_refused(tmp_path):
+    p = write_csv(tmp_path / "one.csv", [{"label": "great", "text": f"t{i}"} for i in range(20)], ("label", "text"))
+    with pytest.raises(ConfigError, match=r"one\.csv: every training record has the label 'great'; a classifier "
+                                          r"needs at least 2 classes"):
+        load_dataset(f"csv:{p}")
+    rows = [{"label": "great", "text": f"t{i}", "split": "test" if i % 4 == 0 else "train"} for i in range(20)]
+    with pytest.raises(ConfigError, match="every training record has the label 'great'"):
+        load_dataset(f"csv:{write_csv(tmp_path / 'split.csv', rows)}")
+
+
+def test_folder_and_file_are_named_for_what_they_are(tmp_path):
+    (tmp_path / "reviews.csv").mkdir()
+    with pytest.raises(ConfigError, match=r"reviews\.csv is a folder, not a CSV file; give the file's path"):
+        load_dataset(f"csv:{tmp_path / 'reviews.csv'}")
+    f = write_csv(tmp_path / "r.csv", reviews(), ("label", "text", "split", "stars"))
+    with pytest.raises(ConfigError, match=r"r\.csv is a file, not a folder"):
+        load_dataset(f"images:{f}")
+
+
+def test_row_numbers_count_lines_after_a_multiline_text(tmp_path):
+    p = tmp_path / "m.csv"
+    # the first record spans lines 2-4; the bad one is on line 6 (csv's record count would say 4)
+    p.write_text('label,text,split\na,"one\nquote over\nthree lines",train\nb,fine,train\na,x,holdout\n')
+    with pytest.raises(ConfigError, match=r"m\.csv line 6: `split` is 'holdout'"):
+        load_dataset(f"csv:{p}")
+    p.write_text('label,text\n\na,x\nb,\n')  # a blank line is skipped, not a record
+    with pytest.raises(ConfigError, match=r"m\.csv line 4: no `text` and no `image`"):
+        load_dataset(f"csv:{p}")
+
+
+def test_jsonl_split_is_a_field(tmp_path):
+    p = tmp_path / "s.jsonl"
+    p.write_text("".join(json.dumps({"label": c, "text": f"{c}{i}", "split": "train"}) + "\n" for c in "ab" for i in range(3)))
+    with pytest.raises(ConfigError, match="the `split` field has no `test` rows"):
+        load_dataset(f"jsonl:{p}")

@@ -134,6 +134,10 @@ def read_image_folder(folder: str | Path, skip_bad_images: bool = False
     """(samples, label strings) of DIR/<label>/…/<image>: every image file below a label
     folder (recursively, sorted; hidden files and other suffixes ignored)."""
     root = Path(folder).expanduser()
+    if root.is_file():
+        kind = {".csv": "csv", ".jsonl": "jsonl"}.get(root.suffix.lower())
+        raise ConfigError(f"data.dataset = 'images:{folder}': {root} is a file, not a folder; give a folder holding "
+                          f"one subfolder of images per label" + (f" (a {kind.upper()} file is '{kind}:{folder}')" if kind else ""))
     if not root.is_dir():
         raise ConfigError(f"data.dataset = 'images:{folder}': no such folder {root}; give a "
                           f"folder holding one subfolder of images per label")

@@ -56,7 +56,8 @@ def data_report(data: TextDataset, clients: list[Client], holdout_ids: list[int]
 def summary_lines(rep: dict) -> list[str]:
     """A few lines a person reads before the rounds start; warnings last, prefixed."""
     te = rep["global_test_per_class"]
-    lines = [f"data: {rep['source']}; {len(rep['class_names'])} classes", f"  split: {rep['split']}"]
+    n = len(rep["class_names"])
+    lines = [f"data: {rep['source']}; {n} class{'' if n == 1 else 'es'}", f"  split: {rep['split']}"]
     test = f"global test {rep['global_test_size']}" + (f" ({min(te)}-{max(te)} per class)" if rep["global_test_size"] else "")
     if rep["train_size"] is None:  # per-site data, on the server
         lines.append(f"  {test}")

@@ -81,12 +81,29 @@ def _record(row, line: int, path: Path, kind: str) -> tuple:
     return line, str(row["label"]).strip(), text, image, _split_of(row, where)
 
 
+def _refuse_duplicates(names: list[str], where: str) -> None:
+    """A field the reader uses, named twice, is ambiguous (csv.DictReader and json keep the last)."""
+    twice = [c for c in KNOWN_COLUMNS if names.count(c) > 1]
+    if twice:
+        at = [i + 1 for i, c in enumerate(names) if c == twice[0]]
+        raise ConfigError(f"{where} names `{twice[0]}` {len(at)} times (fields {', '.join(map(str, at))}); "
+                          f"which one is meant is ambiguous: rename or remove the others")
+
+
+def _object(pairs: list[tuple], where: str) -> dict:
+    _refuse_duplicates([k for k, _ in pairs], where)
+    return dict(pairs)
+
+
 def read_records(path: str | Path, kind: str) -> Records:
     """The records of a user's CSV (header row) or JSONL file. Every record needs `label` and a
     `text` and/or an `image`. A field that is absent, null, or an empty CSV cell is missing; a
     text of only whitespace (or a JSON "") is an error. Blank JSONL lines are skipped and counted;
     texts are whitespace-normalised."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"data.dataset = '{kind}:{path}': {path} is a folder, not a {kind.upper()} file; give "
+                          f"the file's path (a folder of <label>/<image> files is 'images:{path}')")
     if not path.is_file():
         raise ConfigError(f"data.dataset = '{kind}:{path}': no such file {path}; give the path of an "
                           f"existing {kind.upper()} file with fields `label` and `text` and/or `image`")
@@ -94,22 +111,26 @@ def read_records(path: str | Path, kind: str) -> Records:
     text = read_text(path)
     extra: set[str] = set()
     if kind == "csv":
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        fields = reader.fieldnames or []
+        reader = csv.reader(io.StringIO(text, newline=""))
+        fields = next(reader, [])
+        _refuse_duplicates(fields, f"{path}: the header row")
         if "label" not in fields or not {"text", "image"} & set(fields):
             missing = "label" if "label" not in fields else "text"
             raise ConfigError(f"{path}: missing column `{missing}` in the header row (found {fields}); "
                               f"the CSV needs columns `label` and `text` and/or `image`")
         extra = set(fields) - set(KNOWN_COLUMNS)
-        for i, row in enumerate(reader, start=2):
-            out.rows.append(_record(row, i, path, kind))
+        end = reader.line_num
+        for cells in reader:  # a record starts on the line after the last one's end (quoted newlines)
+            start, end = end + 1, reader.line_num
+            if cells:  # csv.DictReader's rule: a blank line is no record
+                out.rows.append(_record(dict(zip(fields, cells)), start, path, kind))
     else:
         for i, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 out.blank_lines += 1
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=lambda pairs, i=i: _object(pairs, f"{path} line {i}"))
             except ValueError as e:
                 raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line must be one "
                                   f"object with `label` and `text` and/or `image`") from None
@@ -188,6 +209,15 @@ def _check_labels(found, labels: list[str], where: str) -> None:
                           f"data.labels (every site and the server must list the same classes)")
 
 
+def _two_classes(names: list[str], path: str) -> list[str]:
+    """A classifier needs two classes; one means a wrong `label` column or a filtered file. (A
+    site's file under fixed data.labels may hold one: the classes come from the config there.)"""
+    if len(names) < 2:
+        raise ConfigError(f"{Path(path).expanduser()}: every training record has the label {names[0]!r}; a "
+                          f"classifier needs at least 2 classes: check the `label` column, or add the other classes")
+    return names
+
+
 def load_user(kind: str, path: str, *, test: tuple[str, str] | None = None,
               skip_bad_images: bool = False, labels: list[str] | None = None) -> dict:
     """The parsed form of a user's data (see the module docstring); `test` = (kind, path) of a
@@ -206,16 +236,17 @@ def _parsed(items, labels, splits, facts, kind, path, test, skip_bad_images, fix
     dropped = {"duplicates": 0, "blank_lines": facts.get("blank_lines", 0), "bad_images": facts["bad_images"],
                "unused_split_rows": sum(s in UNUSED_SPLITS for s in given)}
     notes = [f"columns not used: {', '.join(facts['ignored_columns'])}"] if facts.get("ignored_columns") else []
+    column = "column" if kind == "csv" else "field"  # a JSONL record has fields
     if given and test is not None:
-        raise ConfigError(f"data.test: {path} already has a `split` column; give the test split one way: "
-                          f"drop data.test, or drop the column")
+        raise ConfigError(f"data.test: {path} already has a `split` {column}; give the test split one way: "
+                          f"drop data.test, or drop the {column}")
     if given:
         tr = [(x, y) for x, y, s in zip(items, labels, splits) if s == TRAIN]
         te = [(x, y) for x, y, s in zip(items, labels, splits) if s == TEST]
         if not tr or not te:
-            raise ConfigError(f"{path}: the `split` column has no `{TRAIN if not tr else TEST}` rows; give both "
-                              f"train and test rows, or drop the column to have a test set carved")
-        split = f"given: the `split` column of {Path(path).expanduser()}"
+            raise ConfigError(f"{path}: the `split` {column} has no `{TRAIN if not tr else TEST}` rows; give both "
+                              f"train and test rows, or drop the {column} to have a test set carved")
+        split = f"given: the `split` {column} of {Path(path).expanduser()}"
     elif test is not None:
         tx, ty, _, tfacts = _items(*test, skip_bad_images)
         if fixed:
@@ -224,7 +255,7 @@ def _parsed(items, labels, splits, facts, kind, path, test, skip_bad_images, fix
         tr, te = list(zip(items, labels)), list(zip(tx, ty))
         split = f"given: data.test = {_spec(*test)!r}"
     else:
-        names = fixed or sorted_labels(labels)
+        names = fixed or _two_classes(sorted_labels(labels), path)
         texts, dropped["duplicates"] = _dedupe_count(_per_class(items, labels, {c: i for i, c in enumerate(names)}))
         return {"class_names": names, "texts": texts, "test_texts": None, "source": source, "split": None,
                 "dropped": dropped, "notes": notes}
@@ -234,6 +265,7 @@ def _parsed(items, labels, splits, facts, kind, path, test, skip_bad_images, fix
         n = sum(y in unseen for _, y in te)
         raise ConfigError(f"the test split has label(s) {unseen} ({n} rows) that no training row has; a model "
                           f"cannot learn them: add training rows with those labels, or remove the test rows")
+    names = fixed or _two_classes(names, path)
     index = {c: i for i, c in enumerate(names)}
     texts, dropped["duplicates"] = _dedupe_count(_per_class([x for x, _ in tr], [y for _, y in tr], index))
     test_texts = _per_class([x for x, _ in te], [y for _, y in te], index)
