@@ -183,30 +183,30 @@ def test_generic_prompt_and_coop_without_words_before_the_label(tiny_cfg):
 # ----------------------------------------------------------------------------- ambiguous or useless files
 
 
+def refused(path, content: str, pattern: str) -> None:
+    """Write `content` to `path` and expect loading it (csv:/jsonl: by suffix) to fail with `pattern`."""
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=pattern):
+        load_dataset(f"{path.suffix[1:]}:{path}")
+
+
 @pytest.mark.parametrize("header,dup,at", [("label,text,label,split", "label", "1, 3"),
                                            ("label,text,split,text", "text", "2, 4")])
 def test_duplicated_column_is_refused(tmp_path, header, dup, at):
-    p = tmp_path / "d.csv"
-    p.write_text(header + "\n" + "\n".join(f"a,t{i},b,train" if i % 2 else f"b,u{i},a,test" for i in range(8)) + "\n")
-    with pytest.raises(ConfigError, match=rf"d\.csv: the header row names `{dup}` 2 times \(fields {at}\)"):
-        load_dataset(f"csv:{p}")
+    rows = "\n".join(f"a,t{i},b,train" if i % 2 else f"b,u{i},a,test" for i in range(8))
+    refused(tmp_path / "d.csv", f"{header}\n{rows}\n", rf"d\.csv: the header row names `{dup}` 2 times \(fields {at}\)")
 
 
 def test_duplicated_jsonl_key_is_refused(tmp_path):
-    p = tmp_path / "d.jsonl"
-    p.write_text('{"label": "a", "text": "x"}\n{"label": "a", "text": "y", "label": "b"}\n')
-    with pytest.raises(ConfigError, match=r"d\.jsonl line 2 names `label` 2 times"):
-        load_dataset(f"jsonl:{p}")
+    refused(tmp_path / "d.jsonl", '{"label": "a", "text": "x"}\n{"label": "a", "text": "y", "label": "b"}\n',
+            r"d\.jsonl line 2 names `label` 2 times")
 
 
 def test_one_class_is_refused(tmp_path):
-    p = write_csv(tmp_path / "one.csv", [{"label": "great", "text": f"t{i}"} for i in range(20)], ("label", "text"))
-    with pytest.raises(ConfigError, match=r"one\.csv: every training record has the label 'great'; a classifier "
-                                          r"needs at least 2 classes"):
-        load_dataset(f"csv:{p}")
-    rows = [{"label": "great", "text": f"t{i}", "split": "test" if i % 4 == 0 else "train"} for i in range(20)]
-    with pytest.raises(ConfigError, match="every training record has the label 'great'"):
-        load_dataset(f"csv:{write_csv(tmp_path / 'split.csv', rows)}")
+    refused(tmp_path / "one.csv", "label,text\n" + "".join(f"great,t{i}\n" for i in range(20)),
+            r"one\.csv: every training record has the label 'great'; a classifier needs at least 2 classes")
+    refused(tmp_path / "split.csv", "label,text,split\n" + "".join(
+        f"great,t{i},{'test' if i % 4 == 0 else 'train'}\n" for i in range(20)), "every training record has the label 'great'")
 
 
 def test_folder_and_file_are_named_for_what_they_are(tmp_path):
@@ -214,23 +214,18 @@ def test_folder_and_file_are_named_for_what_they_are(tmp_path):
     with pytest.raises(ConfigError, match=r"reviews\.csv is a folder, not a CSV file; give the file's path"):
         load_dataset(f"csv:{tmp_path / 'reviews.csv'}")
     f = write_csv(tmp_path / "r.csv", reviews(), ("label", "text", "split", "stars"))
-    with pytest.raises(ConfigError, match=r"r\.csv is a file, not a folder"):
+    with pytest.raises(ConfigError, match=r"r\.csv is a file, not a folder.*\(a CSV file is 'csv:"):
         load_dataset(f"images:{f}")
 
 
 def test_row_numbers_count_lines_after_a_multiline_text(tmp_path):
-    p = tmp_path / "m.csv"
     # the first record spans lines 2-4; the bad one is on line 6 (csv's record count would say 4)
-    p.write_text('label,text,split\na,"one\nquote over\nthree lines",train\nb,fine,train\na,x,holdout\n')
-    with pytest.raises(ConfigError, match=r"m\.csv line 6: `split` is 'holdout'"):
-        load_dataset(f"csv:{p}")
-    p.write_text('label,text\n\na,x\nb,\n')  # a blank line is skipped, not a record
-    with pytest.raises(ConfigError, match=r"m\.csv line 4: no `text` and no `image`"):
-        load_dataset(f"csv:{p}")
+    refused(tmp_path / "m.csv", 'label,text,split\na,"one\nquote over\nthree lines",train\nb,fine,train\na,x,holdout\n',
+            r"m\.csv line 6: `split` is 'holdout'")
+    # a blank line is skipped, not a record
+    refused(tmp_path / "m.csv", "label,text\n\na,x\nb,\n", r"m\.csv line 4: no `text` and no `image`")
 
 
 def test_jsonl_split_is_a_field(tmp_path):
-    p = tmp_path / "s.jsonl"
-    p.write_text("".join(json.dumps({"label": c, "text": f"{c}{i}", "split": "train"}) + "\n" for c in "ab" for i in range(3)))
-    with pytest.raises(ConfigError, match="the `split` field has no `test` rows"):
-        load_dataset(f"jsonl:{p}")
+    refused(tmp_path / "s.jsonl", "".join(json.dumps({"label": c, "text": f"{c}{i}", "split": "train"}) + "\n"
+                                          for c in "ab" for i in range(3)), "the `split` field has no `test` rows")
