@@ -175,3 +175,19 @@ def test_run_outputs_are_strict_json_and_respect_the_umask(cfg_factory, tiny_ber
     assert {"results.json", "metrics.jsonl", "results.csv", "config.toml", "accuracy.png"} <= files
     assert any(f.startswith("checkpoints/round-") for f in files)
     assert any(f.startswith("client_state/") for f in files)
+
+
+def test_printed_lines_are_not_wrapped_into_a_file(capsys):
+    # rich wraps at 80 columns when stdout is no terminal; a run's log in a file keeps its lines
+    from fedsplice.app.runner import make_console, print_table
+
+    res = {"algorithm": "pfadapter", "dataset": "csv:/data/a-long-folder-name/food-reviews-5000.csv", "rounds": 3,
+           "gm": {"accuracy": 0.5932, "f1_macro": 0.5}, "pm": {"accuracy": 0.775, "f1_macro": 0.7, "accuracy_std": 0.1,
+                                                             "accuracy_min": 0.5},
+           "communication": {"up_bytes": 1e6, "up_bytes_per_round": 3.3e5, "down_bytes": 1e6}}
+    print_table(res)
+    lines = capsys.readouterr().out.splitlines()
+    assert any(f"pfadapter — {res['dataset']}, 3 rounds" in ln for ln in lines)  # the title: one line
+    assert any("upload 1.00 MB total, 330.0 kB/round; download 1.00 MB" in ln for ln in lines)
+    make_console().print("x" * 300)
+    assert capsys.readouterr().out == "x" * 300 + "\n"

@@ -33,12 +33,19 @@ from fedsplice.federation.validate import load_config
 from fedsplice.runtimes.inprocess import InProcess
 from fedsplice.runtimes.workers import Workers, check_workers
 
-console = Console(stderr=True)
+
+def make_console(stderr: bool = False) -> Console:
+    """Rich's console. Written to a file or a pipe, rich would wrap every line at 80 columns and
+    break the tables; there, lines are kept whole."""
+    c = Console(stderr=stderr)
+    return c if c.is_terminal else Console(stderr=stderr, width=100_000, soft_wrap=True)
+
+
+console = make_console(stderr=True)
 
 
 def print_table(results: dict) -> None:
     """The end-of-run summary: GM and PM, traffic, and the random-weights warning."""
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"{results['algorithm']} — {results['dataset']}, {results['rounds']} rounds")
@@ -51,9 +58,10 @@ def print_table(results: dict) -> None:
     c = results["communication"]
     t.caption = (f"upload {c['up_bytes'] / 1e6:.2f} MB total, {c['up_bytes_per_round'] / 1e3:.1f} kB/round; "
                  f"download {c['down_bytes'] / 1e6:.2f} MB")
-    Console().print(t)
+    out = make_console()
+    out.print(t)
     if results.get("random_weights"):
-        Console().print(f"[bold red]RANDOM WEIGHTS ({', '.join(results['random_weights'])}): these numbers "
+        out.print(f"[bold red]RANDOM WEIGHTS ({', '.join(results['random_weights'])}): these numbers "
                         f"test the code path, not the method[/]")
 
 
