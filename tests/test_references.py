@@ -203,6 +203,11 @@ def test_centralized_cli_reports_no_traffic(capsys, tmp_path, tiny_bert_dir, toy
     assert all(abs(a * 6 - round(a * 6)) < 1e-9 for a in r["gm"]["class_accuracy"])
     assert np.mean(r["gm"]["class_accuracy"]) == pytest.approx(r["gm"]["accuracy"])
     assert len(r["cold_start"]["accuracy"]) == 2  # the held-out client adapts the central model
+    # the data report counts the data's clients, not the pooled stand-in, and says it pools
+    data = r["data"]
+    assert [k["cid"] for k in data["clients"]] == list(range(len(data["clients"])))
+    assert sum(k["train"] for k in data["clients"]) == data["train_size"]
+    assert any(n.startswith("one model trains on the pooled data of the") for n in data["notes"])
 
 
 @pytest.mark.parametrize("sets, needle", [

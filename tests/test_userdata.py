@@ -129,6 +129,10 @@ def test_report_sizes(tmp_path, tiny_cfg):
     assert f"train {len(data.train_texts)}" in text and f"{len(clients)} clients" in text
     assert summary_lines(rep)[0].endswith(f"; {len(data.class_names)} classes")
     assert summary_lines({**rep, "class_names": ["a"]})[0].endswith("; 1 class")  # a site's one-class file
+    held = clients[-1]
+    share = len(held.train_idx) / sum(len(c.train_idx) for c in clients)
+    assert (f"  held out of the rounds (cold start only): client {held.cid}, {share:.0%} of the clients' "
+            f"training data") in summary_lines(rep)
 
 
 @pytest.fixture

@@ -11,7 +11,12 @@ from fedsplice.data.zoo import random_weights
 def data_table(exp) -> dict:
     """results.json's "data": sizes per class and per client, the split, drops, warnings. With
     per-site data the server knows no site's sizes: only its own evaluation file's."""
-    rep = data_report(exp.data, exp.clients, exp.holdout_ids)
+    # the data's clients only: centralized appends a stand-in that pools the training clients'
+    # data (federation.tasks.prepare_reference), which would count them twice
+    rep = data_report(exp.data, exp.clients[:exp.cfg.data.num_clients], exp.holdout_ids)
+    if len(exp.clients) > exp.cfg.data.num_clients:
+        rep["notes"] = rep["notes"] + [f"one model trains on the pooled data of the {len(exp.train_ids)} "
+                                       f"training clients (nothing is federated)"]
     if exp.cfg.data.dataset == SITES:
         rep.update(clients=[], train_size=None, train_per_class=None,
                    notes=rep["notes"] + ["per-site data: each site's sizes stay on its SuperNode"])

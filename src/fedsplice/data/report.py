@@ -69,6 +69,11 @@ def summary_lines(rep: dict) -> list[str]:
         tests = [k["local_test"] for k in rep["clients"]]
         lines.append(f"  {len(sizes)} clients: train {min(sizes)}-{max(sizes)} each, "
                      f"local test {min(tests)}-{max(tests)} each")
+        held = [k for k in rep["clients"] if k["role"] == "holdout"]
+        if held:  # they train only in the cold start: a share of the data the rounds never see
+            share = sum(k["train"] for k in held) / max(sum(sizes), 1)
+            lines.append(f"  held out of the rounds (cold start only): client{'s' if len(held) > 1 else ''} "
+                         f"{', '.join(str(k['cid']) for k in held)}, {share:.0%} of the clients' training data")
     if rep["dropped"]:
         lines.append("  dropped: " + ", ".join(f"{v} {REASONS.get(k, k)}" for k, v in rep["dropped"].items()))
     lines += [f"  note: {n}" for n in rep["notes"]]
