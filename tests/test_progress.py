@@ -128,6 +128,10 @@ def test_compare_streams_rounds_before_each_result(configs, tmp_path, capsys):
         return next(i for i, line in enumerate(err) if line.startswith(prefix) and part in line)
 
     assert err[0] == f"run 1/2 pfadapter seed 0: starting in {runs[0][3]}"
+    # the data report, as `run` prints it, before the rounds; no round line twice
+    assert err[1].startswith("run 1/2 pfadapter seed 0: data: ") and "classes" in err[1]
+    assert err[2].startswith("run 1/2 pfadapter seed 0:   split: ")
+    assert not any(": round " in line and " loss " in line and "client tasks" not in line for line in err)
     assert first("run 1/2 pfadapter seed 0: ", "round 0/2 evaluate: 0/14 client tasks") \
         < first("run 1/2 pfadapter seed 0: ", "round 1/2 done, loss") \
         < first("run 1/2 pfadapter seed 0: ", "cold start: 13/14 client tasks") \

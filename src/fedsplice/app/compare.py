@@ -68,6 +68,12 @@ class RunLines:
 
         self.say(progress_line(event))
 
+    def data(self, line: str) -> None:
+        """An echoed line of the runner: the data report's (sizes, split, drops, warnings) are
+        said; its round lines are not, as the progress lines already give each round's result."""
+        if not line.startswith("round "):
+            self.say(line)
+
     def say(self, text: str) -> None:
         from fedsplice.app.runner import console
 
@@ -88,7 +94,8 @@ def _one(cfg, d: Path, threads: int, lines: RunLines | None = None) -> dict:
         lines.say(f"{'resuming' if resume else 'starting'} in {d}")
     if resume:
         return resume_experiment(d, quiet=True, progress=lines)
-    return run_experiment(cfg, d, overwrite=d.exists(), quiet=True, progress=lines)
+    return run_experiment(cfg, d, overwrite=d.exists(), quiet=True, progress=lines,
+                          echo=lines.data if lines is not None else None)
 
 
 def run_all(runs, quiet: bool = False, jobs: int = 1) -> list[dict]:
