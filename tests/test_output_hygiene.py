@@ -188,6 +188,8 @@ def test_printed_lines_are_not_wrapped_into_a_file(capsys):
     print_table(res)
     lines = capsys.readouterr().out.splitlines()
     assert any(f"pfadapter — {res['dataset']}, 3 rounds" in ln for ln in lines)  # the title: one line
+    print_table({**res, "rounds": 1})
+    assert f"{res['dataset']}, 1 round\n" in capsys.readouterr().out
     assert any("upload 1.00 MB total, 330.0 kB/round; download 1.00 MB" in ln for ln in lines)
     make_console().print("x" * 300)
     assert capsys.readouterr().out == "x" * 300 + "\n"

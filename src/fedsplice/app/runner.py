@@ -44,11 +44,15 @@ def make_console(stderr: bool = False) -> Console:
 console = make_console(stderr=True)
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def print_table(results: dict) -> None:
     """The end-of-run summary: GM and PM, traffic, and the random-weights warning."""
     from rich.table import Table
 
-    t = Table(title=f"{results['algorithm']} — {results['dataset']}, {results['rounds']} rounds")
+    t = Table(title=f"{results['algorithm']} — {results['dataset']}, {plural(results['rounds'], 'round')}")
     for col in ("", "accuracy", "F1 macro", "std", "min"):
         t.add_column(col)
     gm, pm = results["gm"], results["pm"]
@@ -393,8 +397,8 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         results = results_table(cfg, exp, name, records, final)
         if exp.holdout_ids and exp.recipe.trains:
             if not quiet:
-                console.print(f"cold start: {len(exp.holdout_ids)} held-out clients, "
-                              f"{cfg.eval.cold_start_epochs} local epochs")
+                console.print(f"cold start: {plural(len(exp.holdout_ids), 'held-out client')}, "
+                              f"{plural(cfg.eval.cold_start_epochs, 'local epoch')}")
             results["cold_start"] = cold_start(exp, transport, final["global_params"])
     results["time_s"] = round(time.perf_counter() - t0, 1)
     rundir.write_results(out, results)
