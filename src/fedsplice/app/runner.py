@@ -66,7 +66,7 @@ def print_table(results: dict) -> None:
     out.print(t)
     if results.get("random_weights"):
         out.print(f"[bold red]RANDOM WEIGHTS ({', '.join(results['random_weights'])}): these numbers "
-                        f"test the code path, not the method[/]")
+                  f"test the code path, not the method[/]")
 
 
 def round_line(r: dict) -> str:

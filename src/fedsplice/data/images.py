@@ -136,8 +136,9 @@ def read_image_folder(folder: str | Path, skip_bad_images: bool = False
     root = Path(folder).expanduser()
     if root.is_file():
         kind = {".csv": "csv", ".jsonl": "jsonl"}.get(root.suffix.lower())
-        raise ConfigError(f"data.dataset = 'images:{folder}': {root} is a file, not a folder; give a folder holding "
-                          f"one subfolder of images per label" + (f" (a {kind.upper()} file is '{kind}:{folder}')" if kind else ""))
+        hint = f" (a {kind.upper()} file is '{kind}:{folder}')" if kind else ""
+        raise ConfigError(f"data.dataset = 'images:{folder}': {root} is a file, not a folder; give a folder "
+                          f"holding one subfolder of images per label{hint}")
     if not root.is_dir():
         raise ConfigError(f"data.dataset = 'images:{folder}': no such folder {root}; give a "
                           f"folder holding one subfolder of images per label")
