@@ -15,12 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
 from fedsplice.algorithms import display_name
 from fedsplice.app import rundir
+from fedsplice.app.console import console, make_console, plural
 from fedsplice.app.summary import data_table, hardware_line, results_table
 from fedsplice.config import SITES, ExperimentConfig
 from fedsplice.data.report import summary_lines
@@ -32,20 +32,6 @@ from fedsplice.federation import checkpoint as ckpt
 from fedsplice.federation.validate import load_config
 from fedsplice.runtimes.inprocess import InProcess
 from fedsplice.runtimes.workers import Workers, check_workers
-
-
-def make_console(stderr: bool = False) -> Console:
-    """Rich's console. Written to a file or a pipe, rich would wrap every line at 80 columns and
-    break the tables; there, lines are kept whole."""
-    c = Console(stderr=stderr)
-    return c if c.is_terminal else Console(stderr=stderr, width=100_000, soft_wrap=True)
-
-
-console = make_console(stderr=True)
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def print_table(results: dict) -> None:
