@@ -233,3 +233,55 @@ def test_row_numbers_count_lines_after_a_multiline_text(tmp_path):
 def test_jsonl_split_is_a_field(tmp_path):
     refused(tmp_path / "s.jsonl", "".join(json.dumps({"label": c, "text": f"{c}{i}", "split": "train"}) + "\n"
                                           for c in "ab" for i in range(3)), "the `split` field has no `test` rows")
+
+
+# ----------------------------------------------------------------------------- settings scoped to a data set
+
+
+def food_reviews(path, n=5000):
+    """A file like the one users tried: 2 classes (great ~66%), a `split` column (every 5th row test)."""
+    rows = [{"label": "great" if i % 3 else "other", "text": f"review number {i} of the food",
+             "split": "test" if i % 5 == 0 else "train"} for i in range(n)]
+    return write_csv(path, rows)
+
+
+def test_fortunes_settings_do_not_follow_a_config_onto_a_users_file(tmp_path, capsys, no_model):
+    from fedsplice.federation.validate import load_config
+
+    f = food_reviews(tmp_path / "food.csv")
+    for cfg_file in ("configs/pfadapter-minilm.toml", "configs/fedpurel-lora-fortunes.toml"):
+        fortunes = load_config(cfg_file).data
+        assert fortunes.max_per_class == 60 or (fortunes.imbalance, fortunes.n_max) == (100.0, 300)
+        assert fortunes.class_prompt == "a quote about {label}."
+        mine = load_config(cfg_file, [f"data.dataset=csv:{f}"]).data
+        assert (mine.max_per_class, mine.imbalance, mine.n_max, mine.class_prompt) == (0, 1.0, 0, "")
+        assert main(["validate", cfg_file, "--set", f"data.dataset=csv:{f}"]) == 0
+        out = capsys.readouterr().out
+        assert "train 4000 (" in out and "dropped" not in out  # every training row kept, nothing cut
+
+
+def test_scope_rules(tmp_path):
+    from fedsplice.federation.validate import load_config
+
+    base = ('[data]\ndataset = "fortunes"\n{data}\n[datasets.fortunes]\nmax_per_class = 60\n'
+            '[datasets."csv:other.csv"]\nmax_per_class = 5\n')
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(base.format(data=""))
+    assert load_config(cfg).data.max_per_class == 60  # only the active scope applies
+    assert load_config(cfg, ["data.max_per_class=30"]).data.max_per_class == 30  # --set wins
+    assert load_config(cfg, ["datasets.fortunes.max_per_class=30"]).data.max_per_class == 30
+    cfg.write_text(base.format(data="max_per_class = 60"))  # the same value twice: not ambiguous
+    assert load_config(cfg).data.max_per_class == 60
+    cfg.write_text(base.format(data="max_per_class = 10"))
+    with pytest.raises(ConfigError, match=r"data.max_per_class is set both in \[data\] \(10\) and in "
+                                          r"\[datasets.fortunes\] \(60\); keep one"):
+        load_config(cfg)
+    cfg.write_text(base.format(data="") + "[datasets.brown]\nmax_per_clas = 3\n")  # an inactive scope: checked too
+    with pytest.raises(ConfigError, match=r"datasets.brown.max_per_clas: unknown config field"):
+        load_config(cfg)
+    cfg.write_text(base.format(data="") + '[datasets.brown]\ndataset = "fortunes"\n')
+    with pytest.raises(ConfigError, match=r"datasets.brown.dataset: a scope cannot choose the data set"):
+        load_config(cfg)
+    cfg.write_text('datasets = 3\n')
+    with pytest.raises(ConfigError, match=r"datasets: expected tables \[datasets.NAME\]"):
+        load_config(cfg)

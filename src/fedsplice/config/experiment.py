@@ -86,11 +86,41 @@ class ExperimentConfig:
 DEFAULT_CONFIG = Path(__file__).parent.parent / "defaults" / "default.toml"
 
 
+def apply_scoped(table: dict, overrides: list[str]) -> dict:
+    """Settings that belong to one data set: `[datasets.NAME]` holds `[data]` keys that apply only
+    while `data.dataset = NAME` (the shipped configs keep fortunes' cap, long tail and prompt
+    there, so they do not follow a config onto a user's file). A key of the active scope that
+    `[data]` sets too is ambiguous, an error; a `--set data.KEY` wins over both. Every scope is
+    type-checked, active or not. The resolved config keeps no `datasets` table."""
+    scopes = table.pop("datasets", {})
+    if not isinstance(scopes, dict) or not all(isinstance(v, dict) for v in scopes.values()):
+        raise ConfigError("datasets: expected tables [datasets.NAME] of data.* settings for data set NAME, "
+                          "e.g. [datasets.fortunes] max_per_class = 60")
+    for name, scope in scopes.items():
+        if "dataset" in scope:
+            raise ConfigError(f"datasets.{name}.dataset: a scope cannot choose the data set; set data.dataset")
+        from_dict(DataConfig, scope, f"datasets.{name}")  # unknown keys and wrong types, now
+    data = table.setdefault("data", {})
+    if not isinstance(data, dict):
+        return table  # from_dict names the wrong [data]
+    given = {o.split("=", 1)[0].strip()[5:] for o in overrides if o.strip().startswith("data.")}
+    name = data.get("dataset", DataConfig.dataset)
+    for key, value in scopes.get(name, {}).items() if isinstance(name, str) else ():
+        if key in given:
+            continue
+        if key in data and data[key] != value:
+            raise ConfigError(f"data.{key} is set both in [data] ({data[key]!r}) and in [datasets.{name}] "
+                              f"({value!r}); keep one")
+        data[key] = value
+    return table
+
+
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Parse + intra-config checks only; `fedsplice.federation.validate.load_config` adds the
     cross-checks against the zoo, the data sets, the algorithms and the server optimizers."""
     table = read_toml(path or DEFAULT_CONFIG)
     apply_overrides(table, overrides or [])
+    apply_scoped(table, overrides or [])
     cfg = from_dict(ExperimentConfig, table)
     cfg.check()
     return cfg
