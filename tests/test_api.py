@@ -99,9 +99,13 @@ def test_example_results_are_the_run_directories(example, tiny_bert_dir):
 
 def test_example_compare_rows_are_the_individual_runs(example):
     ns, root, _ = example
-    rows = ns["rows"]
+    rows, refs = ns["rows"][:2], ns["rows"][2:]
     assert [r.method for r in rows] == ["pfadapter", "fedavg-lora"]
     assert [r.algorithm for r in rows] == ["pfadapter", "fedavg-lora"]
+    assert [(r.method, r.n_seeds, r.runs) for r in refs] == [("majority (reference)", 2, ()),
+                                                             ("local-prior (reference)", 2, ())]
+    pm = [r.references["local_prior"]["pm"]["accuracy"] for r in rows[0].runs]
+    assert refs[1].metrics["PM acc"] == pytest.approx((np.mean(pm), np.std(pm)))
     for row, single in zip(rows, (ns["pf"], ns["lora"])):
         assert isinstance(row, fedsplice.CompareRow) and row.n_seeds == 2
         assert [r.seed for r in row.runs] == [0, 1]

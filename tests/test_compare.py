@@ -52,7 +52,7 @@ def test_compare_tables_plots_and_resume(configs, tmp_path, monkeypatch):
     md = (out / "table.md").read_text()
     assert "| pfadapter | 2 |" in md and "±" in md
     table = list(csv.DictReader((out / "table.csv").open()))
-    assert [r["method"] for r in table] == ["pfadapter", "lora"]
+    assert [r["method"] for r in table] == ["pfadapter", "lora", "majority (reference)", "local-prior (reference)"]
     assert float(table[0]["GM acc mean"]) == pytest.approx(by["pfadapter"]["GM acc"][0])
     for png in ("accuracy_vs_round.png", "accuracy_vs_bytes.png", "balancedness_vs_round.png",
                 "class_accuracy_head_to_tail.png"):

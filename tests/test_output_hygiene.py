@@ -180,7 +180,7 @@ def test_run_outputs_are_strict_json_and_respect_the_umask(cfg_factory, tiny_ber
 def test_printed_lines_are_not_wrapped_into_a_file(capsys):
     # rich wraps at 80 columns when stdout is no terminal; a run's log in a file keeps its lines
     from fedsplice.app.console import make_console
-    from fedsplice.app.runner import print_table
+    from fedsplice.app.summary import print_table
 
     res = {"algorithm": "pfadapter", "dataset": "csv:/data/a-long-folder-name/food-reviews-5000.csv", "rounds": 3,
            "gm": {"accuracy": 0.5932, "f1_macro": 0.5}, "pm": {"accuracy": 0.775, "f1_macro": 0.7, "accuracy_std": 0.1,

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from fedsplice.app import compare as C
-from fedsplice.app import runner
+from fedsplice.app import progress, runner
 from fedsplice.app.rundir import write_config
 from fedsplice.federation import build, make_store
 from fedsplice.runtimes.inprocess import InProcess, run_rounds
@@ -35,11 +35,14 @@ def test_run_events_name_every_stage_with_counts_and_eta(tiny_cfg, tmp_path):
     by = {e["stage"]: e for e in events if e["kind"] == "stage"}
     assert by["round 0/2 evaluate"]["done"] == 0 and by["round 0/2 evaluate"]["eta_s"] is None
     assert by["round 1/2 train"]["done"] == 3  # round 0's evaluation counted, client by client
-    cs = by["cold start"]  # the ETA is the run's mean pace over the tasks left
-    assert cs["done"] == TOTAL - COLD and cs["eta_s"] == pytest.approx(cs["elapsed_s"] / cs["done"] * COLD)
+    cs = by["cold start"]  # the ETA: the run's mean pace per unit of work, over the work left
+    cost = progress.task_costs(tiny_cfg(), build(tiny_cfg()))
+    worked = FITS * cost["train"] + EVALS * cost["evaluate"]
+    assert cs["done"] == TOTAL - COLD
+    assert cs["eta_s"] == pytest.approx(cs["elapsed_s"] / worked * COLD * cost["cold start"])
     rounds = [e for e in events if e["kind"] == "round"]
     assert [e["record"]["round"] for e in rounds] == [0, 1, 2] and [e["done"] for e in rounds] == [3, 8, 13]
-    line = runner.progress_line(by["round 2/2 evaluate"])
+    line = progress.progress_line(by["round 2/2 evaluate"])
     assert line.startswith("round 2/2 evaluate: 10/14 client tasks, ") and " elapsed, ETA " in line
 
 
@@ -51,7 +54,7 @@ def test_personalize_and_zero_shot_stages_count_too(tiny_cfg, tmp_path):
     events.clear()
     runner.run_experiment(tiny_cfg(algorithm='"zeroshot"'), tmp_path / "zs", quiet=True, progress=events.append)
     assert _stages(events) == ["evaluate"] and {e["total"] for e in events} == {3}
-    assert runner.progress_line(events[-1]).startswith("evaluation done, GM acc ")
+    assert progress.progress_line(events[-1]).startswith("evaluation done, GM acc ")
 
 
 def test_quiet_run_prints_nothing(tiny_cfg, tmp_path, capsys):
@@ -72,7 +75,9 @@ def test_run_to_a_log_file_prints_stage_lines(tiny_cfg, tmp_path, capsys):
 
 def test_run_on_a_terminal_draws_a_bar_with_eta(tiny_cfg, tmp_path, monkeypatch):
     out = io.StringIO()
-    monkeypatch.setattr(runner, "console", Console(file=out, force_terminal=True, width=160))
+    term = Console(file=out, force_terminal=True, width=160)
+    monkeypatch.setattr(runner, "console", term)
+    monkeypatch.setattr(progress, "console", term)
     runner.run_experiment(tiny_cfg(), tmp_path / "run", quiet=False)
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # no colours, no cursor moves
     assert "client tasks" in text and "ETA" in text and "/14" in text  # the bar (drawn as it stops)
@@ -149,3 +154,23 @@ def test_a_jobs_worker_prints_its_own_prefixed_lines(capsys):
            "elapsed_s": 62.0, "eta_s": 3725.0})
     assert capsys.readouterr().err == "run 2/3 lora seed 1: round 3/10 evaluate: 40/140 client tasks, 1:02 " \
                                       "elapsed, ETA 1:02:05\n"
+
+
+def test_eta_weighs_each_stage_by_its_cost(tiny_cfg):
+    """A cold start of E local epochs costs far more than one evaluation: counted as one task
+    each, the ETA stayed at seconds through minutes of cold start. It also grows while a long
+    task runs and nothing ends."""
+    cfg = tiny_cfg(eval__cold_start_epochs="5")
+    exp = build(cfg)
+    cost = progress.task_costs(cfg, exp)
+    b, k = cfg.client.batch_size, exp.holdout_ids[0]
+    n, t = len(exp.clients[k].train_idx), len(exp.clients[k].test_idx)
+    assert cost["cold start"] == 3.0 * 5 * n + 6 * t  # 5 epochs forward+backward, 6 evaluations
+    steps = [min(cfg.client.max_steps, -(-len(exp.clients[c].train_idx) // b)) for c in exp.train_ids]
+    assert cost["train"] == pytest.approx(3.0 * b * sum(steps) / len(steps))
+    track = progress.RunProgress(cfg, exp, 0, quiet=True)
+    assert track.eta(track.t0 + 5) is None  # nothing has ended: no pace yet
+    track._advance(3)  # round 0's three evaluations
+    later = [track.eta(track.t0 + s) for s in (10.0, 20.0)]
+    assert later[1] == pytest.approx(2 * later[0])
+    assert later[0] == pytest.approx(10.0 / (3 * cost["evaluate"]) * (track.work - 3 * cost["evaluate"]))

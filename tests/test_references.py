@@ -243,3 +243,97 @@ def test_compare_puts_the_references_in_the_table(cfg_factory, tiny_bert_dir, to
     assert rows["local-prior"]["GM acc"] == rows["majority"]["GM acc"]  # GM: the global majority
     md = (tmp_path / "cmp" / "table.md").read_text()
     assert all(f"| {ref} |" in md for ref in ("centralized", "majority", "local-prior"))
+
+
+# ----------------------------------------------------------------------------- in every run (issue 26)
+
+
+def test_every_runs_references_by_hand():
+    from fedsplice.federation import references
+
+    refs = references(hand_exp(None))  # a method's run: the recipe is no prior
+    assert refs["majority"]["gm"]["accuracy"] == refs["local_prior"]["gm"]["accuracy"] == pytest.approx(1 / 3)
+    assert refs["majority"]["gm"]["f1_macro"] == pytest.approx(1 / 6)
+    assert refs["majority"]["pm"]["accuracy"] == pytest.approx(13 / 36)
+    assert refs["local_prior"]["pm"]["accuracy"] == pytest.approx(5 / 9)
+    assert refs["local_prior"]["pm"]["accuracy_min"] == pytest.approx(1 / 2)
+    assert (refs["majority"]["gm"]["many"], refs["majority"]["gm"]["few"]) == (1.0, 0.0)
+    assert not any(isinstance(v, list) for r in refs.values() for m in r.values() for v in m.values())
+    exp = hand_exp(None)
+    exp.caches["train_counts"] = None  # per-site data: the server holds no labels
+    assert references(exp) is None
+
+
+def test_a_runs_references_equal_the_reference_rows_of_compare(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
+    from fedsplice.app import compare as C
+    from fedsplice.app.rundir import write_config
+
+    paths = {}
+    for algo in ("lora", "majority", "local-prior"):
+        d = tmp_path / "cfg" / algo
+        d.mkdir(parents=True)
+        write_config(d, cfg_factory(tiny_bert_dir, toy_jsonl, algorithm=algo))
+        paths[algo] = (d / "config.toml").rename(tmp_path / "cfg" / f"{algo}.toml")
+    explicit = {r["method"]: r for r in C.compare(list(paths.values()), 2, [], tmp_path / "cmp", quiet=True)}
+    assert not any("(reference" in m for m in explicit)  # the configs themselves are the references
+    lora = json.loads((tmp_path / "cmp" / "runs" / "lora" / "seed-0" / "results.json").read_text())
+    for key, algo in (("majority", "majority"), ("local_prior", "local-prior")):
+        ref_run = json.loads((tmp_path / "cmp" / "runs" / algo / "seed-0" / "results.json").read_text())
+        for side in ("gm", "pm"):
+            for k, v in lora["references"][key][side].items():
+                assert ref_run[side][k] == pytest.approx(v, nan_ok=True), (key, side, k)
+    auto = {r["method"]: r for r in C.compare([paths["lora"]], 2, [], tmp_path / "cmp", quiet=True)}
+    assert set(auto) == {"lora", "majority (reference)", "local-prior (reference)"}
+    for algo in ("majority", "local-prior"):
+        row = auto[f"{algo} (reference)"]
+        assert row["n_seeds"] == 2
+        for col in ("GM acc", "GM F1", "PM acc", "PM F1", "GM few", "PM β"):
+            assert row[col] == pytest.approx(explicit[algo][col], nan_ok=True), (algo, col)
+        assert row["up B total"] is None  # no traffic: "—"
+    assert "| majority (reference) | 2 |" in (tmp_path / "cmp" / "table.md").read_text()
+
+
+def _results(gm, pm, zs_acc, zs_auc=None, counts=(20, 20, 20)):
+    refs = {"majority": {"gm": {"accuracy": 0.40}, "pm": {"accuracy": 0.50}},
+            "local_prior": {"gm": {"accuracy": 0.40}, "pm": {"accuracy": 0.70}}}
+    zs = {"accuracy": zs_acc, **({"auc": zs_auc} if zs_auc is not None else {})}
+    return {"references": refs, "gm": {"accuracy": gm}, "pm": {"accuracy": pm}, "zero_shot_gm": zs,
+            "data": {"global_test_per_class": list(counts)}}
+
+
+def test_learning_warnings_fire_on_a_run_that_did_not_learn_and_only_then(tiny_cfg):
+    from fedsplice.app.summary import learning_warnings
+
+    cfg = tiny_cfg()
+    method = SimpleNamespace(recipe=SimpleNamespace(prior=None, trains=True))
+    said = learning_warnings(cfg, method, _results(gm=0.40, pm=0.69, zs_acc=0.35))
+    assert len(said) == 3
+    assert said[0].startswith("warning: GM accuracy 0.400 is not above the majority class's 0.400")
+    assert said[1].startswith("warning: PM accuracy 0.690 is not above the local prior's 0.700")
+    assert said[2].startswith("warning: zero-shot (round 0) is at chance on the global test set (accuracy 0.350, "
+                              "not above the majority class's 0.400): the class prompt")
+    assert all("usually help" in s for s in said)
+    assert learning_warnings(cfg, method, _results(gm=0.41, pm=0.71, zs_acc=0.41)) == []  # it learned
+    # binary: the zero-shot test is its AUC against chance, 2 null standard errors (n = 50 + 50: 0.116)
+    assert "AUC 0.600" in learning_warnings(cfg, method, _results(0.9, 0.9, 0.3, 0.60, (50, 50)))[0]
+    assert learning_warnings(cfg, method, _results(0.9, 0.9, 0.3, 0.62, (50, 50))) == []
+    # the references themselves, and a model with a new head (no zero-shot), say nothing of it
+    assert learning_warnings(cfg, SimpleNamespace(recipe=SimpleNamespace(prior="global", trains=False)),
+                             _results(0.4, 0.5, 0.4)) == []
+    head = tiny_cfg(model__task='"encoder_head"')
+    assert learning_warnings(head, method, _results(0.9, 0.9, 0.1)) == []
+    assert learning_warnings(cfg, method, {**_results(0.1, 0.1, 0.1), "references": None}) == []
+
+
+def test_a_run_records_and_prints_its_references(tiny_cfg, tmp_path, capsys):
+    from fedsplice.app.runner import run_experiment
+
+    res = run_experiment(tiny_cfg(), tmp_path / "run", quiet=True, echo=print)
+    out = capsys.readouterr().out
+    refs = res["references"]
+    assert refs == json.loads((tmp_path / "run" / "results.json").read_text())["references"]
+    maj, loc = refs["majority"]["gm"]["accuracy"], refs["local_prior"]["pm"]["accuracy"]
+    assert f"(majority {maj:.3f})" in out and f"(local prior {loc:.3f})" in out
+    fired = [w.split(" ")[1] for w in res["warnings"]]
+    assert ("GM" in fired) == (res["gm"]["accuracy"] <= maj) and ("PM" in fired) == (res["pm"]["accuracy"] <= loc)
+    assert all(w in out for w in res["warnings"])  # echoed: compare shows them too

@@ -107,6 +107,9 @@ class RunResult:
     time_s: float | None
     out: Path  # the run directory, absolute
     raw: dict[str, Any] = field(repr=False)  # results.json as written
+    # majority / local_prior, each {"gm", "pm"}, on the run's split (None: per-site data, or older runs)
+    references: dict[str, Any] | None = None
+    warnings: tuple[str, ...] = ()  # the references the run did not beat, one line each
 
     @classmethod
     def from_dir(cls, out: PathLike) -> RunResult:
@@ -119,7 +122,8 @@ class RunResult:
         return cls(algorithm=raw["algorithm"], method=raw.get("method", raw["algorithm"]), rounds=int(raw["rounds"]),
                    seed=int(raw["seed"]), gm=raw["gm"], pm=raw["pm"], communication=raw["communication"],
                    params=raw["params"], cold_start=raw.get("cold_start"),
-                   random_weights=tuple(raw.get("random_weights", ())), time_s=raw.get("time_s"), out=out, raw=raw)
+                   random_weights=tuple(raw.get("random_weights", ())), time_s=raw.get("time_s"), out=out, raw=raw,
+                   references=raw.get("references"), warnings=tuple(raw.get("warnings", ())))
 
     def __repr__(self) -> str:  # the headline numbers; the dicts are one attribute away
         up = self.communication.get("up_bytes_per_round") or 0.0
@@ -207,7 +211,7 @@ class CompareRow:
     n_seeds: int
     metrics: dict[str, tuple[float, float] | None]
     random_weights: tuple[str, ...]
-    runs: tuple[RunResult, ...]  # one per seed, in seed order
+    runs: tuple[RunResult, ...]  # one per seed, in seed order; () for a reference row
 
     def __repr__(self) -> str:
         cells = ", ".join(f"{c} {v[0]:.4f}±{v[1]:.4f}" for c in ("GM acc", "PM acc")
@@ -231,7 +235,9 @@ def compare(configs: Sequence[PathLike], out: PathLike, *, seeds: int = 1, overr
             jobs: int = 1, quiet: bool = True) -> list[CompareRow]:
     """`fedsplice compare`: every config x seed (seed, seed+1, ...) with the same partition and
     client sampling per seed, into out/runs/<config stem>/seed-<s>; writes table.md, table.csv and
-    the plots into `out`, and returns one CompareRow per config, in the order given. `overrides`
+    the plots into `out`, and returns one CompareRow per config, in the order given, then the
+    reference rows every run computed (`majority (reference)`, `local-prior (reference)`, with
+    no runs of their own) unless a config is that reference. `overrides`
     apply to every config. Runs already finished are read back, not run again; an interrupted
     comparison, called again with the same arguments, finishes only what was missing.
 
@@ -248,7 +254,7 @@ def compare(configs: Sequence[PathLike], out: PathLike, *, seeds: int = 1, overr
     metric_cols = [c for c, _ in C.METRICS]
     return [CompareRow(method=r["method"], algorithm=r["algorithm"], n_seeds=r["n_seeds"],
                        metrics={c: (tuple(r[c]) if r[c] is not None else None) for c in metric_cols},
-                       random_weights=tuple(r.get("random_weights", ())), runs=tuple(runs[r["method"]]))
+                       random_weights=tuple(r.get("random_weights", ())), runs=tuple(runs.get(r["method"], ())))
             for r in rows]
 
 

@@ -13,7 +13,8 @@ from fedsplice.errors import FedspliceError
 def cmd_run(args) -> None:
     from fedsplice.federation.validate import load_config
     from fedsplice.app.rundir import default_out
-    from fedsplice.app.runner import console, print_table, run_experiment
+    from fedsplice.app.runner import console, run_experiment
+    from fedsplice.app.summary import print_table
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else default_out(cfg)
@@ -30,7 +31,8 @@ def cmd_run(args) -> None:
 
 def cmd_resume(args) -> None:
     from fedsplice.app.flower.resume import is_flower_run
-    from fedsplice.app.runner import console, print_table, resume_experiment
+    from fedsplice.app.runner import console, resume_experiment
+    from fedsplice.app.summary import print_table
 
     if is_flower_run(Path(args.run_dir)):  # on the Flower deployment that ran it (docs/flower.md)
         from fedsplice.app.flower.cli import resume_flower

@@ -64,7 +64,7 @@ class RunLines:
         self.prefix = prefix
 
     def __call__(self, event: dict) -> None:
-        from fedsplice.app.runner import progress_line
+        from fedsplice.app.progress import progress_line
 
         self.say(progress_line(event))
 
@@ -75,7 +75,7 @@ class RunLines:
             self.say(line)
 
     def say(self, text: str) -> None:
-        from fedsplice.app.runner import console
+        from fedsplice.app.console import console
 
         console.print(f"{self.prefix}: {text}", markup=False, highlight=False, soft_wrap=True)
 
@@ -106,7 +106,8 @@ def run_all(runs, quiet: bool = False, jobs: int = 1) -> list[dict]:
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
 
-    from fedsplice.app.runner import acc_text, clock, console
+    from fedsplice.app.console import console
+    from fedsplice.app.progress import acc_text, clock
 
     if jobs < 1:
         raise ConfigError(f"compare: --jobs must be >= 1, got {jobs}")
@@ -175,6 +176,39 @@ def summarize(runs, results) -> list[dict]:
             vals = [v for v in (_get(s, path) for s in row["seeds"]) if v is not None]
             r[col] = (float(np.mean(vals)), float(np.std(vals))) if vals else None
         out.append(r)
+    return out
+
+
+# results.json "references" -> the algorithm that computes the same row on its own
+REFERENCES = {"majority": "majority", "local_prior": "local-prior"}
+
+
+def reference_rows(runs, results) -> list[dict]:
+    """The majority-class and local-prior rows every run computed on its own split (no model, no
+    traffic): one row each, mean over seeds, when every config shares its seed's split; else one
+    per config. Left out where a compared config is that reference itself, or runs have none
+    (per-site data; runs of an older fedsplice)."""
+    if any(r.get("references") is None for r in results):
+        return []
+    labels = list(dict.fromkeys(label for label, *_ in runs))
+    by_seed: dict[int, list] = {}
+    for (label, seed, *_), res in zip(runs, results):
+        by_seed.setdefault(seed, []).append(res["references"])
+    shared = all(all(r == refs[0] for r in refs) for refs in by_seed.values())
+    out = []
+    for key, algo in REFERENCES.items():
+        if any(r["method"] == algo for r in results):
+            continue
+        for label in [None] if shared else labels:
+            seeds = [res["references"][key] for (lab, *_), res in zip(runs, results) if shared or lab == label]
+            if shared:  # one per seed: the configs' copies are equal
+                seeds = [refs[0][key] for refs in by_seed.values()]
+            row = {"method": f"{algo} (reference{'' if shared else ', ' + label})", "algorithm": algo,
+                   "n_seeds": len(seeds), "random_weights": []}
+            for col, path in METRICS:
+                vals = [v for v in (_get(s, path) for s in seeds) if v is not None]
+                row[col] = (float(np.mean(vals)), float(np.std(vals))) if vals else None
+            out.append(row)
     return out
 
 
@@ -304,7 +338,7 @@ def compare(configs: list[Path], seeds: int, overrides: list[str], out: Path, qu
             jobs: int = 1) -> list[dict]:
     runs = plan(configs, seeds, overrides, out)
     results = run_all(runs, quiet, jobs)
-    rows = summarize(runs, results)
+    rows = summarize(runs, results) + reference_rows(runs, results)
     out.mkdir(parents=True, exist_ok=True)
     write_tables(rows, out)
     write_plots(runs, out)

@@ -1,9 +1,14 @@
 """results.json's tables: what a finished run reports, and the data report it starts with; the
-line saying where a run computes."""
+references every run is read against and the warnings when a run did not beat them; the
+end-of-run table; the line saying where a run computes."""
 
 from __future__ import annotations
 
+import math
+
+from fedsplice.app.console import make_console, plural
 from fedsplice.config import SITES, ExperimentConfig
+from fedsplice.data.datasets import class_prompt_of
 from fedsplice.data.report import data_report
 from fedsplice.data.zoo import random_weights
 
@@ -30,8 +35,10 @@ def _counts(train_counts) -> dict:
             "imbalance_measured": float(train_counts.max() / max(train_counts.min(), 1))}
 
 
-def results_table(cfg: ExperimentConfig, exp, name: str, records: list[dict], final: dict) -> dict:
-    """results.json's content (the runner adds cold_start and time_s)."""
+def results_table(cfg: ExperimentConfig, exp, name: str, records: list[dict], final: dict,
+                  refs: dict | None = None) -> dict:
+    """results.json's content (the runner adds cold_start and time_s). `refs`: the run's
+    input-free references (`fedsplice.federation.references`)."""
     last = records[-1]
     rounds = cfg.server.rounds if exp.recipe.trains else 0
     results = {
@@ -61,6 +68,8 @@ def results_table(cfg: ExperimentConfig, exp, name: str, records: list[dict], fi
                      "skipped_rounds": sum(bool(r.get("skipped")) for r in records)},
     }
     results["data"] = data_table(exp)
+    results["references"] = refs
+    results["warnings"] = learning_warnings(cfg, exp, results)
     purified = [r["purified_steps"] for r in records if "purified_steps" in r]
     if purified:
         results["purified_fraction"] = float(sum(purified) / len(purified))
@@ -80,3 +89,81 @@ def hardware_line(cfg: ExperimentConfig, exp) -> str:
     if rc.workers > 1:
         parts.append(f"{rc.workers} worker processes")
     return ", ".join(parts)
+
+
+def zero_shot_at_round_0(cfg: ExperimentConfig) -> bool:
+    """Whether round 0 scores the zero-shot model: a zero-shot task (not a new classifier head),
+    whose PEFT starts as the identity (a prompt context only when copied from the template)."""
+    return cfg.model.task != "encoder_head" and not (cfg.peft.type == "prompt" and cfg.peft.prompt_init != "template")
+
+
+def auc_at_chance(auc: float | None, n0: int, n1: int) -> bool:
+    """AUC within 2 null standard errors of 0.5 (Hanley & McNeil: √((n0 + n1 + 1) / (12·n0·n1)))."""
+    return auc is not None and not math.isnan(auc) and auc <= 0.5 + 2 * math.sqrt((n0 + n1 + 1) / (12 * n0 * n1))
+
+
+def learning_warnings(cfg: ExperimentConfig, exp, results: dict) -> list[str]:
+    """One line for each reference a finished run did not beat: GM not above the majority class,
+    PM not above the local prior (each client's own majority class), zero-shot (round 0) at
+    chance. None for the references themselves, or without references (per-site data)."""
+    refs = results["references"]
+    if refs is None or exp.recipe.prior:
+        return []
+    out, maj, loc = [], refs["majority"], refs["local_prior"]
+    gm, pm, zs = results["gm"]["accuracy"], results["pm"]["accuracy"], results["zero_shot_gm"]
+    more = "more rounds (server.rounds), more local steps (client.max_steps) or a larger client.lr usually help"
+    if exp.recipe.trains and gm <= maj["gm"]["accuracy"]:
+        out.append(f"warning: GM accuracy {gm:.3f} is not above the majority class's {maj['gm']['accuracy']:.3f} "
+                   f"(one class predicted for every input): the global model learned nothing beyond the class "
+                   f"prior; {more}")
+    if exp.recipe.trains and pm <= loc["pm"]["accuracy"]:
+        out.append(f"warning: PM accuracy {pm:.3f} is not above the local prior's {loc['pm']['accuracy']:.3f} "
+                   f"(each client predicting its own majority class): the personalized models learned nothing "
+                   f"beyond each client's class prior; {more}")
+    if zero_shot_at_round_0(cfg):
+        counts = results["data"]["global_test_per_class"]
+        if len(counts) == 2 and zs.get("auc") is not None:
+            at, said = auc_at_chance(zs["auc"], *counts), f"AUC {zs['auc']:.3f}"
+        else:
+            at, said = zs["accuracy"] <= maj["gm"]["accuracy"], (f"accuracy {zs['accuracy']:.3f}, not above the "
+                                                                   f"majority class's {maj['gm']['accuracy']:.3f}")
+        if at:
+            out.append(f"warning: zero-shot (round 0) is at chance on the global test set ({said}): {_prompt_hint(cfg)}")
+    return out
+
+
+def _prompt_hint(cfg: ExperimentConfig) -> str:
+    names = "readable class names (data.class_names)"
+    if cfg.model.task == "dual_encoder":
+        prompt = cfg.data.class_prompt or class_prompt_of(cfg.data.dataset)
+        return (f"the class prompt {prompt!r} does not tell the classes apart; a prompt that describes them "
+                f"(data.class_prompt, e.g. \"a {{label}} review.\") or {names} usually help")
+    return (f"the model's answers do not tell the classes apart; a question in model.input_template "
+            f"(e.g. \"Review: {{text}}\\nIs it great or other?\") or {names} usually help")
+
+
+def print_table(results: dict) -> None:
+    """The end-of-run summary: GM and PM beside the references, traffic, the warnings."""
+    from rich.table import Table
+
+    t = Table(title=f"{results['algorithm']} — {results['dataset']}, {plural(results['rounds'], 'round')}")
+    for col in ("", "accuracy", "F1 macro", "std", "min"):
+        t.add_column(col)
+    rows = [("GM (global test)", results["gm"], False), ("PM (all clients)", results["pm"], True)]
+    refs = results.get("references")
+    if refs:
+        rows.insert(1, ("  majority class (reference)", refs["majority"]["gm"], False))
+        rows.append(("  local prior (reference)", refs["local_prior"]["pm"], True))
+    for label, m, spread in rows:
+        t.add_row(label, f"{m['accuracy']:.4f}", f"{m['f1_macro']:.4f}",
+                  f"{m['accuracy_std']:.4f}" if spread else "", f"{m['accuracy_min']:.4f}" if spread else "")
+    c = results["communication"]
+    t.caption = (f"upload {c['up_bytes'] / 1e6:.2f} MB total, {c['up_bytes_per_round'] / 1e3:.1f} kB/round; "
+                 f"download {c['down_bytes'] / 1e6:.2f} MB")
+    out = make_console()
+    out.print(t)
+    for w in results.get("warnings", []):
+        out.print(w, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
+    if results.get("random_weights"):
+        out.print(f"[bold red]RANDOM WEIGHTS ({', '.join(results['random_weights'])}): these numbers "
+                  f"test the code path, not the method[/]")

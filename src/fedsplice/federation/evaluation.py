@@ -28,16 +28,46 @@ def score(exp, labels: np.ndarray, logits: np.ndarray, test_idx: np.ndarray) -> 
     the model and of the zero-shot model on the same samples, and TKL to zero-shot. Without
     zero-shot logits (a prior reference never runs the model) there is no TKL, and the zero-shot
     counts are None."""
+    m = _counted(exp, labels, logits)
+    if "zero_shot_test" in exp.caches:
+        zs = exp.caches["zero_shot_test"][torch.as_tensor(test_idx)]
+        m["zs_class_correct"] = per_class_counts(labels, zs.numpy().argmax(1), len(exp.data.class_names))[0].tolist()
+        m["tkl"] = float(tkl(torch.as_tensor(logits), zs).mean())
+    return m
+
+
+def _counted(exp, labels: np.ndarray, logits: np.ndarray) -> dict:
     c = len(exp.data.class_names)
     m = classification_metrics(labels, logits, c)
     correct, total = per_class_counts(labels, logits.argmax(1), c)
-    zs_correct = None
-    if "zero_shot_test" in exp.caches:
-        zs = exp.caches["zero_shot_test"][torch.as_tensor(test_idx)]
-        zs_correct = per_class_counts(labels, zs.numpy().argmax(1), c)[0].tolist()
-        m["tkl"] = float(tkl(torch.as_tensor(logits), zs).mean())
-    m.update(class_correct=correct.tolist(), class_total=total.tolist(), zs_class_correct=zs_correct)
+    m.update(class_correct=correct.tolist(), class_total=total.tolist(), zs_class_correct=None)
     return m
+
+
+def references(exp) -> dict | None:
+    """The input-free references on this run's own split, scored exactly as the `majority` and
+    `local-prior` algorithms score them (no model): `majority` predicts the pooled training
+    prior's majority class everywhere; `local_prior` gives each client's PM from its own prior
+    (its GM is the pooled prior, the same as majority's). Scalars only. None with per-site data,
+    whose labels the server never holds."""
+    if exp.caches.get("train_counts") is None:
+        return None
+    d, size = exp.data, exp.data.global_test_size
+    gm = _counted(exp, d.test_labels[:size], prior_logits(exp, exp.train_ids, size))
+    gm = with_longtail(exp, gm, gm["class_correct"], gm["class_total"], None)
+    out = {}
+    for name, own in (("majority", False), ("local_prior", True)):
+        per_client = [_counted(exp, d.test_labels[exp.clients[k].test_idx],
+                               prior_logits(exp, [k] if own else exp.train_ids, len(exp.clients[k].test_idx)))
+                      for k in exp.train_ids]
+        pm = summarize_pm(exp, per_client)
+        out[name] = {"gm": _scalars(gm), "pm": _scalars(pm)}
+    return out
+
+
+def _scalars(m: dict) -> dict:
+    """A reference's metrics without the per-class/per-client lists and the zero-shot comparisons."""
+    return {k: v for k, v in m.items() if not isinstance(v, list) and k not in ("tkl", "head_bias")}
 
 
 def with_longtail(exp, m: dict, correct, total, zs_correct) -> dict:

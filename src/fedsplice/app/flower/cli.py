@@ -96,7 +96,7 @@ def resume_flower(out: Path, quiet: bool = False) -> dict:
 
 
 def cmd_up(args) -> None:
-    from fedsplice.app.runner import print_table
+    from fedsplice.app.summary import print_table
     from fedsplice.federation.validate import load_config
     from fedsplice.app.rundir import default_out
     from fedsplice.app.flower.launcher import parse_devices
