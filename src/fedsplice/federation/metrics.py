@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-from sklearn.metrics import f1_score, roc_auc_score
 
 
 def classification_metrics(labels: np.ndarray, logits: np.ndarray, num_classes: int) -> dict:
     """Accuracy, F1 and (binary) AUC. An undefined metric is NaN here, so means over clients stay
     NaN; files write it as null (fedsplice.data.assets.strict_json)."""
+    from sklearn.metrics import f1_score, roc_auc_score  # here: 1 s of import `validate` never needs
+
     labels = np.asarray(labels)
     pred = logits.argmax(1)
     out = {
