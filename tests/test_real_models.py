@@ -49,6 +49,10 @@ def test_minilm_pfadapter_halves_upload_and_keeps_zero_shot(tmp_path):
     assert 0.45 <= ratio <= 0.55, ratio  # the paper's claim: about half
     # MiniLM as a zero-shot dual encoder is far above chance (1/19) on fortune topics.
     assert pf["zero_shot_gm"]["accuracy"] > 0.3
+    # ... and above the majority class (1/19 on the balanced test set): neither the GM nor the
+    # zero-shot warning fires on a run that learns (issue 26)
+    assert pf["references"]["majority"]["gm"]["accuracy"] == pytest.approx(1 / 19)
+    assert not [w for w in pf["warnings"] if "GM accuracy" in w or "zero-shot" in w], pf["warnings"]
     for r in (pf, fa):
         assert set(r["gm"]) >= {"accuracy", "f1_macro", "f1_weighted"}
         assert set(r["pm"]) >= {"accuracy", "accuracy_std", "accuracy_min", "f1_macro"}
