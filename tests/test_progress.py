@@ -169,8 +169,18 @@ def test_eta_weighs_each_stage_by_its_cost(tiny_cfg):
     steps = [min(cfg.client.max_steps, -(-len(exp.clients[c].train_idx) // b)) for c in exp.train_ids]
     assert cost["train"] == pytest.approx(3.0 * b * sum(steps) / len(steps))
     track = progress.RunProgress(cfg, exp, 0, quiet=True)
+    plan = track.planned
+    assert plan == {"evaluate": 9, "train": 4, "cold start": 1, "personalize": 0}
     assert track.eta(track.t0 + 5) is None  # nothing has ended: no pace yet
-    track._advance(3)  # round 0's three evaluations
+    track._advance(3)  # round 0's three evaluations: every stage goes at their pace
     later = [track.eta(track.t0 + s) for s in (10.0, 20.0)]
-    assert later[1] == pytest.approx(2 * later[0])
-    assert later[0] == pytest.approx(10.0 / (3 * cost["evaluate"]) * (track.work - 3 * cost["evaluate"]))
+    assert later[1] == pytest.approx(2 * later[0])  # nothing ends: the ETA grows
+    work = sum(n * cost[k] for k, n in plan.items())
+    assert later[0] == pytest.approx(10.0 / (3 * cost["evaluate"]) * (work - 3 * cost["evaluate"]))
+    # in round 1's training: 2 fits ended in 40 s; a stage seen goes at its own pace
+    t0 = track.t0
+    track.phase, track._phase_t0, track.spent["evaluate"], track.done_by["train"] = "train", t0 + 30, 10.0, 2
+    pace = {"evaluate": 10.0 / (3 * cost["evaluate"]), "train": 40.0 / (2 * cost["train"])}
+    mean = 70.0 / (3 * cost["evaluate"] + 2 * cost["train"])
+    assert track.eta(t0 + 70) == pytest.approx(6 * cost["evaluate"] * pace["evaluate"] + 2 * cost["train"] * pace["train"]
+                                               + cost["cold start"] * mean)

@@ -305,7 +305,7 @@ def test_learning_warnings_fire_on_a_run_that_did_not_learn_and_only_then(tiny_c
     from fedsplice.app.summary import learning_warnings
 
     cfg = tiny_cfg()
-    method = SimpleNamespace(recipe=SimpleNamespace(prior=None, trains=True))
+    method = SimpleNamespace(recipe=SimpleNamespace(prior=None, trains=True), global_names=["a"])
     said = learning_warnings(cfg, method, _results(gm=0.40, pm=0.69, zs_acc=0.35))
     assert len(said) == 3
     assert said[0].startswith("warning: GM accuracy 0.400 is not above the majority class's 0.400")
@@ -317,6 +317,17 @@ def test_learning_warnings_fire_on_a_run_that_did_not_learn_and_only_then(tiny_c
     # binary: the zero-shot test is its AUC against chance, 2 null standard errors (n = 50 + 50: 0.116)
     assert "AUC 0.600" in learning_warnings(cfg, method, _results(0.9, 0.9, 0.3, 0.60, (50, 50)))[0]
     assert learning_warnings(cfg, method, _results(0.9, 0.9, 0.3, 0.62, (50, 50))) == []
+    assert "is at chance" in learning_warnings(cfg, method, _results(0.9, 0.9, 0.3, 0.40, (50, 50)))[0]  # -1.7 SE
+    said = learning_warnings(cfg, method, _results(0.9, 0.9, 0.3, 0.03, (50, 50)))  # far below: reversed
+    assert len(said) == 1 and "ranks the two classes the wrong way round on the global test set (AUC 0.030)" in said[0]
+    # a GM that still predicts as zero-shot (TKL at rounding noise) after training
+    unmoved = {**_results(0.9, 0.9, 0.9), "rounds": 2}
+    unmoved["gm"]["tkl"] = -6.5e-9
+    said = learning_warnings(cfg, method, unmoved)
+    assert len(said) == 1 and said[0].startswith("warning: after 2 rounds the global model still predicts as "
+                                                 "zero-shot does (TKL to zero-shot -6.5e-09")
+    unmoved["gm"]["tkl"] = 4e-6  # moved a little: not said
+    assert learning_warnings(cfg, method, unmoved) == []
     # the references themselves, and a model with a new head (no zero-shot), say nothing of it
     assert learning_warnings(cfg, SimpleNamespace(recipe=SimpleNamespace(prior="global", trains=False)),
                              _results(0.4, 0.5, 0.4)) == []

@@ -285,3 +285,32 @@ def test_scope_rules(tmp_path):
     cfg.write_text('datasets = 3\n')
     with pytest.raises(ConfigError, match=r"datasets: expected tables \[datasets.NAME\]"):
         load_config(cfg)
+
+
+def test_an_empty_label_is_refused_and_a_rare_one_named(tmp_path, capsys, no_model):
+    rows = [{"label": ["billing", "shipping"][i % 2], "text": f"ticket {i}", "split": "test" if i % 5 == 0 else "train"}
+            for i in range(200)]
+    empty = [dict(r) for r in rows]
+    empty[7]["label"] = " "
+    write_csv(tmp_path / "e.csv", empty)
+    with pytest.raises(ConfigError, match=r"e\.csv line 9: `label` is empty; every record needs a label"):
+        load_dataset(f"csv:{tmp_path / 'e.csv'}")
+    typo = [dict(r) for r in rows]
+    typo[13]["label"] = "biling"
+    ds = load_dataset(f"csv:{write_csv(tmp_path / 't.csv', typo)}")
+    assert ds.class_names == ["biling", "billing", "shipping"]
+    assert ds.report["warnings"][0] == (f"class 'biling' has 1 training row (first: {tmp_path / 't.csv'} line 15): "
+                                        f"a typo in the `label` column? fix the label, or remove the row")
+    # the small test set: named per class, and the fix is the user's split (test_per_class plays no part)
+    assert "('biling' 0)" in ds.report["warnings"][1] and ds.report["warnings"][1].endswith("add test rows to your split")
+
+
+def test_a_folder_given_as_a_file_is_named_in_the_config_check(tmp_path, capsys):
+    (tmp_path / "bad").mkdir()
+    assert main(["validate", "--set", f"data.dataset=csv:{tmp_path / 'bad'}"]) == 2
+    assert "is a folder, not a CSV file; give the file's path" in capsys.readouterr().err
+    f = food_reviews(tmp_path / "f.csv", 40)
+    assert main(["validate", "--set", f"data.dataset=images:{f}"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert main(["validate", "--set", f"data.dataset=csv:{f}", "--set", f"data.test=jsonl:{tmp_path / 'bad'}"]) == 2
+    assert "data.test: " in capsys.readouterr().err

@@ -62,10 +62,10 @@ class RunProgress:
                  on_event: Callable[[dict], None] | None = None):
         self.rounds = cfg.server.rounds if exp.recipe.trains else 0
         self.round, self.phase = (0, "evaluate") if start == 0 else (start + 1, "train")
-        planned, self.cost = _planned_tasks(cfg, exp, start), task_costs(cfg, exp)
-        self.total, self.done, self.inner = sum(planned.values()), 0, None
-        self.work = sum(n * self.cost[k] for k, n in planned.items())  # the ETA's unit: task_costs
-        self.worked = 0.0
+        self.planned, self.cost = _planned_tasks(cfg, exp, start), task_costs(cfg, exp)
+        self.total, self.done, self.inner = sum(self.planned.values()), 0, None
+        self.done_by = dict.fromkeys(self.planned, 0)  # per stage: tasks ended, seconds spent in it
+        self.spent = dict.fromkeys(self.planned, 0.0)
         self.quiet, self.on_event = quiet, on_event
         self.lines = not quiet and not console.is_terminal  # a log file: lines, no animation
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -74,7 +74,7 @@ class RunProgress:
         self.task = self.bar.add_task(self.stage(), total=self.total, eta="?")
         self._fitted: set[int] = set()
         self._in_call = 0
-        self.t0 = self._said = time.perf_counter()
+        self.t0 = self._said = self._phase_t0 = time.perf_counter()
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
 
@@ -106,9 +106,16 @@ class RunProgress:
             console.print(progress_line(ev), markup=False, highlight=False, soft_wrap=True)
 
     def eta(self, now: float) -> float | None:
-        """Seconds left at the run's mean pace per unit of work (`task_costs`); it grows while a
-        long task runs and nothing ends. None before a task has ended."""
-        return (now - self.t0) / self.worked * max(self.work - self.worked, 0.0) if self.worked else None
+        """Seconds left: each stage's tasks left x their cost (`task_costs`) x that stage's own pace
+        (seconds spent in it per unit of work done), or the run's mean pace for a stage not seen
+        yet. It grows while a long task runs and nothing ends. None before a task has ended."""
+        spent = {**self.spent, self.phase: self.spent.get(self.phase, 0.0) + now - self._phase_t0}
+        worked = {k: n * self.cost.get(k, 1.0) for k, n in self.done_by.items()}
+        if not sum(worked.values()):
+            return None
+        pace = (now - self.t0) / sum(worked.values())  # a stage not seen yet goes at the run's mean pace
+        return sum(max(n - self.done_by.get(k, 0), 0) * self.cost.get(k, 1.0)
+                   * (spent.get(k, 0.0) / worked[k] if worked.get(k) else pace) for k, n in self.planned.items())
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(2.0):
@@ -119,13 +126,16 @@ class RunProgress:
 
     def _advance(self, n: int) -> None:
         self.done += n
-        self.worked += n * self.cost.get(self.phase, 1.0)
+        self.done_by[self.phase] = self.done_by.get(self.phase, 0) + n
         if self.done > self.total:  # more tasks than planned (a runtime's own retries)
-            self.total, self.work = self.done, max(self.work, self.worked)
+            self.total = self.done
+            self.planned[self.phase] = max(self.planned.get(self.phase, 0), self.done_by[self.phase])
         self.bar.update(self.task, completed=self.done, total=self.total, eta=clock(self.eta(time.perf_counter())))
 
     def _begin(self, phase: str) -> None:
-        self.phase, self._in_call = phase, 0
+        now = time.perf_counter()
+        self.spent[self.phase] = self.spent.get(self.phase, 0.0) + now - self._phase_t0
+        self.phase, self._in_call, self._phase_t0 = phase, 0, now
         self.bar.update(self.task, description=self.stage())
         self._emit("stage")
 
@@ -140,7 +150,7 @@ class RunProgress:
     def fit(self, rnd: int, cids: list[int], down: bytes):
         if rnd in self._fitted:  # a retry: its clients were not in the plan
             self.total += len(cids)
-            self.work += len(cids) * self.cost["train"]
+            self.planned["train"] += len(cids)
         self._fitted.add(rnd)
         self.round = rnd
         self._begin("train")

@@ -33,7 +33,7 @@ from fedsplice.runtimes.workers import Workers, check_workers
 
 def round_line(r: dict, refs: dict | None = None) -> str:
     """A round's line; with `refs` (the run's references) GM and PM each beside theirs."""
-    s = f"round {r['round']:>3}"
+    s = f"{r['phase']} (after round {r['round']})" if "phase" in r else f"round {r['round']:>3}"
     if "train_loss" in r:
         s += f"  loss {r['train_loss']:.3f}  up {r['up_bytes'] / 1e3:.1f} kB  {r['time_s']:.1f}s"
     if r.get("skipped"):

@@ -97,11 +97,6 @@ def zero_shot_at_round_0(cfg: ExperimentConfig) -> bool:
     return cfg.model.task != "encoder_head" and not (cfg.peft.type == "prompt" and cfg.peft.prompt_init != "template")
 
 
-def auc_at_chance(auc: float | None, n0: int, n1: int) -> bool:
-    """AUC within 2 null standard errors of 0.5 (Hanley & McNeil: √((n0 + n1 + 1) / (12·n0·n1)))."""
-    return auc is not None and not math.isnan(auc) and auc <= 0.5 + 2 * math.sqrt((n0 + n1 + 1) / (12 * n0 * n1))
-
-
 def learning_warnings(cfg: ExperimentConfig, exp, results: dict) -> list[str]:
     """One line for each reference a finished run did not beat: GM not above the majority class,
     PM not above the local prior (each client's own majority class), zero-shot (round 0) at
@@ -120,16 +115,31 @@ def learning_warnings(cfg: ExperimentConfig, exp, results: dict) -> list[str]:
         out.append(f"warning: PM accuracy {pm:.3f} is not above the local prior's {loc['pm']['accuracy']:.3f} "
                    f"(each client predicting its own majority class): the personalized models learned nothing "
                    f"beyond each client's class prior; {more}")
+    tkl = results["gm"].get("tkl")
+    if tkl is not None and abs(tkl) < UNMOVED_TKL and exp.recipe.trains and exp.global_names:
+        out.append(f"warning: after {plural(results['rounds'], 'round')} the global model still predicts as "
+                   f"zero-shot does (TKL to zero-shot {tkl:.1e}, rounding noise): either the rounds did not move "
+                   f"it ({more}), or this method's GM is the zero-shot model by construction")
     if zero_shot_at_round_0(cfg):
-        counts = results["data"]["global_test_per_class"]
-        if len(counts) == 2 and zs.get("auc") is not None:
-            at, said = auc_at_chance(zs["auc"], *counts), f"AUC {zs['auc']:.3f}"
-        else:
-            at, said = zs["accuracy"] <= maj["gm"]["accuracy"], (f"accuracy {zs['accuracy']:.3f}, not above the "
-                                                                   f"majority class's {maj['gm']['accuracy']:.3f}")
-        if at:
-            out.append(f"warning: zero-shot (round 0) is at chance on the global test set ({said}): {_prompt_hint(cfg)}")
+        out += _zero_shot_warning(cfg, zs, results["data"]["global_test_per_class"], maj["gm"]["accuracy"])
     return out
+
+
+UNMOVED_TKL = 1e-7  # a GM whose TKL to zero-shot is below this predicts as zero-shot, to rounding
+
+
+def _zero_shot_warning(cfg: ExperimentConfig, zs: dict, counts: list[int], majority: float) -> list[str]:
+    """Zero-shot at chance: two classes, by AUC within 2 null standard errors of 0.5 (below that,
+    the classes are ranked the wrong way round); more, by accuracy not above the majority class."""
+    if len(counts) == 2 and zs.get("auc") is not None and not math.isnan(zs["auc"]):
+        se = math.sqrt((sum(counts) + 1) / (12 * counts[0] * counts[1]))
+        if zs["auc"] < 0.5 - 2 * se:
+            return [f"warning: zero-shot (round 0) ranks the two classes the wrong way round on the global test "
+                    f"set (AUC {zs['auc']:.3f}): {_prompt_hint(cfg)}"]
+        at, said = zs["auc"] <= 0.5 + 2 * se, f"AUC {zs['auc']:.3f}"  # Hanley & McNeil's null SE
+    else:
+        at, said = zs["accuracy"] <= majority, f"accuracy {zs['accuracy']:.3f}, not above the majority class's {majority:.3f}"
+    return [f"warning: zero-shot (round 0) is at chance on the global test set ({said}): {_prompt_hint(cfg)}"] if at else []
 
 
 def _prompt_hint(cfg: ExperimentConfig) -> str:

@@ -148,6 +148,23 @@ class PeftConfig:
                               "trains every backbone weight: remove them")
 
 
+def _check_path(field: str, kind: str, path: str) -> None:
+    """A user's file (csv, jsonl) or folder (images) exists, and is what its kind says."""
+    p = Path(path).expanduser()
+    if kind == "images":
+        if p.is_file():
+            raise ConfigError(f"{field}: {path!r} is a file, not a folder; images:DIR takes a folder with one "
+                              f"subfolder of images per class (a CSV file is 'csv:{path}')")
+        if not p.is_dir():
+            raise ConfigError(f"{field}: folder {path!r} not found; give a folder with one subfolder of images "
+                              f"per class (images:DIR)")
+    elif p.is_dir():
+        raise ConfigError(f"{field}: {path!r} is a folder, not a {kind.upper()} file; give the file's path (a "
+                          f"folder of <label>/<image> files is 'images:{path}')")
+    elif not p.is_file():
+        raise ConfigError(f"{field}: file {path!r} not found; give an existing {kind} file")
+
+
 @dataclass
 class DataConfig:
     dataset: str = "fortunes"  # see `fedsplice list datasets`; or csv:PATH / jsonl:PATH
@@ -204,20 +221,15 @@ class DataConfig:
     def check(self) -> None:
         # the files of a user's data set exist; a built-in name is checked against the registry
         # by fedsplice.federation.validate
-        kind, path = user_data(self.dataset) or ("", "")
-        if kind in ("csv", "jsonl") and not Path(path).expanduser().is_file():
-            raise ConfigError(f"data.dataset: file {path!r} not found; give an existing {kind} file")
-        if kind == "images" and not Path(path).expanduser().is_dir():
-            raise ConfigError(f"data.dataset: folder {path!r} not found; give a folder with one "
-                              f"subfolder of images per class (images:DIR)")
+        if user_data(self.dataset):
+            _check_path("data.dataset", *user_data(self.dataset))
         self._check_sites()
         tkind, tpath = user_data(self.test) or ("", "")
         if self.test and not tkind:
             raise ConfigError(f"data.test = {self.test!r}: give csv:PATH, jsonl:PATH or images:DIR (the test "
                               f"split of your data), or leave it empty")
-        if tkind and self.dataset != SITES and not (Path(tpath).expanduser().is_dir() if tkind == "images" else Path(tpath).expanduser().is_file()):
-            raise ConfigError(f"data.test: {tpath!r} not found; give an existing {tkind} "
-                              f"{'folder' if tkind == 'images' else 'file'}")
+        if tkind and self.dataset != SITES:
+            _check_path("data.test", tkind, tpath)
         if self.class_prompt:
             check_template("data.class_prompt", self.class_prompt, "label", "a quote about {label}.")
         for i, t in enumerate(self.class_prompts):

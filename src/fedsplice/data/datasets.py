@@ -285,18 +285,21 @@ def split_report(parsed: dict, test_per_class: int, seed: int, ds: TextDataset) 
     cap = pool - len(ds.train_texts) - len(ds.test_texts) - unused_test
     dropped = {**parsed["dropped"], "cap": cap, "test_pool_unused": unused_test}
     return {"source": ds.source, "split": split, "dropped": {k: int(v) for k, v in dropped.items()},
-            "notes": list(parsed["notes"]), "warnings": small_test_warnings(ds)}
+            "notes": list(parsed["notes"]),
+            "warnings": list(parsed.get("warnings", [])) + small_test_warnings(ds, given=bool(parsed["split"]))}
 
 
-def small_test_warnings(ds: TextDataset) -> list[str]:
-    """A warning when a class of the global test set has fewer than MIN_TEST_PER_CLASS samples."""
+def small_test_warnings(ds: TextDataset, given: bool = False) -> list[str]:
+    """A warning naming the classes of the global test set with fewer than MIN_TEST_PER_CLASS
+    samples; the fix depends on who made the split (`given`: the user's, used as it is)."""
     counts = ds.test_counts()
-    small = [ds.class_names[c] for c in range(ds.num_classes) if counts[c] < MIN_TEST_PER_CLASS]
+    small = [c for c in range(ds.num_classes) if counts[c] < MIN_TEST_PER_CLASS]
     if not small:
         return []
+    names = ", ".join(f"{ds.class_names[c]!r} {int(counts[c])}" for c in small[:5]) + (", ..." if len(small) > 5 else "")
+    fix = "add test rows to your split" if given else "raise data.test_per_class"
     return [f"the global test set has fewer than {MIN_TEST_PER_CLASS} samples in {len(small)} of "
-            f"{ds.num_classes} classes (fewest: {int(counts.min())}), so GM moves in steps of 10+ "
-            f"points per class; give more test rows or raise data.test_per_class"]
+            f"{ds.num_classes} classes ({names}), so GM moves in steps of 10+ points per class; {fix}"]
 
 
 def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,

@@ -49,8 +49,23 @@ def data_report(data: TextDataset, clients: list[Client], holdout_ids: list[int]
                      "local_test_per_class": _counts(data.test_labels[k.test_idx], c)} for k in clients],
         "dropped": {k: v for k, v in rep.get("dropped", {}).items() if v},
         "notes": list(rep.get("notes", [])),
-        "warnings": list(rep.get("warnings", [])),
+        "warnings": list(rep.get("warnings", [])) + _held_out_warning(clients, held),
     }
+
+
+def _held_out_warning(clients: list[Client], held: set[int]) -> list[str]:
+    """Held-out clients train only in the cold start. With skewed client sizes they can hold far
+    more of the data than their number suggests: said when it is over 1.5x their share of clients."""
+    sizes = {k.cid: len(k.train_idx) for k in clients}
+    total = sum(sizes.values())
+    if not held or not total:
+        return []
+    share, fair = sum(sizes[c] for c in held) / total, len(held) / len(sizes)
+    if share <= 1.5 * fair:
+        return []
+    return [f"the held-out clients ({', '.join(map(str, sorted(held)))}) hold {share:.0%} of the training data, "
+            f"{share / fair:.1f}x their {fair:.0%} share of the clients; the rounds train on the other "
+            f"{1 - share:.0%}. data.holdout_clients = 0 trains on all of it (and skips the cold start)"]
 
 
 def summary_lines(rep: dict) -> list[str]:

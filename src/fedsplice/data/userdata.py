@@ -78,7 +78,11 @@ def _record(row, line: int, path: Path, kind: str) -> tuple:
     if text is None and image is None:
         raise ConfigError(f"{where}: no `text` and no `image` (missing or empty); every "
                           f"record needs a non-empty `text` and/or an `image`")
-    return line, str(row["label"]).strip(), text, image, _split_of(row, where)
+    label = str(row["label"]).strip()
+    if not label:
+        raise ConfigError(f"{where}: `label` is empty; every record needs a label (an empty one would "
+                          f"become a class of its own)")
+    return line, label, text, image, _split_of(row, where)
 
 
 def _refuse_duplicates(names: list[str], where: str) -> None:
@@ -151,8 +155,9 @@ def _items(kind: str, path: str, skip_bad_images: bool) -> tuple[list, list[str]
         samples, labels = imagedata.read_image_folder(path, skip_bad_images)
         return samples, labels, [None] * len(samples), {"bad_images": log.skipped}
     recs = read_records(file, kind)
-    items, labels, splits = [], [], []
+    items, labels, splits, first = [], [], [], {}
     for line, label, text, image, split in recs.rows:
+        first.setdefault(label, line)
         if image is not None:
             img = file.parent / image
             if not img.is_file():
@@ -169,7 +174,7 @@ def _items(kind: str, path: str, skip_bad_images: bool) -> tuple[list, list[str]
     if not items:
         raise ConfigError(f"{file}: every image was skipped as bad; fix or replace them")
     return items, labels, splits, {"bad_images": log.skipped, "blank_lines": recs.blank_lines,
-                                   "ignored_columns": recs.ignored_columns}
+                                   "ignored_columns": recs.ignored_columns, "first_line": first}
 
 
 def sorted_labels(labels) -> list[str]:
@@ -258,7 +263,7 @@ def _parsed(items, labels, splits, facts, kind, path, test, skip_bad_images, fix
         names = fixed or _two_classes(sorted_labels(labels), path)
         texts, dropped["duplicates"] = _dedupe_count(_per_class(items, labels, {c: i for i, c in enumerate(names)}))
         return {"class_names": names, "texts": texts, "test_texts": None, "source": source, "split": None,
-                "dropped": dropped, "notes": notes}
+                "dropped": dropped, "notes": notes, "warnings": _rare(names, texts, facts, path)}
     names = fixed or sorted_labels(y for _, y in tr)
     unseen = [] if fixed else sorted_labels({y for _, y in te} - set(names))
     if unseen:
@@ -274,4 +279,17 @@ def _parsed(items, labels, splits, facts, kind, path, test, skip_bad_images, fix
     if leaked:
         notes.append(f"{leaked} test rows also appear in the training split (exact copies): GM overstates")
     return {"class_names": names, "texts": texts, "test_texts": test_texts, "source": source, "split": split,
-            "dropped": dropped, "notes": notes}
+            "dropped": dropped, "notes": notes, "warnings": _rare(names, texts, facts, path)}
+
+
+RARE = 2  # a class with this many training rows or fewer is more likely a typo than a class
+
+
+def _rare(names: list[str], texts: list[list], facts: dict, path) -> list[str]:
+    """A warning naming each class with at most RARE training rows, and where it first appears."""
+    at = facts.get("first_line", {})
+    rare = [(c, len(t)) for c, t in zip(names, texts) if len(t) <= RARE]
+    return [f"class {c!r} has {n} training row{'s' if n != 1 else ''} (first: {Path(path).expanduser()} line "
+            f"{at[c]}): a typo in the `label` column? fix the label, or remove the row"
+            if c in at else f"class {c!r} has {n} training row{'s' if n != 1 else ''}: it can hardly be learned"
+            for c, n in rare]
