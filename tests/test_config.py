@@ -119,7 +119,7 @@ def test_literal_choice_lists_the_options():
     ("data.class_prompt='no label here'", "data.class_prompt must contain '{label}'"),
     ("model.class_prompt='a {label}'", "model.class_prompt moved to data.class_prompt"),
     ("data.test='test.csv'", "data.test = 'test.csv': give csv:PATH, jsonl:PATH or images:DIR"),
-    ("data.test='csv:/nonexistent/t.csv'", "data.test: '/nonexistent/t.csv' not found"),
+    ("data.test='csv:/nonexistent/t.csv'", "data.test: file '/nonexistent/t.csv' not found"),
     ("model.input_template='no text'", "model.input_template must contain '{text}'"),
     ("method.global_roles=[]", "method.global_roles is empty"),
     ("method.global_roles=['z']", "method.global_roles: unknown role(s) ['z']"),

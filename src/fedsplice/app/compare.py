@@ -200,9 +200,10 @@ def reference_rows(runs, results) -> list[dict]:
         if any(r["method"] == algo for r in results):
             continue
         for label in [None] if shared else labels:
-            seeds = [res["references"][key] for (lab, *_), res in zip(runs, results) if shared or lab == label]
             if shared:  # one per seed: the configs' copies are equal
                 seeds = [refs[0][key] for refs in by_seed.values()]
+            else:
+                seeds = [res["references"][key] for (lab, *_), res in zip(runs, results) if lab == label]
             row = {"method": f"{algo} (reference{'' if shared else ', ' + label})", "algorithm": algo,
                    "n_seeds": len(seeds), "random_weights": []}
             for col, path in METRICS:

@@ -109,12 +109,12 @@ def learning_warnings(cfg: ExperimentConfig, exp, results: dict) -> list[str]:
     more = "more rounds (server.rounds), more local steps (client.max_steps) or a larger client.lr usually help"
     if exp.recipe.trains and gm <= maj["gm"]["accuracy"]:
         out.append(f"warning: GM accuracy {gm:.3f} is not above the majority class's {maj['gm']['accuracy']:.3f} "
-                   f"(one class predicted for every input): the global model learned nothing beyond the class "
-                   f"prior; {more}")
+                   f"(one class predicted for every input): the global model does not yet beat predicting the "
+                   f"most frequent class; {more}")
     if exp.recipe.trains and pm <= loc["pm"]["accuracy"]:
         out.append(f"warning: PM accuracy {pm:.3f} is not above the local prior's {loc['pm']['accuracy']:.3f} "
-                   f"(each client predicting its own majority class): the personalized models learned nothing "
-                   f"beyond each client's class prior; {more}")
+                   f"(each client predicting its own majority class): the personalized models do not yet beat "
+                   f"each client's most frequent class; {more}")
     tkl = results["gm"].get("tkl")
     if tkl is not None and abs(tkl) < UNMOVED_TKL and exp.recipe.trains and exp.global_names:
         out.append(f"warning: after {plural(results['rounds'], 'round')} the global model still predicts as "
