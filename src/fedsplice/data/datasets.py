@@ -184,7 +184,8 @@ def split_classes(texts: list[list[str]], rng: np.random.Generator, test_per_cla
     if n_test == 0:
         small = [names[c] for c, t in enumerate(texts) if len(t) < 2]
         raise ConfigError(f"classes {small} have fewer than 2 samples, so the test set would be "
-                          f"empty; add data or drop those classes")
+                          f"empty; add data or drop those classes (a label mistyped in a row or two makes a "
+                          f"class of its own)")
     tr_x, tr_y, te_x, te_y = [], [], [], []
     for c, (t, perm) in enumerate(zip(texts, perms)):
         train = perm[n_test:] if max_per_class is None else perm[n_test:n_test + max_per_class]
