@@ -2,6 +2,7 @@
 self-contained HTML page) and `compare --jobs` (runs in worker processes)."""
 
 import base64
+import html
 import json
 import re
 from html.parser import HTMLParser
@@ -277,6 +278,9 @@ def test_report_of_run_and_compare_dirs(suite, tmp_path, capsys):
     page = render(run)
     r = json.loads((run / "results.json").read_text())
     assert f'<td>GM</td><td class="n">{r["gm"]["accuracy"]:.4f}</td>' in page
+    maj = r["references"]["majority"]["gm"]["accuracy"]
+    assert f'<td>majority class (reference)</td><td class="n">{maj:.4f}</td>' in page
+    assert all(html.escape(w) in page for w in r["warnings"])
     assert page.count("data:image/png;base64,") == 1  # the run's accuracy.png
     _well_formed(page)
     assert main(["report", str(tmp_path / "nothing")]) == 2

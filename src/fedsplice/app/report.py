@@ -110,14 +110,18 @@ def _section(d: Path, title: str) -> str:
         r = json.loads((d / "results.json").read_text())
         c = r["communication"]
         rows = ["| | accuracy | F1 macro | balancedness |", "|---|---|---|---|"]
-        for k in ("gm", "pm"):
-            m = r[k]
+        refs = r.get("references") or {}
+        for label, m in (("GM", r["gm"]), ("majority class (reference)", refs.get("majority", {}).get("gm")),
+                         ("PM", r["pm"]), ("local prior (reference)", refs.get("local_prior", {}).get("pm"))):
+            if m is None:
+                continue
             beta = _num(m["balancedness"]) if "balancedness" in m else "—"
-            rows.append(f"| {k.upper()} | {_num(m.get('accuracy'))} | {_num(m.get('f1_macro'))} | {beta} |")
+            rows.append(f"| {label} | {_num(m.get('accuracy'))} | {_num(m.get('f1_macro'))} | {beta} |")
         parts.append(f"<p>{html.escape(r['algorithm'])} on {html.escape(r['dataset'])} with "
                      f"{html.escape(r['model'])}, {r['rounds']} rounds, seed {r['seed']}; upload "
                      f"{c['up_bytes']:,} B in total, {c['up_bytes_per_round']:,.0f} B per round.</p>")
         parts.append(md_to_html("\n".join(rows)))
+        parts += [f"<p><strong>{html.escape(w)}</strong></p>" for w in r.get("warnings", [])]
         if r.get("random_weights"):
             parts.append(f"<p><strong>RANDOM WEIGHTS ({html.escape(', '.join(r['random_weights']))}): "
                          f"these numbers test the code path, not the method.</strong></p>")
