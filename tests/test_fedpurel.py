@@ -614,3 +614,25 @@ def test_personal_rounds_zero_trains_nothing(purel_exp, monkeypatch):
     assert m["class_correct"] == np.bincount(labels[pred == labels], minlength=3).tolist()
     assert m["tkl"] == pytest.approx(float(T.tkl(l_g + l_p, exp.caches["zero_shot_test"][
         torch.as_tensor(exp.clients[cid].test_idx)]).mean()), rel=1e-5)
+
+
+def test_per_loss_gradients_free_the_graph_with_the_last_one():
+    """A grad transform (purification) takes each loss's own gradient: every call but the last
+    keeps the shared graph, and the last frees it (the activations are not held to the next step)."""
+    from fedsplice.federation.train import backward
+
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    h = (w * torch.tensor([3.0, 4.0])).exp()  # a saved activation shared by both losses
+    losses = {"task": h.sum(), "align": (h ** 2).sum()}
+    seen = {}
+
+    def keep(grads):
+        seen.update(grads)
+        return grads["task"], {}
+
+    backward(losses, None, [w], keep, {})
+    assert torch.allclose(seen["task"][0], torch.tensor([3.0, 4.0]) * h.detach())
+    assert torch.allclose(seen["align"][0], 2 * torch.tensor([3.0, 4.0]) * h.detach() ** 2)
+    assert torch.equal(w.grad, seen["task"][0])
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(losses["task"], [w])

@@ -58,9 +58,10 @@ def backward(losses: dict, total, plist: list, grad_transform, sums: dict, scale
         up(total).backward()
         return
     s = scaler.get_scale() if scaler is not None else 1.0
+    last = len(losses) - 1  # the graph is kept for the next loss only: the last grad frees it
     grads = {k: [g / s if g is not None else torch.zeros_like(p) for g, p in zip(
-        torch.autograd.grad(up(v), plist, retain_graph=True, allow_unused=True), plist)]
-        for k, v in losses.items()}
+        torch.autograd.grad(up(v), plist, retain_graph=i < last, allow_unused=True), plist)]
+        for i, (k, v) in enumerate(losses.items())}
     final, tstats = grad_transform(grads)
     for p, g in zip(plist, final):
         p.grad = g * s if s != 1.0 else g
