@@ -93,6 +93,23 @@ def test_auto_precision_follows_the_cpu_flags(monkeypatch):
     assert resolve_precision("fp16", torch.device("cpu")) == torch.float16
 
 
+def test_auto_precision_on_cuda_asks_that_device_for_native_bf16(monkeypatch):
+    """Capability 8.0+ (Ampere on) has bf16 units; a V100 (7.0) or T4 (7.5) only emulates bf16,
+    which torch.cuda.is_bf16_supported() counts, and which is slower than fp32. The device asked
+    for is the one checked, not GPU 0 (no CUDA needed: the query is stubbed)."""
+    asked = []
+
+    def capability(device=None):
+        asked.append(device)
+        return {0: (7, 5), 1: (9, 0)}[device.index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # emulation counts there
+    assert resolve_precision("auto", torch.device("cuda:0")) == torch.float32
+    assert resolve_precision("auto", torch.device("cuda:1")) == torch.bfloat16
+    assert [d.index for d in asked] == [0, 1]
+
+
 def test_bf16_autocast_runs_the_matmuls_in_bf16_with_fp32_masters(tiny_cfg):
     exp = build(tiny_cfg(runtime__precision='"bf16"'))
     assert torch.bfloat16 in _linear_dtypes(exp.model, ["play the ball", "the moon"])

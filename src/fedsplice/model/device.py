@@ -55,11 +55,14 @@ def cpu_has_bf16() -> bool:
 
 
 def resolve_precision(name: str, device: torch.device) -> torch.dtype:
-    """The autocast dtype ("fp32": none). "auto": bf16 on a CUDA device that supports it and on
-    a CPU with native bf16, else fp32 (fp16 is never chosen for you: it needs loss scaling)."""
+    """The autocast dtype ("fp32": none). "auto": bf16 on a CUDA device with native bf16 (compute
+    capability 8.0+, Ampere on) and on a CPU with native bf16, else fp32 (fp16 is never chosen for
+    you: it needs loss scaling). `device`'s own capability is asked, not GPU 0's, and emulated
+    bf16 (`torch.cuda.is_bf16_supported()` says True for it on older GPUs) does not count: it is
+    slower than fp32."""
     if name == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+            return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float32
         return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
     if name == "fp16" and device.type == "mps":
         raise ConfigError("runtime.precision = 'fp16' is not supported on MPS here; use 'fp32'")
