@@ -263,3 +263,19 @@ def test_caches_take_bf16_rows_and_weights():
     again = cache.rows(["a", "b"], lambda ts: pytest.fail("cached rows were computed again"))
     assert [r.dtype for r in rows] == [r.dtype for r in again] == [torch.float32] * 2
     assert all(torch.equal(x, y) for x, y in zip(rows, again))
+
+
+def test_cosine_logits_are_fp32_under_bf16_autocast():
+    """At CLIP's scale 100 a bf16 product rounds logits by up to ~0.25; the scorers' last step runs
+    in fp32 outside autocast, bit for bit the fp32 result."""
+    from fedsplice.model.scorers import cosine_logits
+
+    g = torch.Generator().manual_seed(0)
+    x, ce = torch.randn(64, 512, generator=g), torch.nn.functional.normalize(torch.randn(10, 512, generator=g), dim=-1)
+    ref = 100.0 * torch.nn.functional.normalize(x, dim=-1) @ ce.T
+    assert torch.equal(cosine_logits(100.0, x, ce), ref)  # fp32: unchanged
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cosine_logits(100.0, x, ce)
+        naive = 100.0 * torch.nn.functional.normalize(x, dim=-1) @ ce.T
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    assert naive.dtype == torch.bfloat16 and (naive.float() - ref).abs().max() > 0.01  # what it avoids

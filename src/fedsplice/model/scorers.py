@@ -23,6 +23,13 @@ from fedsplice.model.verbalizer import verbalizer_logits
 from fedsplice.model.vision import image_key, vision_tokens
 
 
+def cosine_logits(scale: float, features: torch.Tensor, class_emb: torch.Tensor) -> torch.Tensor:
+    """s·cos(features, class_emb) in fp32, outside autocast: under bf16 a product at CLIP's s = 100
+    would round the logits in steps of 0.125-0.25 (the towers still run in the autocast dtype)."""
+    with torch.autocast(device_type=features.device.type, enabled=False):
+        return scale * F.normalize(features.float(), dim=-1) @ class_emb.float().T
+
+
 class DualEncoderScorer:
     def __init__(self, inputs: InputSide, classes: ClassSide, logit_scale: float):
         self.inputs, self.classes, self.logit_scale = inputs, classes, logit_scale
@@ -31,7 +38,7 @@ class DualEncoderScorer:
         # With class-side adapters the class embeddings change every step while training;
         # evaluation passes them in once per model.
         ce = self.classes.embeddings(zero_shot) if class_emb is None else class_emb
-        return self.logit_scale * F.normalize(self.inputs(items, zero_shot), dim=-1) @ ce.T
+        return cosine_logits(self.logit_scale, self.inputs(items, zero_shot), ce)
 
 
 class OTScorer:
@@ -47,7 +54,7 @@ class OTScorer:
     def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
         ce = self.classes.embeddings(zero_shot) if class_emb is None else class_emb
         if zero_shot:
-            return self.logit_scale * F.normalize(self.inputs(items, zero_shot), dim=-1) @ ce.T
+            return cosine_logits(self.logit_scale, self.inputs(items, zero_shot), ce)
         tokens, mask = self.inputs.tokens(list(items))
         return self.logit_scale * ot_scores(tokens, mask, ce, self.gamma, self.eps, self.iters)
 
