@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedsplice.model.verbalizer import tokenize_answers, verbalizer_logits
+from fedsplice.model.verbalizer import cut_prompt, tokenize_answers, verbalizer_logits
 from fedsplice.data.zoo import tiny_llama
 
 PROMPTS = [
@@ -27,13 +27,13 @@ def lm(tmp_path_factory):
     return model, tok
 
 
-def naive(model, tok, prompts, answers):
+def naive(model, tok, prompts, answers, max_length=0):
     """Score each full (prompt + answer) sequence alone: no padding, no cache."""
     a_ids = tokenize_answers(tok, answers)
     out = torch.zeros(len(prompts), len(answers))
     with torch.no_grad():
         for b, p in enumerate(prompts):
-            p_ids = tok(p)["input_ids"]
+            p_ids = cut_prompt(tok(p)["input_ids"], max_length, tok.bos_token_id)
             for c, a in enumerate(a_ids):
                 lp = model(torch.tensor([p_ids + a])).logits[0].float().log_softmax(-1)
                 out[b, c] = sum(lp[len(p_ids) - 1 + t, a[t]] for t in range(len(a)))
@@ -154,3 +154,22 @@ def test_bad_inputs(lm):
         verbalizer_logits(model, tok, PROMPTS, [])
     with pytest.raises(ValueError):
         verbalizer_logits(model, tok, PROMPTS, ANSWERS, method="nope")
+
+
+def test_cut_prompt_by_hand():
+    assert cut_prompt([1, 10, 11, 12, 13, 14], 4, bos=1) == [1, 12, 13, 14]  # BOS kept, the end kept
+    assert cut_prompt([10, 11, 12, 13, 14], 3, bos=1) == [12, 13, 14]  # no BOS to keep
+    assert cut_prompt([1, 10, 11], 3, bos=1) == [1, 10, 11] and cut_prompt([1, 10, 11], 0, bos=1) == [1, 10, 11]
+
+
+@pytest.mark.parametrize("method", ["cache", "full"])
+def test_prompts_are_cut_to_max_length_keeping_their_end(lm, method):
+    model, tok = lm
+    long = tok(PROMPTS[2])["input_ids"]
+    assert len(long) > 8 and tok(PROMPTS[1])["input_ids"] == cut_prompt(tok(PROMPTS[1])["input_ids"], 8, tok.bos_token_id)
+    with torch.no_grad():
+        got = verbalizer_logits(model, tok, PROMPTS, ANSWERS, method=method, max_length=8)
+        uncut = verbalizer_logits(model, tok, PROMPTS, ANSWERS, method=method)
+    torch.testing.assert_close(got, naive(model, tok, PROMPTS, ANSWERS, max_length=8), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], uncut[1], atol=1e-5, rtol=1e-5)  # a short prompt is not cut
+    assert (got[2] - uncut[2]).abs().max() > 1e-3  # the long one is

@@ -76,15 +76,16 @@ def lm_prompts(template: str, items: list) -> list[str]:
 class CausalLMScorer:
     """Verbalizer scoring of the class names (each with a leading space) after the prompt."""
 
-    def __init__(self, lm: nn.Module, tokenizer, class_names: list[str], template: str):
-        self.lm, self.tokenizer, self.template = lm, tokenizer, template
+    def __init__(self, lm: nn.Module, tokenizer, class_names: list[str], template: str, max_length: int = 0):
+        self.lm, self.tokenizer, self.template, self.max_length = lm, tokenizer, template, max_length
         self.answers = [" " + c for c in class_names]
 
     def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
         if any(isinstance(s, Sample) and s.has_image for s in items):
             raise ConfigError("data.dataset holds images but model.task = 'causal_lm' reads text only; "
                               "set model.task = 'vlm' and model.vision")
-        return verbalizer_logits(self.lm, self.tokenizer, lm_prompts(self.template, items), self.answers)
+        return verbalizer_logits(self.lm, self.tokenizer, lm_prompts(self.template, items), self.answers,
+                                 max_length=self.max_length)
 
 
 class ImageTokens:
@@ -123,4 +124,4 @@ class VLMScorer:
     def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
         lm = self.lm
         return verbalizer_logits(lm.lm, lm.tokenizer, lm_prompts(lm.template, items), lm.answers,
-                                 prefix=self.image_tokens(items))
+                                 prefix=self.image_tokens(items), max_length=lm.max_length)

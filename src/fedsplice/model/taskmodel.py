@@ -137,7 +137,8 @@ class TaskModel(nn.Module):
             return DualEncoderScorer(self._inputs, self._classes, self.mcfg.logit_scale)
         if self.task == "encoder_head":
             return EncoderHeadScorer(self._inputs, self.head)
-        lm = CausalLMScorer(self.backbone, self.tokenizer, self.class_names, self.mcfg.input_template)
+        lm = CausalLMScorer(self.backbone, self.tokenizer, self.class_names, self.mcfg.input_template,
+                            self.mcfg.max_length)
         if self.task == "vlm":
             return VLMScorer(lm, ImageTokens(self.vision, self.image_processor, self.projector, self._vis))
         return lm

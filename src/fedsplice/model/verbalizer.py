@@ -103,8 +103,19 @@ def _forward(model, **kw):
         raise
 
 
+def cut_prompt(ids: list[int], max_length: int, bos: int | None) -> list[int]:
+    """A prompt's token ids cut to `max_length` from the left, so the template's end (the
+    question the answer follows) stays; a leading BOS stays too. 0: no cut."""
+    if not max_length or len(ids) <= max_length:
+        return ids
+    if bos is not None and ids[0] == bos:
+        return [bos] + ids[len(ids) - max_length + 1:]
+    return ids[len(ids) - max_length:]
+
+
 def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequence[str],
-                      *, method: str = "cache", prefix: Sequence | None = None) -> torch.Tensor:
+                      *, method: str = "cache", prefix: Sequence | None = None,
+                      max_length: int = 0) -> torch.Tensor:
     """[B, C] summed answer log-likelihoods (differentiable). See the module docstring.
 
     ``method="cache"`` (default) runs prompts once and continuations on a shared KV cache;
@@ -112,6 +123,7 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     automatically when the model returns no cache, e.g. under gradient checkpointing).
     ``prefix`` (vision-language LMs): per prompt, input embeddings [n_b, d] placed before the
     prompt's tokens (projected image tokens), or None for a prompt without an image.
+    ``max_length``: each prompt's tokens cut to this many from the left (`cut_prompt`); 0: none.
     """
     if len(prompts) == 0 or len(answers) == 0:
         raise ValueError("verbalizer: need at least one prompt and one answer")
@@ -120,7 +132,7 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     device = _device(model)
     pad = _pad_id(tokenizer)
     bos = tokenizer.bos_token_id
-    p_ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    p_ids = [cut_prompt(list(tokenizer(p)["input_ids"]), max_length, bos) for p in prompts]
     if any(len(s) == 0 for s in p_ids):
         raise ValueError("verbalizer: a prompt tokenizes to nothing (and the tokenizer adds no BOS)")
     a_ids = tokenize_answers(tokenizer, answers)
