@@ -31,6 +31,13 @@ atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 if os.environ.get("FEDSPLICE_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+import signal  # noqa: E402
+
+# A non-interactive shell starts a background job (`make test &`) with SIGINT ignored, and every
+# process below inherits that: Python then installs no KeyboardInterrupt handler, and the tests
+# that press Ctrl-C on `fedsplice flower up` would see it ignored. Ctrl-C as at a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import torch  # noqa: E402
 
 _DEFAULT_THREADS = torch.get_num_threads()
