@@ -148,21 +148,25 @@ class PeftConfig:
                               "trains every backbone weight: remove them")
 
 
-def _check_path(field: str, kind: str, path: str) -> None:
-    """A user's file (csv, jsonl) or folder (images) exists, and is what its kind says."""
+def check_user_path(field: str, kind: str, path: str) -> None:
+    """A user's file (csv, jsonl) or folder (images) exists, and is what its kind says: the one
+    check behind the config's and the readers' (fedsplice.data.userdata, fedsplice.data.images)."""
     p = Path(path).expanduser()
     if kind == "images":
         if p.is_file():
-            raise ConfigError(f"{field}: {path!r} is a file, not a folder; images:DIR takes a folder with one "
-                              f"subfolder of images per class (a CSV file is 'csv:{path}')")
+            other = {".csv": "csv", ".jsonl": "jsonl"}.get(p.suffix.lower())
+            hint = f" (a {other.upper()} file is '{other}:{path}')" if other else ""
+            raise ConfigError(f"{field}: 'images:{path}': {p} is a file, not a folder; give a folder holding one "
+                              f"subfolder of images per label{hint}")
         if not p.is_dir():
-            raise ConfigError(f"{field}: folder {path!r} not found; give a folder with one subfolder of images "
-                              f"per class (images:DIR)")
+            raise ConfigError(f"{field}: 'images:{path}': no such folder {p}; give a folder holding one "
+                              f"subfolder of images per label")
     elif p.is_dir():
-        raise ConfigError(f"{field}: {path!r} is a folder, not a {kind.upper()} file; give the file's path (a "
-                          f"folder of <label>/<image> files is 'images:{path}')")
+        raise ConfigError(f"{field}: '{kind}:{path}': {p} is a folder, not a {kind.upper()} file; give the "
+                          f"file's path (a folder of <label>/<image> files is 'images:{path}')")
     elif not p.is_file():
-        raise ConfigError(f"{field}: file {path!r} not found; give an existing {kind} file")
+        raise ConfigError(f"{field}: file {path!r} not found (no such file {p}); give the path of an existing "
+                          f"{kind.upper()} file with fields `label` and `text` and/or `image`")
 
 
 @dataclass
@@ -222,14 +226,14 @@ class DataConfig:
         # the files of a user's data set exist; a built-in name is checked against the registry
         # by fedsplice.federation.validate
         if user_data(self.dataset):
-            _check_path("data.dataset", *user_data(self.dataset))
+            check_user_path("data.dataset", *user_data(self.dataset))
         self._check_sites()
         tkind, tpath = user_data(self.test) or ("", "")
         if self.test and not tkind:
             raise ConfigError(f"data.test = {self.test!r}: give csv:PATH, jsonl:PATH or images:DIR (the test "
                               f"split of your data), or leave it empty")
         if tkind and self.dataset != SITES:
-            _check_path("data.test", tkind, tpath)
+            check_user_path("data.test", tkind, tpath)
         if self.class_prompt:
             check_template("data.class_prompt", self.class_prompt, "label", "a quote about {label}.")
         for i, t in enumerate(self.class_prompts):

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
+from fedsplice.config import check_user_path
 from fedsplice.data.samples import Sample
 from fedsplice.errors import ConfigError
 
@@ -134,14 +135,7 @@ def read_image_folder(folder: str | Path, skip_bad_images: bool = False
     """(samples, label strings) of DIR/<label>/…/<image>: every image file below a label
     folder (recursively, sorted; hidden files and other suffixes ignored)."""
     root = Path(folder).expanduser()
-    if root.is_file():
-        kind = {".csv": "csv", ".jsonl": "jsonl"}.get(root.suffix.lower())
-        hint = f" (a {kind.upper()} file is '{kind}:{folder}')" if kind else ""
-        raise ConfigError(f"data.dataset = 'images:{folder}': {root} is a file, not a folder; give a folder "
-                          f"holding one subfolder of images per label{hint}")
-    if not root.is_dir():
-        raise ConfigError(f"data.dataset = 'images:{folder}': no such folder {root}; give a "
-                          f"folder holding one subfolder of images per label")
+    check_user_path("data.dataset", "images", str(folder))
     log = BadImageLog(skip_bad_images)
     samples, labels = [], []
     for label_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):

@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedsplice.config import check_user_path
 from fedsplice.data import images as imagedata
 from fedsplice.data.samples import Sample
 from fedsplice.data.text import normalize_ws
@@ -105,12 +106,7 @@ def read_records(path: str | Path, kind: str) -> Records:
     text of only whitespace (or a JSON "") is an error. Blank JSONL lines are skipped and counted;
     texts are whitespace-normalised."""
     path = Path(path).expanduser()
-    if path.is_dir():
-        raise ConfigError(f"data.dataset = '{kind}:{path}': {path} is a folder, not a {kind.upper()} file; give "
-                          f"the file's path (a folder of <label>/<image> files is 'images:{path}')")
-    if not path.is_file():
-        raise ConfigError(f"data.dataset = '{kind}:{path}': no such file {path}; give the path of an "
-                          f"existing {kind.upper()} file with fields `label` and `text` and/or `image`")
+    check_user_path("data.dataset", kind, str(path))
     out = Records([])
     text = read_text(path)
     extra: set[str] = set()
