@@ -4,7 +4,6 @@ for `compare`."""
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import Callable
@@ -14,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedsplice.app.console import console
 from fedsplice.config import ExperimentConfig
+from fedsplice.federation.train import planned_steps
 
 
 def clock(seconds: float | None) -> str:
@@ -189,12 +189,8 @@ def task_costs(cfg: ExperimentConfig, exp) -> dict[str, float]:
     local test set), so counting tasks alone mispredicts. An evaluation carries its share of GM."""
     cc, b = cfg.client, cfg.client.batch_size
     local = float(np.mean([len(c.test_idx) for c in exp.clients])) if exp.clients else 1.0
-
-    def steps(k: int) -> int:
-        n = cc.local_epochs * math.ceil(len(exp.clients[k].train_idx) / b)
-        return min(n, cc.max_steps) if cc.max_steps else n
-
-    fit = 3.0 * b * float(np.mean([steps(k) for k in exp.train_ids])) if exp.train_ids else 1.0
+    steps = [planned_steps(len(exp.clients[k].train_idx), cc, None) for k in exp.train_ids]
+    fit = 3.0 * b * float(np.mean(steps)) if steps else 1.0
     epochs = cfg.eval.cold_start_epochs
     cold = [3.0 * epochs * len(exp.clients[k].train_idx) + (epochs + 1) * len(exp.clients[k].test_idx)
             for k in exp.holdout_ids]
