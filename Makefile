@@ -34,13 +34,16 @@ $(VENV)/.bench: $(VENV)/.installed
 bench: $(VENV)/.bench
 	for b in overheads comm scale round_time clip_prefix precision profile_run candidates purify_ties isa_kernels startup; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 
-# The papers' tables on the offline zoo (configs/results/suite.toml and its seeds, about 2.5 hours
-# on 2 cores; SEEDS=N forces N seeds in every group) -> docs/results.md + docs/results/;
-# resumable (runs/results). The HTML rendering of the page is checked with a headless-Chromium
+# The papers' tables on the offline zoo (configs/results/suite.toml and its seeds; SEEDS=N forces
+# N seeds in every group) -> docs/results.md + docs/results/; resumable (runs/results). Every
+# finished run's small files go to docs/results/records (committed) and come back from there, so a
+# fresh clone rebuilds the page without running what is recorded; a recorded run is reused only
+# while its config and the regression goldens are unchanged (fedsplice.app.provenance). The HTML rendering of the page is checked with a headless-Chromium
 # screenshot (docs/results/report.png).
 SEEDS ?=
 results: $(VENV)/.installed
 	$(VENV)/bin/fedsplice results configs/results/suite.toml $(if $(SEEDS),--seeds $(SEEDS)) --out runs/results --doc docs/results.md \
+		--records docs/results/records \
 		--command "make results$(if $(SEEDS), SEEDS=$(SEEDS))"
 	command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 	$(VENV)/bin/fedsplice report docs/results.md --out runs/results/report.html --screenshot docs/results/report.png

@@ -207,35 +207,51 @@ def _grads(conflict_second: bool):
     return {"task": task, "align": align}
 
 
+def counts(stats: dict) -> dict:
+    return {k: stats[k] for k in ("purified_steps", "purified_tensors")}
+
+
+@pytest.mark.parametrize("granularity, conflict, ratio", [
+    ("flat", False, 1.0), ("tensor", False, math.sqrt(5.5 / 6)),  # per tensor: [.5, .5], [1, 2]
+    ("flat", True, math.sqrt(2 / 6)), ("tensor", True, 1 / math.sqrt(6))])  # [0, 1], [0, 1]; [.5, .5], [-.5, .5]
+def test_purification_geometry_by_hand(granularity, conflict, ratio):
+    # ‖g_task‖ = √6, ‖g_align‖ = 2; ⟨g_task, g_align⟩ = −1 + 3 = 2, or −1 − 3 = −4 with the second in conflict
+    _, stats = PU.purification(granularity)(_grads(conflict_second=conflict))
+    assert float(stats["purify_cos"]) == pytest.approx((-4 if conflict else 2) / (2 * math.sqrt(6)), rel=1e-6)
+    assert float(stats["purify_norm_ratio"]) == pytest.approx(ratio, rel=1e-6)
+    zero = PU.geometry([torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)])
+    assert (float(zero["purify_cos"]), float(zero["purify_norm_ratio"])) == (0.0, 1.0)
+
+
 def test_purification_per_tensor_projects_only_conflicting_tensor():
     out, stats = PU.purification("tensor")(_grads(conflict_second=False))
     assert out[0].tolist() == [0.5, 0.5]  # ⟨[1,0],[-1,1]⟩ = -1: projected
     assert out[1].tolist() == [[1.0, 2.0]]  # ⟨[1,2],[1,1]⟩ = 3: untouched
     assert out[1].shape == (1, 2)
-    assert stats == {"purified_steps": 1.0, "purified_tensors": 0.5}
+    assert counts(stats) == {"purified_steps": 1.0, "purified_tensors": 0.5}
 
 
 def test_purification_flat_projects_concatenation():
     # same gradients: the concatenation's dot is -1 + 3 = 2 >= 0, so nothing changes
     out, stats = PU.purification("flat")(_grads(conflict_second=False))
     assert out[0].tolist() == [1.0, 0.0] and out[1].tolist() == [[1.0, 2.0]]
-    assert stats == {"purified_steps": 0.0, "purified_tensors": 0.0}
+    assert counts(stats) == {"purified_steps": 0.0, "purified_tensors": 0.0}
     # second tensor conflicting too: flat dot = -1 - 3 = -4, ‖g_a‖² = 4 -> g̃ = g_t + 1·g_a
     out, stats = PU.purification("flat")(_grads(conflict_second=True))
     assert out[0].tolist() == [0.0, 1.0]
     assert out[1].tolist() == [[0.0, 1.0]] and out[1].shape == (1, 2)
-    assert stats == {"purified_steps": 1.0, "purified_tensors": 1.0}
+    assert counts(stats) == {"purified_steps": 1.0, "purified_tensors": 1.0}
     # per tensor on the same: [0.5, 0.5] and [1,2] + 1.5·[-1,-1] = [-0.5, 0.5]
     out, stats = PU.purification("tensor")(_grads(conflict_second=True))
     assert out[0].tolist() == [0.5, 0.5] and out[1].tolist() == [[-0.5, 0.5]]
-    assert stats == {"purified_steps": 1.0, "purified_tensors": 1.0}
+    assert counts(stats) == {"purified_steps": 1.0, "purified_tensors": 1.0}
 
 
 def test_purification_no_conflict_stats_zero():
     grads = {"task": [torch.ones(3), torch.ones(2, 2)], "align": [torch.ones(3), torch.zeros(2, 2)]}
     out, stats = PU.purification("tensor")(grads)
     assert all(torch.equal(a, b) for a, b in zip(out, grads["task"]))
-    assert stats == {"purified_steps": 0.0, "purified_tensors": 0.0}
+    assert counts(stats) == {"purified_steps": 0.0, "purified_tensors": 0.0}
 
 
 def test_tie_rule_by_hand():
@@ -271,7 +287,7 @@ def test_tie_rule_in_both_granularities():
     align = [torch.tensor([-1e-9, 0.0]), torch.tensor([[-1.0, -1.0]])]
     out, stats = PU.purification("tensor")({"task": task, "align": align})
     assert out[0].tolist() == [1.0, 0.0] and out[1].tolist() == [[-0.5, 0.5]]
-    assert stats == {"purified_steps": 1.0, "purified_tensors": 0.5}
+    assert counts(stats) == {"purified_steps": 1.0, "purified_tensors": 0.5}
     out, stats = PU.purification("tensor", tie_tol=0.0)({"task": task, "align": align})
     assert out[0].tolist() == [0.0, 0.0] and stats["purified_tensors"] == 1.0
     align = [torch.tensor([-1e-9, 0.0]), torch.tensor([[-1e-9, 0.0]])]
@@ -320,7 +336,7 @@ def purel_exp(cfg_factory, tiny_bert_dir, toy_jsonl):
     # per-tensor purification (the official code's), which the hand-computed step below follows
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"', client__optimizer='"sgd"',
                       client__lr=1.0, client__batch_size=64, client__max_steps=1,
-                      client__weight_decay=0.0, method='{granularity = "tensor"}')
+                      client__weight_decay=0.0, method='{granularity = "tensor", phase2 = "after"}')
     exp = build(cfg)
     for m in exp.model.modules():  # BERT's dropout off: forwards are deterministic
         if isinstance(m, torch.nn.Dropout):
@@ -433,7 +449,7 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
     from fedsplice.app.runner import run_experiment
 
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"',
-                      method=f'{{personal_rounds = 1, granularity = "{granularity}"}}',
+                      method=f'{{personal_rounds = 1, granularity = "{granularity}", phase2 = "after"}}',
                       data__imbalance=3.0, eval__many_threshold=40, eval__few_threshold=20, eval__min_group_samples=1,
                       data__holdout_clients=0, data__num_clients=3)
     # watch phase 2: what goes over the wire, which clients run it, and what they are given

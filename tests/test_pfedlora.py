@@ -69,15 +69,47 @@ def test_phases_train_one_group_each(tiny_cfg, monkeypatch, capture_uploads):
     assert all(not torch.equal(st[f"param/{n}"], exp.init_params[n]) for n in exp.private_names if ".lora_B." in n)
 
 
-def test_private_optimizer_state_persists_across_rounds(tiny_cfg):
-    exp = build(tiny_cfg(**PFL, server__rounds=2))
-    n_train = len(exp.train_ids)
-    exp = build(tiny_cfg(**PFL, server__rounds=2, server__clients_per_round=n_train))
+def _two_rounds_of_every_client(tiny_cfg, **kw):
+    n_train = len(build(tiny_cfg(**PFL)).train_ids)
+    exp = build(tiny_cfg(**PFL, server__rounds=2, server__clients_per_round=n_train, **kw))
     store = MemoryStore()
     run_rounds(exp, store, lambda r: None)  # round 2 trains every client again, from its stored state
-    st = store.get(exp.train_ids[0])
-    kept = {k[len("opt/"):].rsplit("/", 1)[0] for k in st if k.startswith("opt/")}
-    assert kept == set(exp.private_names)  # AdamW moments of the private adapter only
+    return exp, store.get(exp.train_ids[0])
+
+
+def test_optimizer_state_rule(tiny_cfg):
+    """client.optimizer_state: fresh (default) stores no optimizer state; keep_private stores the
+    private adapter's AdamW moments, and round 2 then steps from them (other private tensors)."""
+    exp, fresh = _two_rounds_of_every_client(tiny_cfg)
+    assert not any(k.startswith("opt/") for k in fresh)
+    _, kept = _two_rounds_of_every_client(tiny_cfg, client__optimizer_state='"keep_private"')
+    assert {k[len("opt/"):].rsplit("/", 1)[0] for k in kept if k.startswith("opt/")} == set(exp.private_names)
+    b = next(n for n in exp.private_names if ".lora_B." in n)
+    assert not torch.equal(kept[f"param/{b}"], fresh[f"param/{b}"])
+
+
+def test_shared_budget_splits_one_local_budget(tiny_cfg, monkeypatch):
+    """method.budget = "shared": E_1 : E_2 = 1 : 2 of one epoch's steps (the remainder to the first
+    phase), each phase cut at its share; the per-phase default runs 1 and 2 whole epochs."""
+    steps = []
+    orig = tasks.train_client
+
+    def spy(exp_, cid, **k):
+        out = orig(exp_, cid, **k)
+        steps.append((cid, out[1]["steps"]))
+        return out
+
+    monkeypatch.setattr(tasks, "train_client", spy)
+    for budget in ("per_phase", "shared"):
+        kw = dict(PFL, method=f'{{private_epochs = 1, global_epochs = 2, budget = "{budget}"}}')
+        exp = build(tiny_cfg(**kw, server__rounds=1, server__clients_per_round=1, client__max_steps=0))
+        steps.clear()
+        run_rounds(exp, MemoryStore(), lambda r: None)
+        cid = steps[0][0]  # the one client of the round
+        epoch = -(-len(exp.clients[cid].train_idx) // exp.cfg.client.batch_size)
+        assert epoch >= 3  # so that both phases of the shared budget step
+        want = [epoch, 2 * epoch] if budget == "per_phase" else [epoch - epoch * 2 // 3, epoch * 2 // 3]
+        assert [n for _, n in steps] == want, budget
 
 
 def test_same_bytes_as_federated_lora(tiny_cfg):
@@ -98,3 +130,13 @@ def test_same_bytes_as_federated_lora(tiny_cfg):
 ])
 def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses):
     cli_refuses(tiny_cfg(**PFL), sets, match)
+
+
+def test_shared_budget_of_one_step_skips_the_second_phase(tiny_cfg):
+    kw = dict(PFL, method='{private_epochs = 1, global_epochs = 1, budget = "shared"}')
+    exp = build(tiny_cfg(**kw, client__max_steps=1))
+    budgets = tasks.phase_budgets(exp, exp.train_ids[0], exp.cfg.client)
+    assert [(e, c.max_steps) for e, c in budgets] == [(1, 1), (0, exp.cfg.client.max_steps)]
+    recs = []
+    run_rounds(build(tiny_cfg(**kw, client__max_steps=1, server__rounds=1)), MemoryStore(), recs.append)
+    assert recs[-1]["private_steps"] == 1.0 and recs[-1]["global_steps"] == 0.0 and "global_loss" not in recs[-1]

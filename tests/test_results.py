@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fedsplice.app import compare as C
+from fedsplice.app import claims as V
 from fedsplice.app import results as R
 from fedsplice.app.cli import main
 from fedsplice.errors import ConfigError
@@ -18,87 +19,11 @@ from fedsplice.app.report import md_to_html, render, write_report
 from fedsplice.app.rundir import write_config
 
 
-def res(pm, up=100.0, gm=0.5, cold=None):
-    r = {"gm": {"accuracy": gm}, "pm": {"accuracy": pm}, "communication": {"up_bytes_per_round": up}}
-    if cold is not None:
-        r["cold_start"] = {"epochs": [0, 1], "accuracy": cold}
-    return r
-
-
-def test_verdicts_against_hand_computed_cases():
-    """Each verdict on constructed cases; the intervals are the exact bootstrap's (3 seeds: all
-    27 resamples), which 10,000 Monte-Carlo draws reach at these quantiles."""
-    from fedsplice.app import stats as S
-
-    results = {"a": [res(0.6), res(0.7), res(0.5)], "b": [res(0.5), res(0.6), res(0.55)],
-               "c": [res(0.4, up=50), res(0.4, up=50), res(0.4, up=50)], "d": [res(0.9), res(0.1), res(0.2)]}
-    # a − b = (+0.1, +0.1, −0.05): the all-seed-2 resample (1/27 > 2.5%) puts −0.05 in the interval
-    v, ev = R.verdict({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"}, results, [])
-    iv = S.exact_bootstrap_1d([0.1, 0.1, -0.05])
-    assert (iv.lo, iv.hi) == pytest.approx((-0.05, 0.1))
-    assert v == "inconclusive" and "Δ +0.0500 [95% CI -0.0500, +0.1000] over 3 seeds" in ev
-    # a − c = (0.2, 0.3, 0.1) > 0 in every resample: held; the reverse: did not hold
-    assert R.verdict({"kind": "greater", "a": "a", "b": "c", "metric": "PM acc"}, results, [])[0] == "held"
-    assert R.verdict({"kind": "greater", "a": "c", "b": "a", "metric": "PM acc"}, results, [])[0] == "did not hold"
-    # best: a beats c surely, d only in 2 of 3 seeds (−0.3, +0.6, +0.3): inconclusive; held without d
-    assert R.verdict({"kind": "best", "a": "a", "metric": "PM acc"}, results, ["a", "c", "d"])[0] == "inconclusive"
-    assert R.verdict({"kind": "best", "a": "a", "metric": "PM acc"}, results, ["a", "c"])[0] == "held"
-    v, ev = R.verdict({"kind": "best", "a": "c", "metric": "PM acc"}, results, ["a", "b", "c"])
-    assert v == "did not hold" and "significantly behind a, b" in ev
-    # bytes ratio c / a = 50 / 100
-    ratio = {"kind": "ratio", "a": "c", "b": "a", "metric": "up B/round", "low": 0.45, "high": 0.55}
-    assert R.verdict(ratio, results, [])[0] == "held"
-    assert R.verdict({**ratio, "low": 0.55, "high": 0.6}, results, [])[0] == "did not hold"
-    # gap a − c (0.2, 0.3, 0.1) vs b − c (0.1, 0.2, 0.15): difference (0.1, 0.1, −0.05) as above
-    gap = {"kind": "gap_greater", "a1": "a", "b1": "c", "a2": "b", "b2": "c", "metric": "PM acc"}
-    v, ev = R.verdict(gap, results, [])
-    assert v == "inconclusive" and ev.startswith("PM acc: gap +0.2000 vs +0.1500; difference of gaps Δ +0.0500")
-    cold = {"x": [res(0.5, cold=[0.3, 0.5]), res(0.5, cold=[0.35, 0.5])],
-            "y": [res(0.5, cold=[0.2, 0.6]), res(0.5, cold=[0.2, 0.7])]}
-    assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e0"}, cold, [])[0] == "held"
-    assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e1"}, cold, [])[0] == "did not hold"
-    one = {"x": cold["x"][:1], "y": cold["y"][:1]}  # one seed of a per-seed metric is no interval
-    assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "cold-start e0"}, one, [])[0] == "inconclusive"
-    assert R.verdict({"kind": "untestable", "reason": "no images"}, results, []) == ("could not be tested", "no images")
-    # lowest: c below a in every seed; a is not the lowest
-    assert R.verdict({"kind": "lowest", "a": "c", "metric": "PM acc"}, results, ["a", "c"])[0] == "held"
-    assert R.verdict({"kind": "lowest", "a": "a", "metric": "PM acc"}, results, ["a", "c"])[0] == "did not hold"
-    # balanced: many − few of one run per seed; (0.1, −0.1, 0.05) straddles 0, (0.1, 0.2, 0.15) does not
-    zs = {"z": [{"gm": {"many": m, "few": f}} for m, f in ((0.6, 0.5), (0.5, 0.6), (0.55, 0.5))],
-          "w": [{"gm": {"many": m, "few": f}} for m, f in ((0.6, 0.5), (0.7, 0.5), (0.65, 0.5))]}
-    bal = {"kind": "balanced", "metric": "GM many", "metric_b": "GM few"}
-    assert R.verdict({**bal, "a": "z"}, zs, [])[0] == "held"
-    v, ev = R.verdict({**bal, "a": "w"}, zs, [])
-    assert v == "did not hold" and "GM many − GM few of w: Δ +0.1500 [95% CI +0.1000, +0.2000] over 3 seeds" in ev
-    few = {"x": [{"pm": {"few": None}}] * 2, "y": [{"pm": {"few": None}}] * 2}  # too few samples: null
-    assert R.verdict({"kind": "greater", "a": "x", "b": "y", "metric": "PM few"}, few, [])[0] == "could not be tested"
-
-
-def test_pm_accuracy_pairs_by_client():
-    """With client_accuracy, PM a − b is seeds × clients and clusters by seed: one seed where a
-    wins on every client, one where it loses on one client of four."""
-    def pm(accs):
-        return {"pm": {"accuracy": float(np.mean(accs)), "client_accuracy": accs}}
-
-    results = {"a": [pm([0.6, 0.7, 0.8, 0.6]), pm([0.6, 0.7, 0.8, 0.5])],
-               "b": [pm([0.5, 0.6, 0.7, 0.5]), pm([0.5, 0.6, 0.7, 0.6])]}
-    d = R.paired(results, "a", "b", "PM acc")
-    assert d.shape == (2, 4) and np.allclose(d, [[0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, -0.1]])
-    v, ev = R.verdict({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"}, results, [])
-    assert "over 2 seeds × 4 clients" in ev
-    # the lowest resample: seed 2 twice, its −0.1 client drawn 4 times of 8 cells (mean 0) is rarer than
-    # 2.5%, so the interval stays above 0 ... but not when the losing client loses by more
-    assert v == "held"
-    results["a"][1]["pm"]["client_accuracy"] = [0.6, 0.7, 0.8, 0.2]
-    assert R.verdict({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"}, results, [])[0] == "inconclusive"
-
-
 SUITE = """
 seeds = 2
 jobs = 1
 [groups.g]
 title = "tiny"
-setting = "tiny BERT"
 paper = "big model"
 set = ["server.rounds=2"]
 [[experiment]]
@@ -175,11 +100,15 @@ def test_suite_page_claims_and_resume(suite, tmp_path, monkeypatch):
     assert f"ratio {ratio:.3f}" in text
     assert (f"**{'held' if 0.45 <= ratio <= 0.55 else 'did not hold'}** — half the bytes") in text
     by = {m: [runs[(m, s)] for s in (0, 1)] for m in ("pf", "fl")}
-    d = R.paired(by, "pf", "fl", "PM acc")
+    d = V.paired(by, "pf", "fl", "PM acc")
     assert d.shape == (2, len(runs[("pf", 0)]["pm"]["client_accuracy"]))  # seeds × clients: PM pairs by client
-    want = R.interval_verdict(d)[0]
-    assert f"**{want}** — pf beats fl" in text
+    v = V.assess({"kind": "greater", "a": "pf", "b": "fl", "metric": "PM acc"}, by, [])
+    tested = v.verdict is None  # else the gate's "not tested" (tiny runs may not move)
+    assert f"**{V.decide_all([v])[0].verdict}** — pf beats fl" in text
+    assert f"{int(tested)} claims were tested together" in text
     assert "**could not be tested** — images *Measured:* none offline" in text
+    # the group's setting is generated from the runs' configs: the group's rounds, fl's own server
+    assert "budget: 2 rounds × 1 local epoch(s)" in text and "(fl: fedavgm η default)" in text
     # diagnostics: PFAdapter's Lo, mean over its training rounds, then over seeds; none for FedAvgM
     lo = [np.mean([r["orthogonality_raw"] for r in map(json.loads, (tmp_path / "out" / "runs" / "pf" / f"seed-{s}" /
                                                                       "metrics.jsonl").read_text().splitlines())
@@ -307,6 +236,11 @@ def test_md_to_html_tables_and_escaping():
     (("kind = \"ratio\"", "kind = \"better\""), "claim kind 'better' is unknown"),
     (("xs = [0.0, 1.0]", "xs = [0.0]"), "xs needs one value per row"),
     (("group = \"g\"\nconfig", "group = \"h\"\nconfig"), "group 'h' is not in [groups]"),
+    (("title = \"tiny\"", "title = \"tiny\"\nsetting = \"by hand\""), "[groups.g] setting: the page generates it"),
+    (("kind = \"untestable\"\ntext = \"images\"", "kind = \"balanced\"\na = \"pf\"\nmetric = \"GM acc\"\n"
+      "metric_b = \"PM acc\"\ntext = \"images\""), "a balanced claim needs margin > 0"),
+    (("kind = \"untestable\"\ntext = \"images\"", "kind = \"benchmark\"\nmeasured = \"1 s\"\ntext = \"images\""),
+     "a benchmark claim needs `measured` (the number) and `source`"),
 ])
 def test_suite_bad_input(suite, tmp_path, edit, field, capsys):
     suite.write_text(suite.read_text().replace(*edit, 1))
@@ -343,7 +277,7 @@ def test_suite_tunes_on_a_validation_split(suite, tmp_path):
     assert f"lr = {best}" in measured and 'on = "test"' in measured
     page = doc.read_text()
     assert "## Hyperparameters chosen on a validation split" in page
-    assert f"| fl | `server.lr` | GM acc | 0.5: {gm[0.5]:.3f}, 2: {gm[2.0]:.3f} | **{best}** |" in page
+    assert f"| fl | `server.lr` | GM acc | 0.5: {gm[0.5]:.3f}, 2: {gm[2.0]:.3f} | **{best:g}** |" in page
     with pytest.raises(ConfigError, match="tune.values must list at least 2 values"):
         suite.write_text(text.replace("values = [0.5, 2.0]", "values = [0.5]"))
         R.load_suite(suite)
@@ -353,3 +287,96 @@ def test_parameter_columns():
     r = {"params": {"global": 3, "private": 5}}
     assert R.value(r, "trainable params") == 8.0 and R.value(r, "shared params") == 3.0
     assert R.fmt(np.array([1000.0, 3000.0]), "trainable params") == "2,000 ± 1,000"
+
+
+def test_tuning_grid_runs_every_combination_and_chooses_the_best(suite, tmp_path):
+    """A `grid` tunes keys together (FedYogi's η with its τ): one validation run per combination,
+    the best mean metric chosen (the first on a tie), its values added to the experiment and to
+    the experiments that take them with `tune_from`."""
+    from fedsplice.app import tuning as T
+
+    text = suite.read_text().replace(
+        'set = ["server.optimizer=fedavgm"]',
+        'set = ["server.optimizer=fedyogi"]\ntune = {grid = {"server.lr" = [0.01, 0.1], "server.tau" = [0.001, 0.01]}, '
+        'metric = "PM acc"}').replace('label = "PFAdapter"', 'label = "PFAdapter"\ntune_from = "fl"')
+    suite.write_text(text)
+    s = R.load_suite(suite)
+    runs = T.plan_tuning(s, tmp_path / "out")
+    assert [r[0] for r in runs] == ["fl--0.01,0.001", "fl--0.01,0.01", "fl--0.1,0.001", "fl--0.1,0.01"]
+    assert runs[1][2].server.lr == 0.01 and runs[1][2].server.tau == 0.01 and runs[1][2].eval.on == "validation"
+    scores = {"fl--0.01,0.001": 0.5, "fl--0.01,0.01": 0.7, "fl--0.1,0.001": 0.7, "fl--0.1,0.01": 0.6}
+    chosen = T.apply_tuning(s, runs, [{"pm": {"accuracy": scores[r[0]]}} for r in runs], R.value)
+    assert chosen["fl"]["chosen"] == (0.01, 0.01)  # a tie goes to the first
+    assert s.experiments["fl"]["set"][-2:] == ["server.lr=0.01", "server.tau=0.01"]
+    assert s.experiments["pf"]["set"][-2:] == ["server.lr=0.01", "server.tau=0.01"]
+    md = T.tuning_section(chosen, {})
+    assert "| fl | `server.lr`, `server.tau` | PM acc | 0.01,0.001: 0.500, 0.01,0.01: 0.700" in md
+    assert md.rstrip().endswith("| **0.01, 0.01** |")
+    with pytest.raises(ConfigError, match="tune.grid must map keys to lists of values"):
+        suite.write_text(text.replace('"server.tau" = [0.001, 0.01]', '"server.tau" = []'))
+        R.load_suite(suite)
+
+
+def test_setting_text_is_read_from_the_configs():
+    """A value all experiments share is stated once; others are listed with their experiments;
+    FedPuReL's phase 2 says which schedule (and T_p) the runs used."""
+    import copy
+
+    from fedsplice.app.settings import setting_text
+    from fedsplice.config import ExperimentConfig
+
+    a = ExperimentConfig()
+    b, c = copy.deepcopy(a), copy.deepcopy(a)
+    b.client.lr = 0.01
+    c.algorithm, c.method = "fedpurel", {"phase2": "after", "personal_rounds": 2}
+    text = setting_text({"a": a, "b": b, "c": c}, str.upper)
+    assert "client optimizer: AdamW lr 0.0005, constant lr, optimizer state fresh (B: AdamW lr 0.01, constant lr, " \
+           "optimizer state fresh)" in text
+    assert "FedPuReL phase 2: after the rounds, T_p = 2 rounds of the local budget;" in text
+    c.method = {}
+    assert "FedPuReL phase 2: persistent (the branch trained in every round a client is sampled)" in setting_text({"c": c})
+    assert f"budget: {a.server.rounds} rounds × {a.client.local_epochs} local epoch(s), batch {a.client.batch_size}" in text
+
+
+def test_records_restore_a_suite_and_stale_runs_run_again(suite, tmp_path, monkeypatch):
+    """--records: a fresh OUT is rebuilt from the records without running anything; a run whose
+    config or goldens hash differs is stale, moved aside (not deleted) to run again."""
+    from fedsplice.app import provenance as P
+
+    records, doc = tmp_path / "records", tmp_path / "docs" / "results.md"
+    R.run_suite(suite, tmp_path / "out", doc, quiet=True, records=records)
+    first = doc.read_text()
+    prov = json.loads((records / "runs" / "pf" / "seed-0" / "provenance.json").read_text())
+    assert prov == {"commit": P.commit(), "goldens": P.goldens_hash()} and prov["goldens"]
+    assert sorted(p.name for p in (records / "runs" / "pf" / "seed-0").iterdir()) == sorted(P.FILES)
+    assert f"Runs by commit: 4 at {P.commit()}." in first and "0 were restored" in first
+    calls = []
+    monkeypatch.setattr(C, "_one", lambda *a: calls.append(a))
+    R.run_suite(suite, tmp_path / "fresh", doc, quiet=True, records=records)
+    assert calls == [] and "4 were restored from the committed records" in doc.read_text()
+    strip = lambda t: re.sub(r"Generated by .*\n", "", t)  # noqa: E731
+    assert strip(doc.read_text()) == strip(first)
+    # stale: other goldens, or another config; moved to OUT/stale/<time>/runs/...
+    runs = R.plan_suite(R.load_suite(suite), tmp_path / "fresh")
+    assert P.stale(runs[0][3], runs[0][2], P.goldens_hash()) is None
+    assert "goldens changed" in P.stale(runs[0][3], runs[0][2], "0" * 16)
+    other = R.plan_suite(R.load_suite(suite), tmp_path / "fresh", seeds=1)
+    other[0][2].client.lr *= 2
+    assert P.stale(other[0][3], other[0][2], P.goldens_hash()) == "its config differs from the suite's"
+    assert P.prepare(runs, tmp_path / "fresh", None, "0" * 16) == {"restored": 0, "stale": 4}
+    moved = list((tmp_path / "fresh" / "stale").glob("*/runs/pf/seed-0/results.json"))
+    assert len(moved) == 1 and not (tmp_path / "fresh" / "runs" / "pf" / "seed-0").exists()
+
+
+def test_the_committed_suite_loads_and_every_run_plans(tmp_path):
+    """configs/results/suite.toml: every experiment's config and overrides validate, every claim
+    names its table's rows, and no group writes its setting by hand."""
+    from pathlib import Path
+
+    from fedsplice.app import tuning as T
+
+    s = R.load_suite(Path(__file__).parents[1] / "configs" / "results" / "suite.toml")
+    assert len(R.plan_suite(s, tmp_path)) > 100 and T.plan_tuning(s, tmp_path)
+    kinds = {cl["kind"] for tb in s.tables for cl in tb.get("claim", [])}
+    assert {"greater", "best", "balanced", "ratio", "benchmark", "untestable"} <= kinds
+    assert not any("cold-start e5" == cl.get("metric") for tb in s.tables for cl in tb.get("claim", []))

@@ -77,9 +77,9 @@ def test_a_leaking_client_is_refused(cfg, monkeypatch):
     assert all(torch.equal(final["global_params"][n], exp.init_params[n]) for n in exp.global_names)
 
 
-@pytest.mark.parametrize("store_kind", ["memory", "disk"])
-def test_private_state_is_bit_identical_across_server_steps(cfg, monkeypatch, tmp_path, store_kind):
-    c = cfg(server__rounds=3)
+@pytest.mark.parametrize("store_kind, rule", [("memory", "fresh"), ("disk", "keep_private")])
+def test_private_state_is_bit_identical_across_server_steps(cfg, monkeypatch, tmp_path, store_kind, rule):
+    c = cfg(server__rounds=3, client__optimizer_state=f'"{rule}"')
     exp = build(c)
     store = MemoryStore() if store_kind == "memory" else DiskStore(tmp_path / "state")
     events = []  # (round, cid, private before, private after, global before)
@@ -121,9 +121,11 @@ def test_private_state_is_bit_identical_across_server_steps(cfg, monkeypatch, tm
                 break
             for n in exp.private_names:
                 assert torch.equal(st[f"param/{n}"], after[n]), (later, cid, n)
-            # Adam moments of PRIVATE tensors persist; nothing of GLOBAL tensors is stored
-            assert {k for k in st if k.startswith("opt/")} == {
+            # client.optimizer_state: fresh stores no optimizer state; keep_private the Adam
+            # moments of PRIVATE tensors; nothing of GLOBAL tensors either way
+            assert {k for k in st if k.startswith("opt/")} == ({
                 f"opt/{n}/{s}" for n in exp.private_names for s in ("step", "exp_avg", "exp_avg_sq")}
+                if rule == "keep_private" else set())
     # never-sampled clients have no state
     seen = {cid for ids in exp.sampling for cid in ids}
     assert all(stored_after_round[c.server.rounds][cid] is None for cid in set(exp.train_ids) - seen)

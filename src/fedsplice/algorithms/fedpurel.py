@@ -6,8 +6,9 @@
   alignment gradient (`fedsplice.core.purify`).
 - Phase 2 (§3.3, Eq. 12): the global PEFT is frozen; every training client trains a private
   PEFT of the same type on (1−λ)·CE(y, l_G + l_P) + λ·CE(y, l_P) and predicts with l_G + l_P:
-  for T_p rounds after the T global ones (Algorithm 1), as the `personalize` client task, or
-  (method.phase2 = "persistent", the official code) a stored branch trained in every round.
+  by default (method.phase2 = "persistent", the official code) a stored branch trained in every
+  round the client is sampled; or (phase2 = "after", Algorithm 1) for T_p rounds after the T
+  global ones, as the `personalize` client task.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ class FedPuReLParams:
     # a product ⟨g_task, g_align⟩ below working precision is no conflict (core/purify.py: g_align
     # ~ 0 at zero-shot, or orthogonal); 0 = the exact sign rule of the paper and official code
     tie_tol: float = TIE_TOL
-    # phase 2: "after" the T rounds, T_p = personal_rounds rounds of the client's local budget
-    # (the paper's Algorithm 1); "persistent": a branch kept on the client and trained one round's
-    # budget in every round it is sampled (the official code); personal_rounds is then unused
-    phase2: Literal["after", "persistent"] = "after"
-    personal_rounds: int = 10  # T_p (the paper gives no value)
+    # phase 2: "persistent", a branch kept on the client and trained one round's budget in every
+    # round it is sampled (the official code, which produced the paper's numbers; the default, as
+    # the paper gives no T_p); "after": after the T rounds, T_p = personal_rounds rounds of the
+    # client's local budget (the paper's Algorithm 1)
+    phase2: Literal["after", "persistent"] = "persistent"
+    personal_rounds: int = 10  # T_p of phase2 = "after" (the paper gives no value)
 
     def check(self) -> None:
         if not 0.0 <= self.lam <= 1.0:

@@ -10,11 +10,14 @@ official code is public; this is the homogeneous-backbone reading of the paper (
 - Training (the paper's iterative optimisation): each round, first the private adapter with the
   shared one frozen, for method.private_epochs local epochs, then the shared one with the private
   one frozen, for method.global_epochs; each phase has its own optimizer. Task loss only.
+  method.budget = "shared" (ours, for a comparison at equal local steps): the two phases split
+  one local budget, in proportion to their epochs, instead of each running its own epochs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from fedsplice.algorithms.recipe import Algorithm, Recipe
 from fedsplice.core import split as S
@@ -25,8 +28,14 @@ from fedsplice.errors import ConfigError
 class PFedLoRAParams:
     private_epochs: int = 1  # E_1: the private adapter, the shared one frozen
     global_epochs: int = 1  # E_2: the shared adapter, the private one frozen
+    # per_phase: each phase runs its own epochs (the paper: twice the local steps of a one-phase
+    # method at E_1 = E_2 = 1); shared: the phases split the client's one local budget
+    budget: Literal["per_phase", "shared"] = "per_phase"
 
     def check(self) -> None:
+        if self.budget not in ("per_phase", "shared"):
+            raise ConfigError(f"method.budget must be 'per_phase' (the paper) or 'shared' (the phases split one "
+                              f"local budget), got {self.budget!r}")
         if self.private_epochs < 1 or self.global_epochs < 1:
             raise ConfigError(f"method.private_epochs and method.global_epochs must be >= 1, got "
                               f"{self.private_epochs} and {self.global_epochs}")
@@ -37,7 +46,8 @@ def build(p: PFedLoRAParams, infos, *_) -> Recipe:
         raise ConfigError("algorithm 'pfedlora' trains a shared and a private LoRA adapter: set peft.type = "
                           "'lora' and peft.private_r = r (e.g. 8, the shared adapter's peft.r)")
     split = {n: S.PRIVATE if i.kind == "lora_private" else S.GLOBAL for n, i in infos.items()}
-    return Recipe(split, phases=((S.PRIVATE, p.private_epochs), (S.GLOBAL, p.global_epochs)))
+    return Recipe(split, phases=((S.PRIVATE, p.private_epochs), (S.GLOBAL, p.global_epochs)),
+                  phases_share_budget=p.budget == "shared")
 
 
 PFEDLORA = Algorithm(PFedLoRAParams, build, "shared LoRA adapter averaged, private LoRA adapter kept; trained "

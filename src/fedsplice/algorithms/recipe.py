@@ -47,6 +47,9 @@ class Recipe:
     # Alternating local training (pFedLoRA): ((split group, local epochs), ...), in order; each
     # phase trains only that group's tensors, with its own optimizer. Empty: one phase, all tensors.
     phases: tuple[tuple[str, int], ...] = ()
+    # phases_share_budget: the phases split one local budget (client.local_epochs or max_steps)
+    # in proportion to their epochs, instead of each running its own epochs
+    phases_share_budget: bool = False
     needs_zero_shot: bool = False  # cache zero-shot logits of the training set
     # References (fedsplice.algorithms.references). pooled: one model trains alone on the union of
     # every training client's data each round (centralized); nothing is federated, no traffic.

@@ -70,7 +70,7 @@ def cmd_results(args) -> None:
     from fedsplice.app.results import run_suite
 
     doc = run_suite(args.suite, Path(args.out), Path(args.doc), seeds=args.seeds, jobs=args.jobs, quiet=args.quiet,
-                    command=args.command or "")
+                    command=args.command or "", records=Path(args.records) if args.records else None)
     print(f"results: {doc} (tables and plots in {doc.with_suffix('')})")
 
 
@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     rr.add_argument("--doc", default="docs/results.md", help="the page to write (default docs/results.md)")
     rr.add_argument("--seeds", type=int, help="override the suite's seeds")
     rr.add_argument("--jobs", type=int, help="override the suite's runs at once")
+    rr.add_argument("--records", help="keep finished runs' small files here and restore them (docs/results/records)")
     rr.add_argument("--command", help=argparse.SUPPRESS)  # how the page says it was made (make results)
     rr.add_argument("--quiet", action="store_true")
     rr.set_defaults(fn=cmd_results)

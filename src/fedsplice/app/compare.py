@@ -98,10 +98,11 @@ def _one(cfg, d: Path, threads: int, lines: RunLines | None = None) -> dict:
                           echo=lines.data if lines is not None else None)
 
 
-def run_all(runs, quiet: bool = False, jobs: int = 1) -> list[dict]:
+def run_all(runs, quiet: bool = False, jobs: int = 1, on_done=None) -> list[dict]:
     """Run (or resume, or skip) every planned run; returns their results in plan order. Unless
     quiet, each run streams its progress lines (`RunLines`) and a line with its result.
-    jobs > 1 runs that many at once, each in its own process with cores / jobs torch threads."""
+    jobs > 1 runs that many at once, each in its own process with cores / jobs torch threads.
+    `on_done(run)` is called as each run this call executes finishes."""
     import os
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
@@ -123,6 +124,8 @@ def run_all(runs, quiet: bool = False, jobs: int = 1) -> list[dict]:
     t_start, done = time.perf_counter(), 0
 
     def report(i: int) -> None:
+        if on_done is not None:
+            on_done(runs[i])
         if quiet:
             return
         left, r = len(todo) - done, results[i]
@@ -154,7 +157,7 @@ def run_all(runs, quiet: bool = False, jobs: int = 1) -> list[dict]:
     return results
 
 
-def _get(r: dict, path: tuple) -> float | None:
+def metric_at(r: dict, path: tuple) -> float | None:
     v = r
     for k in path:
         if not isinstance(v, dict) or k not in v or v[k] is None:
@@ -173,7 +176,7 @@ def summarize(runs, results) -> list[dict]:
         r = {"method": row["method"], "algorithm": row["algorithm"], "n_seeds": len(row["seeds"]),
              "random_weights": sorted({w for s in row["seeds"] for w in s.get("random_weights", [])})}
         for col, path in METRICS:
-            vals = [v for v in (_get(s, path) for s in row["seeds"]) if v is not None]
+            vals = [v for v in (metric_at(s, path) for s in row["seeds"]) if v is not None]
             r[col] = (float(np.mean(vals)), float(np.std(vals))) if vals else None
         out.append(r)
     return out
@@ -207,7 +210,7 @@ def reference_rows(runs, results) -> list[dict]:
             row = {"method": f"{algo} (reference{'' if shared else ', ' + label})", "algorithm": algo,
                    "n_seeds": len(seeds), "random_weights": []}
             for col, path in METRICS:
-                vals = [v for v in (_get(s, path) for s in seeds) if v is not None]
+                vals = [v for v in (metric_at(s, path) for s in seeds) if v is not None]
                 row[col] = (float(np.mean(vals)), float(np.std(vals))) if vals else None
             out.append(row)
     return out
@@ -285,7 +288,7 @@ def write_plots(runs, out: Path) -> list[str]:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        written.append(_save(fig, out / fname))
+        written.append(save_png(fig, out / fname))
     if all("balancedness" in s[0][0]["gm"] for s in curves.values() if s and s[0]):
         fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
         for label, seeds in curves.items():
@@ -295,7 +298,7 @@ def write_plots(runs, out: Path) -> list[str]:
         ax.set_ylabel("GM balancedness β")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        written.append(_save(fig, out / "balancedness_vs_round.png"))
+        written.append(save_png(fig, out / "balancedness_vs_round.png"))
     return written
 
 
@@ -321,10 +324,10 @@ def write_class_plot(runs, results, out: Path) -> str | None:
     ax.set_ylabel("GM accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, out / "class_accuracy_head_to_tail.png")
+    return save_png(fig, out / "class_accuracy_head_to_tail.png")
 
 
-def _save(fig, path: Path) -> str:
+def save_png(fig, path: Path) -> str:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()

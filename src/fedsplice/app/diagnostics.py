@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedsplice.app.compare import save_png
+
 
 def records(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl records ([] when it has none)."""
@@ -72,3 +74,26 @@ def convergence_md(names: list[str], runs: list[tuple], label) -> list[str]:
                       if last else ["—", "—"])
         md.append(f"| {label(n)} | {span or '—'} | " + " | ".join(cells) + " |")
     return md + [""]
+
+
+def curves_plot(keys: list[str], rows: list[str], runs: list[tuple], label, path: Path) -> str:
+    """One panel per key: its per-round value (mean over seeds) for every row that logs it, e.g.
+    FedPuReL's cos(g_task, g_align), purified fraction and ‖g̃‖/‖g‖. Returns the file name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), dpi=110, squeeze=False)
+    for ax, k in zip(axes[0], keys):
+        for n in rows:
+            per = [{r["round"]: r[k] for r in records(x[3]) if isinstance(r.get(k), (int, float))}
+                   for x in runs if x[0] == n]
+            rounds = sorted(set().union(*per)) if per else []
+            if rounds:
+                ax.plot(rounds, [np.mean([p[t] for p in per if t in p]) for t in rounds], marker=".", label=label(n))
+        ax.set_title(k, fontsize=9)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    return save_png(fig, Path(path))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import subprocess
 import time
 import tomllib
 from pathlib import Path
@@ -34,15 +33,19 @@ from pathlib import Path
 import numpy as np
 
 from fedsplice.app import compare as C
+from fedsplice.app.claims import PARAMS, fmt, per_seed, value
+from fedsplice.app.settings import setting_text
+from fedsplice.app import claims as V
 from fedsplice.app import diagnostics as D
+from fedsplice.app import provenance as P
 from fedsplice.app import stats as S
 from fedsplice.app import tuning as T
 from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
 
-PARAMS = ("trainable params", "shared params")  # from results.json's params: GLOBAL + PRIVATE, GLOBAL
 COLUMNS = {c for c, _ in C.METRICS} | set(PARAMS)
-KINDS = ("greater", "best", "lowest", "balanced", "ratio", "gap_greater", "untestable")
+KINDS = ("greater", "best", "lowest", "balanced", "ratio", "gap_greater", "benchmark", "untestable")
+NO_METRIC = ("untestable", "benchmark")
 
 
 @dataclasses.dataclass
@@ -69,6 +72,9 @@ def load_suite(path: Path) -> Suite:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
     groups = t.get("groups", {})
     for k, g in groups.items():
+        if "setting" in g:
+            raise ConfigError(f"{path}: [groups.{k}] setting: the page generates it from the runs' configs; "
+                              f"remove it (the paper's setting stays in `paper`)")
         if not isinstance(g.get("seeds", 1), int) or g.get("seeds", 1) < 1:
             raise ConfigError(f"{path}: [groups.{k}] seeds must be an integer >= 1, got {g['seeds']!r}")
     exps = {}
@@ -98,21 +104,32 @@ def load_suite(path: Path) -> Suite:
                                   f"one of {', '.join(sorted(COLUMNS))}")
         if "sweep" in tb and len(tb.get("xs", [])) != len(tb["rows"]):
             raise ConfigError(f"{path}: table {tb.get('id')!r}: xs needs one value per row ({len(tb['rows'])})")
-        for cl in tb.get("claim", []):
-            m = cl.get("metric")
-            if cl.get("kind") != "untestable" and m not in COLUMNS and not str(m).startswith("cold-start e"):
-                raise ConfigError(f"{path}: table {tb.get('id')!r}: claim metric {m!r} is unknown; "
-                                  f"one of {', '.join(sorted(COLUMNS))} or 'cold-start eN'")
-            if cl.get("kind") not in KINDS:
-                raise ConfigError(f"{path}: table {tb.get('id')!r}: claim kind {cl.get('kind')!r} is unknown; "
-                                  f"use {', '.join(KINDS)}")
-            if cl.get("kind") == "balanced" and cl.get("metric_b") not in COLUMNS:
-                raise ConfigError(f"{path}: table {tb.get('id')!r}: a balanced claim needs metric_b, one of "
-                                  f"{', '.join(sorted(COLUMNS))}")
-            for k in ("a", "b", "a1", "b1", "a2", "b2"):
-                if k in cl and cl[k] not in tb["rows"]:
-                    raise ConfigError(f"{path}: table {tb.get('id')!r}: claim {k} = {cl[k]!r} is not one of its rows")
+        _check_claims(path, tb)
     return Suite(int(t.get("seeds", 3)), int(t.get("jobs", 1)), groups, exps, tables)
+
+
+def _check_claims(path: Path, tb: dict) -> None:
+    """Each claim of a table: a known kind and metric, the fields its kind needs, rows of its table."""
+    for cl in tb.get("claim", []):
+        m = cl.get("metric")
+        if cl.get("kind") not in NO_METRIC and m not in COLUMNS and not str(m).startswith("cold-start e"):
+            raise ConfigError(f"{path}: table {tb.get('id')!r}: claim metric {m!r} is unknown; "
+                              f"one of {', '.join(sorted(COLUMNS))} or 'cold-start eN'")
+        if cl.get("kind") not in KINDS:
+            raise ConfigError(f"{path}: table {tb.get('id')!r}: claim kind {cl.get('kind')!r} is unknown; "
+                              f"use {', '.join(KINDS)}")
+        if cl.get("kind") == "balanced" and cl.get("metric_b") not in COLUMNS:
+            raise ConfigError(f"{path}: table {tb.get('id')!r}: a balanced claim needs metric_b, one of "
+                              f"{', '.join(sorted(COLUMNS))}")
+        if cl.get("kind") == "balanced" and not (isinstance(cl.get("margin"), (int, float)) and cl["margin"] > 0):
+            raise ConfigError(f"{path}: table {tb.get('id')!r}: a balanced claim needs margin > 0, the "
+                              f"difference its equivalence test allows (e.g. margin = 0.05)")
+        if cl.get("kind") == "benchmark" and not (cl.get("measured") and cl.get("source")):
+            raise ConfigError(f"{path}: table {tb.get('id')!r}: a benchmark claim needs `measured` (the number) "
+                              f"and `source` (the benchmark's result file)")
+        for k in ("a", "b", "a1", "b1", "a2", "b2"):
+            if k in cl and cl[k] not in tb["rows"]:
+                raise ConfigError(f"{path}: table {tb.get('id')!r}: claim {k} = {cl[k]!r} is not one of its rows")
 
 
 def plan_suite(suite: Suite, out: Path, seeds: int | None = None, only: list[str] | None = None):
@@ -125,121 +142,7 @@ def plan_suite(suite: Suite, out: Path, seeds: int | None = None, only: list[str
     return runs
 
 
-# ----------------------------------------------------------------------------- metrics
-
-
-def value(r: dict, metric: str) -> float | None:
-    if metric.startswith("cold-start e"):
-        cs = r.get("cold_start") or {}
-        e = int(metric.removeprefix("cold-start e"))
-        v = cs["accuracy"][cs["epochs"].index(e)] if e in cs.get("epochs", []) else None
-        return None if v is None else float(v)  # null: undefined in results.json
-    if metric in PARAMS:
-        p = r.get("params") or {}
-        return float(p.get("global", 0) + (p.get("private", 0) if metric == PARAMS[0] else 0))
-    return C._get(r, dict(C.METRICS)[metric])
-
-
-def per_seed(results: dict[str, list[dict]], name: str, metric: str) -> np.ndarray:
-    return np.array([np.nan if (v := value(r, metric)) is None else v for r in results[name]], dtype=float)
-
-
-def fmt(v: np.ndarray, metric: str) -> str:
-    if np.isnan(v).all():
-        return "—"
-    m, s = np.nanmean(v), np.nanstd(v)
-    return f"{m:,.0f} ± {s:,.0f}" if metric.startswith("up") or metric in PARAMS else f"{m:.3f} ± {s:.3f}"
-
-
-def paired(results: dict[str, list[dict]], a: str, b: str, metric: str) -> np.ndarray:
-    """a − b, paired: per seed and client (seeds × clients) for PM accuracy, whose clients are
-    the same in both runs of a seed; per seed otherwise."""
-    if metric == "PM acc":
-        ca = [(r.get("pm") or {}).get("client_accuracy") for r in results[a]]
-        cb = [(r.get("pm") or {}).get("client_accuracy") for r in results[b]]
-        if all(x is not None and y is not None and len(x) == len(y) for x, y in zip(ca, cb)) and len({len(x) for x in ca}) == 1:
-            return np.array(ca, dtype=float) - np.array(cb, dtype=float)
-    return per_seed(results, a, metric) - per_seed(results, b, metric)
-
-
-def interval_verdict(d: np.ndarray, direction: int = 1) -> tuple[str, object]:
-    """(verdict, interval) of paired differences: held if the 95% bootstrap interval excludes 0 in
-    the claimed direction, did not hold if it excludes 0 the other way, else inconclusive. One
-    seed of a per-seed metric is no interval at all: inconclusive."""
-    d = np.asarray(d, dtype=float)
-    if np.isnan(d).all():
-        return "could not be tested", None
-    iv = S.paired_bootstrap(d)
-    if d.ndim == 1 and iv.n < 2:
-        return "inconclusive", iv
-    return S.decide(iv, direction), iv
-
-
-def verdict(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> tuple[str, str]:
-    """(held | did not hold | inconclusive | could not be tested, the measured evidence)."""
-    kind, metric = claim["kind"], claim.get("metric", "")
-    if kind == "untestable":
-        return "could not be tested", claim.get("reason", "")
-    if kind == "greater":
-        a, b = per_seed(results, claim["a"], metric), per_seed(results, claim["b"], metric)
-        v, iv = interval_verdict(paired(results, claim["a"], claim["b"], metric))
-        if iv is None:
-            return v, f"{metric}: too few test samples to report (eval.min_group_samples)"
-        return v, f"{metric}: {np.nanmean(a):.4f} vs {np.nanmean(b):.4f}; {S.describe(iv)}"
-    if kind in ("best", "lowest"):
-        return best_verdict(claim, results, rows, metric, 1 if kind == "best" else -1)
-    if kind == "balanced":
-        d = per_seed(results, claim["a"], metric) - per_seed(results, claim["a"], claim["metric_b"])
-        v, iv = interval_verdict(d)
-        if iv is None:
-            return v, f"{metric} − {claim['metric_b']}: too few test samples to report (eval.min_group_samples)"
-        ev = f"{metric} − {claim['metric_b']} of {claim['a']}: {S.describe(iv)}"
-        if iv.n < 2:
-            return "inconclusive", ev
-        return ("held" if iv.lo <= 0 <= iv.hi else "did not hold"), ev
-    if kind == "ratio":
-        q = float(np.mean(per_seed(results, claim["a"], metric)) / np.mean(per_seed(results, claim["b"], metric)))
-        ok = claim["low"] <= q <= claim["high"]
-        return ("held" if ok else "did not hold"), f"{metric}: ratio {q:.3f} (claimed {claim['low']}–{claim['high']})"
-    g1 = per_seed(results, claim["a1"], metric) - per_seed(results, claim["b1"], metric)
-    g2 = per_seed(results, claim["a2"], metric) - per_seed(results, claim["b2"], metric)
-    v, iv = interval_verdict(g1 - g2)
-    if iv is None:
-        return v, f"{metric}: too few test samples to report (eval.min_group_samples)"
-    return v, f"{metric}: gap {np.nanmean(g1):+.4f} vs {np.nanmean(g2):+.4f}; difference of gaps {S.describe(iv)}"
-
-
-def best_verdict(claim: dict, results, rows: list[str], metric: str, sign: int = 1) -> tuple[str, str]:
-    """a is best (sign 1; lowest: −1): held if a beats every other row (each paired interval on
-    a's side of 0), did not hold if some row beats a (an interval on the other side), else
-    inconclusive."""
-    a = claim["a"]
-    means = {n: float(np.nanmean(per_seed(results, n, metric))) for n in rows}
-    verdicts = {n: interval_verdict(paired(results, a, n, metric), sign) for n in rows if n != a}
-    if any(v == "could not be tested" for v, _ in verdicts.values()):
-        return "could not be tested", f"{metric}: too few test samples to report (eval.min_group_samples)"
-    beaten = [n for n, (v, _) in verdicts.items() if v == "did not hold"]
-    runner = max((n for n in rows if n != a), key=lambda n: sign * means[n])
-    ev = (f"{metric}: {a} {means[a]:.4f}, {'best' if sign > 0 else 'lowest'} other {means[runner]:.4f} ({runner}); "
-          f"vs it {S.describe(verdicts[runner][1])}")
-    if beaten:
-        return "did not hold", ev + f"; significantly {'behind' if sign > 0 else 'above'} {', '.join(beaten)}"
-    return ("held" if all(v == "held" for v, _ in verdicts.values()) else "inconclusive"), ev
-
-
 # ----------------------------------------------------------------------------- the document
-
-
-def _git() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)docs/results.md", ":(exclude)docs/results"],
-                               capture_output=True, text=True).stdout.strip()
-        return sha + (" with uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
 
 
 def _sweep_plot(tb: dict, suite: Suite, results, path: Path) -> str:
@@ -264,7 +167,7 @@ def _sweep_plot(tb: dict, suite: Suite, results, path: Path) -> str:
     ax.set_ylabel("accuracy (mean ± std over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return C._save(fig, path)
+    return C.save_png(fig, path)
 
 
 def _cold_plot(tb: dict, suite: Suite, results, path: Path, epochs: list[int]) -> str:
@@ -283,18 +186,24 @@ def _cold_plot(tb: dict, suite: Suite, results, path: Path, epochs: list[int]) -
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return C._save(fig, path)
+    return C.save_png(fig, path)
 
 
-def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel: str):
-    """Markdown for one table (and its folder: full table.md/csv and plots); returns (md, claims)."""
+def table_results(tb: dict, runs, by_run: dict) -> dict[str, list[dict]]:
+    """The results.json of each of a table's rows, one per seed."""
+    return {n: [by_run[r[:2]] for r in runs if r[0] == n] for n in tb["rows"]}
+
+
+def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel: str, verdicts: list) -> str:
+    """Markdown for one table (and its folder: full table.md/csv and plots), with its claims'
+    verdicts (`claims.Verdict`, decided with the whole page's)."""
     rows, cols = tb["rows"], tb.get("columns", ["GM acc", "PM acc", "PM F1", "up B/round"])
     d = fig_dir / tb["id"]
     if rows:
         d.mkdir(parents=True, exist_ok=True)
     sub = [r for n in rows for r in runs if r[0] == n]  # in the table's row order
     sub_res = [by_run[r[:2]] for r in sub]
-    results = {n: [by_run[r[:2]] for r in sub if r[0] == n] for n in rows}
+    results = table_results(tb, runs, by_run)
     if rows:
         C.write_tables(C.summarize(sub, sub_res), d)
     lab = lambda n: suite.experiments[n].get("label", n)  # noqa: E731
@@ -310,6 +219,10 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
                    f"[{rel}/{tb['id']}/table.md]({rel}/{tb['id']}/table.md).", ""]
     if tb.get("diagnostics"):
         md += D.diagnostics_md(tb["diagnostics"], rows, sub, lab)
+    if tb.get("diagnostic_curves"):
+        png = D.curves_plot(tb["diagnostic_curves"], rows, sub, lab, d / "diagnostics.png")
+        md += [f"Per round (mean over seeds): {', '.join(f'`{k}`' for k in tb['diagnostic_curves'])}.", "",
+               f"![diagnostics]({rel}/{tb['id']}/{png})", ""]
     if tb.get("cold_start"):
         epochs = results[rows[0]][0]["cold_start"]["epochs"]
         md += ["Cold start (held-out clients: the final global adapters, then local epochs):", "",
@@ -325,25 +238,45 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
         md += [" ".join(f"![{p}]({rel}/{tb['id']}/{p})" for p in pngs), ""]
     if "sweep" in tb:
         md += [f"![sweep]({rel}/{tb['id']}/{_sweep_plot(tb, suite, results, d / 'sweep.png')})", ""]
-    claims = []
-    for cl in tb.get("claim", []):
-        v, ev = verdict(cl, results, rows)
-        claims.append((tb["title"], cl["text"], v, ev))
-        md.append(f"- **{v}** — {cl['text']} *Measured:* {ev}")
+    for cl, v in zip(tb.get("claim", []), verdicts):
+        md.append(f"- **{v.verdict}** — {cl['text']} *Measured:* {v.evidence}")
     md.append("")
-    return "\n".join(md), claims
+    return "\n".join(md)
+
+
+def group_setting(suite: Suite, runs, group: str) -> str:
+    """The group's setting, generated from the configs of its runs (`fedsplice.app.settings`)."""
+    cfgs = {}
+    for name, _, cfg, _ in runs:
+        if suite.experiments[name]["group"] == group:
+            cfgs.setdefault(name, cfg)
+    return setting_text(cfgs, lambda n: suite.experiments[n].get("label", n))
+
+
+def provenance_line(meta: dict) -> str:
+    """Which commits the runs come from, and the rule that let older ones be reused."""
+    if not meta.get("by_commit"):
+        return ""
+    commits = ", ".join(f"{n} at {c}" for c, n in sorted(meta["by_commit"].items(), key=lambda x: -x[1]))
+    reuse = meta.get("reuse", {})
+    return (f"Runs by commit: {commits}. A run from an earlier commit is reused only while its config is the one "
+            f"planned now and the regression goldens are unchanged (hash {meta.get('goldens') or 'none: no goldens'}); "
+            f"{reuse.get('restored', 0)} were restored from the committed records, {reuse.get('stale', 0)} were stale "
+            f"and ran again.")
 
 
 def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
     by_run = {r[:2]: res for r, res in zip(runs, res_list)}
     fig_dir = doc.with_suffix("")  # docs/results.md -> docs/results/
     rel = fig_dir.name
-    sections, claims = [], []
-    for tb in suite.tables:
-        md, cl = table_section(tb, suite, runs, by_run, fig_dir, rel)
-        sections.append(md)
-        claims += cl
-    counts = {k: sum(c[2] == k for c in claims) for k in ("held", "inconclusive", "did not hold", "could not be tested")}
+    verdicts = [[V.assess(cl, table_results(tb, runs, by_run), tb["rows"]) for cl in tb.get("claim", [])]
+                for tb in suite.tables]
+    V.decide_all([v for vs in verdicts for v in vs])
+    sections = [table_section(tb, suite, runs, by_run, fig_dir, rel, vs) for tb, vs in zip(suite.tables, verdicts)]
+    claims = [(tb["title"], cl["text"], v.verdict) for tb, vs in zip(suite.tables, verdicts)
+              for cl, v in zip(tb.get("claim", []), vs)]
+    order = ("held", "inconclusive", "did not hold", V.NO_SIGNAL, V.UNTESTABLE, V.BENCHMARK)
+    counts = {k: sum(c[2] == k for c in claims) for k in order}
     head = [
         "# Results: the two papers' experiments on the offline zoo", "",
         f"Generated by `{meta['command']}` at commit {meta['commit']} on {meta['date']}. "
@@ -351,20 +284,25 @@ def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
         f"found finished in {meta['out']}); this invocation took {meta['wall_min']:.1f} min with {meta['jobs']} "
         f"run(s) at once on {meta['machine']}. The runs' own times add up to {meta['compute_min']:.0f} min "
         f"(about {meta['compute_min'] / meta['jobs']:.0f} min from scratch at {meta['jobs']} at once). Every number below is read from the runs' results.json, "
-        f"and the same command regenerates this page.", "",
+        f"and the same command regenerates this page. " + provenance_line(meta), "",
         "**Substitute setting, not the papers' setting.** No image model weights or the papers' data sets "
         "can be obtained offline here, so both papers are reproduced on text classification with the "
         "offline zoo's real models; numbers are not comparable to the papers', only the direction of "
         "each claim is. Runs pair up by seed (same clients, same sampling stream) and personalized accuracy "
-        "also by client; a claim *held* when the 95% paired bootstrap interval of the difference (seeds × "
-        "clients for PM accuracy, seeds otherwise) lies on the claimed side of 0, *did not hold* when it "
-        "lies on the other side, and is *inconclusive* when it contains 0.", "",
+        "also by client within a seed; the seed is the unit of replication (a seed's clients share one run). "
+        "A claim is tested only when its compared rows learned: a trained baseline must move off its round-0 "
+        "value by more than its seed spread, and the compared rows must differ; otherwise it is *not tested: "
+        "no training signal*, with the numbers. A tested claim *held* when a two-sided paired t-test over "
+        "seeds (an equivalence test, TOST, for a claim of no difference) is significant on the claimed side "
+        "after Holm's correction over the whole page, *did not hold* when it is significant on the other "
+        "side, and is *inconclusive* otherwise. Byte ratios do not vary with the seed and are compared as "
+        "they are. " + V.family_note([v for vs in verdicts for v in vs]), "",
         "| | this page | the paper |", "|---|---|---|"]
-    head += [f"| {g.get('title', k)} | {g.get('setting', '')} | {g.get('paper', '')} |" for k, g in suite.groups.items()]
-    head += ["", f"**Claims:** {counts['held']} held, {counts['inconclusive']} inconclusive, "
-                 f"{counts['did not hold']} did not hold, {counts['could not be tested']} could not be tested.", "",
+    head += [f"| {g.get('title', k)} | {group_setting(suite, runs, k)} | {g.get('paper', '')} |"
+             for k, g in suite.groups.items()]
+    head += ["", "**Claims:** " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".", "",
              "| table | claim | verdict |", "|---|---|---|"]
-    head += [f"| {t} | {c} | **{v}** |" for t, c, v, _ in claims]
+    head += [f"| {t} | {c} | **{v}** |" for t, c, v in claims]
     tuned = T.tuning_section(suite.tuned, {n: e.get("label", n) for n, e in suite.experiments.items()})
     conv = D.convergence_md(list(suite.experiments), runs, lambda n: f"{suite.experiments[n].get('label', n)} (`{n}`)")
     atomic_write_text(doc, "\n".join(head) + "\n\n" + (tuned + "\n" if tuned else "") + "\n".join(sections)
@@ -373,20 +311,26 @@ def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
 
 
 def run_suite(path: Path, out: Path, doc: Path, seeds: int | None = None, jobs: int | None = None,
-              quiet: bool = False, command: str = "") -> Path:
+              quiet: bool = False, command: str = "", records: Path | None = None) -> Path:
+    """Run (or reuse, `fedsplice.app.provenance`) every run of the suite, then write the page."""
     suite = load_suite(path)
     if seeds:
         suite.seeds, suite.fixed = seeds, True
+    out = Path(out)
     tune_runs = T.plan_tuning(suite, out)
     plan_suite(suite, out)  # every config is validated before anything runs
     t0 = time.perf_counter()
+    prov = {"commit": P.commit(), "goldens": P.goldens_hash()}
+    reuse = P.prepare(tune_runs, out, records, prov["goldens"])
     pending = sum(not (r[3] / "results.json").exists() for r in tune_runs)
-    tune_res = C.run_all(tune_runs, quiet=quiet, jobs=jobs or suite.jobs)
+    tune_res = C.run_all(tune_runs, quiet=quiet, jobs=jobs or suite.jobs, on_done=P.stamper(prov))
     suite.tuned = T.apply_tuning(suite, tune_runs, tune_res, value)
     runs = plan_suite(suite, out)  # with the chosen values
+    reuse = {k: v + P.prepare(runs, out, records, prov["goldens"])[k] for k, v in reuse.items()}
     pending += sum(not (r[3] / "results.json").exists() for r in runs)
-    res = C.run_all(runs, quiet=quiet, jobs=jobs or suite.jobs)
-    meta = {"command": command or f"fedsplice results {path} --out {out} --doc {doc}", "commit": _git(),
+    res = C.run_all(runs, quiet=quiet, jobs=jobs or suite.jobs, on_done=P.stamper(prov))
+    meta = {"command": command or f"fedsplice results {path} --out {out} --doc {doc}", "commit": prov["commit"],
+            "goldens": prov["goldens"], "reuse": reuse, "by_commit": P.finish([*tune_runs, *runs], out, records),
             "date": time.strftime("%Y-%m-%d"), "runs": len(runs) + len(tune_runs), "executed": pending, "out": out,
             "wall_min": (time.perf_counter() - t0) / 60, "jobs": jobs or suite.jobs,
             "compute_min": sum(r.get("time_s", 0) for r in [*res, *tune_res]) / 60,

@@ -24,7 +24,8 @@ from fedsplice.data.report import summary_lines
 from fedsplice.data.scenarios import summary_line
 from fedsplice.data.zoo import random_label
 from fedsplice.errors import ConfigError
-from fedsplice.federation import build, cold_start, evaluate_only, make_store, personalization, references, run_rounds
+from fedsplice.federation import (build, cold_start, evaluate_only, make_store, movement, personalization, references,
+                                 run_rounds)
 from fedsplice.federation import checkpoint as ckpt
 from fedsplice.federation.validate import load_config
 from fedsplice.runtimes.inprocess import InProcess
@@ -215,6 +216,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         final, transport = _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, track, refs)
         records = log.records()
         results = results_table(cfg, exp, name, records, final, refs)
+        results["movement"] = movement(exp, final["global_params"], store)
         if exp.holdout_ids and exp.recipe.trains:
             if not quiet:
                 console.print(f"cold start: {plural(len(exp.holdout_ids), 'held-out client')}, "

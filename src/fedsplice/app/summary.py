@@ -35,6 +35,10 @@ def _counts(train_counts) -> dict:
             "imbalance_measured": float(train_counts.max() / max(train_counts.min(), 1))}
 
 
+def _scalars(m: dict | None) -> dict | None:
+    return None if m is None else {k: v for k, v in m.items() if not isinstance(v, (list, dict))}
+
+
 def results_table(cfg: ExperimentConfig, exp, name: str, records: list[dict], final: dict,
                   refs: dict | None = None) -> dict:
     """results.json's content (the runner adds cold_start and time_s). `refs`: the run's
@@ -56,6 +60,8 @@ def results_table(cfg: ExperimentConfig, exp, name: str, records: list[dict], fi
         "gm": last["gm"],
         "pm": last["pm"],
         "zero_shot_gm": records[0]["gm"],
+        # round 0's scalars: where the run started, which the results page's gate reads
+        "start": {k: _scalars(records[0].get(k)) for k in ("gm", "pm")},
         "communication": {
             "up_bytes": final["up_bytes"], "down_bytes": final["down_bytes"],
             "up_bytes_per_round": final["up_bytes"] / max(rounds, 1),

@@ -7,10 +7,15 @@ never reads the test set; the value with the best mean metric (the first on a ti
 to the experiment's overrides, and the page records every score. `tune_from = "<experiment>"`
 reuses the value chosen for another experiment (the same method on other data). Runs live under
 OUT/tune/runs/<experiment>--<value>/seed-<s>, so a stopped suite resumes here too.
+
+Several keys tune together as a grid: `tune = {grid = {"server.lr" = [...], "server.tau" = [...]},
+metric = "PM acc"}` runs every combination (FedYogi's η with its τ); its runs are labelled
+<experiment>--<v1>,<v2>.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -20,15 +25,37 @@ from fedsplice.errors import ConfigError
 
 
 def check_tune(path: Path, name: str, tune: dict, columns: set[str]) -> None:
-    for k in ("key", "values"):
-        if k not in tune:
-            raise ConfigError(f"{path}: experiment {name!r}: tune needs `{k}` (e.g. tune = {{key = \"server.lr\", "
-                              f"values = [0.001, 0.01, 0.1], metric = \"GM acc\"}})")
-    if not isinstance(tune["values"], list) or len(tune["values"]) < 2:
-        raise ConfigError(f"{path}: experiment {name!r}: tune.values must list at least 2 values")
+    if "grid" in tune:
+        g = tune["grid"]
+        if not (isinstance(g, dict) and g and all(isinstance(v, list) and v for v in g.values())
+                and len(combos(tune)) >= 2):
+            raise ConfigError(f"{path}: experiment {name!r}: tune.grid must map keys to lists of values, with at "
+                              f"least 2 combinations (e.g. grid = {{\"server.lr\" = [0.01, 0.1], \"server.tau\" = [0.001]}})")
+    else:
+        for k in ("key", "values"):
+            if k not in tune:
+                raise ConfigError(f"{path}: experiment {name!r}: tune needs `{k}` (e.g. tune = {{key = \"server.lr\", "
+                                  f"values = [0.001, 0.01, 0.1], metric = \"GM acc\"}}), or a `grid`")
+        if not isinstance(tune["values"], list) or len(tune["values"]) < 2:
+            raise ConfigError(f"{path}: experiment {name!r}: tune.values must list at least 2 values")
     if tune.get("metric", "GM acc") not in columns:
         raise ConfigError(f"{path}: experiment {name!r}: tune.metric {tune.get('metric')!r} is unknown; "
                           f"one of {', '.join(sorted(columns))}")
+
+
+def keys(tune: dict) -> list[str]:
+    return list(tune["grid"]) if "grid" in tune else [tune["key"]]
+
+
+def combos(tune: dict) -> list[tuple]:
+    """Every value tuple to try, in order (one value per key)."""
+    if "grid" not in tune:
+        return [(v,) for v in tune["values"]]
+    return list(itertools.product(*tune["grid"].values()))
+
+
+def _sets(tune: dict, combo: tuple) -> list[str]:
+    return [f"{k}={v}" for k, v in zip(keys(tune), combo)]
 
 
 def plan_tuning(suite, out: Path) -> list[tuple]:
@@ -40,8 +67,8 @@ def plan_tuning(suite, out: Path) -> list[tuple]:
         t = e["tune"]
         seeds = max(seeds, int(t.get("seeds", 1)))
         base = [*suite.groups[e["group"]].get("set", []), *e.get("set", [])]
-        for v in t["values"]:
-            entries.append((_label(name, v), Path(e["config"]), [*base, f"{t['key']}={v}", "eval.on=validation"]))
+        for c in combos(t):
+            entries.append((_label(name, c), Path(e["config"]), [*base, *_sets(t, c), "eval.on=validation"]))
     return C.plan_entries(entries, seeds, Path(out) / "tune") if entries else []
 
 
@@ -49,8 +76,8 @@ def _show(v) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
 
-def _label(name: str, v) -> str:
-    return f"{name}--{_show(v)}"
+def _label(name: str, combo: tuple) -> str:
+    return f"{name}--{','.join(map(_show, combo))}"
 
 
 def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[str, dict]:
@@ -65,17 +92,17 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
         if "tune" not in e:
             continue
         t, metric = e["tune"], e["tune"].get("metric", "GM acc")
-        scores = {}
-        for v in t["values"]:
-            got = [value(res, metric) for res in by_label[_label(name, v)]]
-            scores[v] = float(np.nanmean([np.nan if x is None else x for x in got]))
-        best = max(t["values"], key=lambda v: (scores[v], -t["values"].index(v)))
-        e["set"] = [*e.get("set", []), f"{t['key']}={best}"]
-        chosen[name] = {"key": t["key"], "metric": metric, "scores": scores, "chosen": best}
-    for name, e in suite.experiments.items():  # tune_from: the value chosen for another experiment
+        scores, order = {}, combos(t)
+        for c in order:
+            got = [value(res, metric) for res in by_label[_label(name, c)]]
+            scores[c] = float(np.nanmean([np.nan if x is None else x for x in got]))
+        best = max(order, key=lambda c: (scores[c], -order.index(c)))
+        e["set"] = [*e.get("set", []), *_sets(t, best)]
+        chosen[name] = {"keys": keys(t), "metric": metric, "scores": scores, "chosen": best}
+    for name, e in suite.experiments.items():  # tune_from: the values chosen for another experiment
         if "tune_from" in e:
             c = chosen[e["tune_from"]]
-            e["set"] = [*e.get("set", []), f"{c['key']}={c['chosen']}"]
+            e["set"] = [*e.get("set", []), *(f"{k}={v}" for k, v in zip(c["keys"], c["chosen"]))]
     return chosen
 
 
@@ -87,6 +114,7 @@ def tuning_section(chosen: dict[str, dict], labels: dict[str, str]) -> str:
           "the test set is not read); the best mean is used in every measured run of the experiment.", "",
           "| experiment | key | metric | validation score by value | chosen |", "|---|---|---|---|---|"]
     for name, c in chosen.items():
-        sc = ", ".join(f"{_show(v)}: {s:.3f}" for v, s in c["scores"].items())
-        md.append(f"| {labels.get(name, name)} | `{c['key']}` | {c['metric']} | {sc} | **{c['chosen']}** |")
+        sc = ", ".join(f"{','.join(map(_show, v))}: {s:.3f}" for v, s in c["scores"].items())
+        md.append(f"| {labels.get(name, name)} | `{'`, `'.join(c['keys'])}` | {c['metric']} | {sc} | "
+                  f"**{', '.join(map(_show, c['chosen']))}** |")
     return "\n".join(md) + "\n"

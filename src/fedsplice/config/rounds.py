@@ -27,6 +27,11 @@ class ClientConfig:
     # the client lr over the rounds: constant, or cosine annealing from client.lr in round 1 to 0
     # after the last (lr_t = lr·(1 + cos(π·(t−1)/T))/2, t = 1..T; PFAdapter's §V-A)
     schedule: Literal["constant", "cosine"] = "constant"
+    # The optimizer's state (SGD momentum, Adam moments) between a client's rounds. fresh: a new
+    # optimizer every client-round for every tensor, GLOBAL, PRIVATE and the residual branch alike
+    # (FedSA-LoRA's, Fed-GraB's and FedPuReL's branch code); keep_private: PRIVATE tensors keep
+    # theirs across the client's rounds (GLOBAL ones still start fresh: they arrive new each round)
+    optimizer_state: Literal["fresh", "keep_private"] = "fresh"
     logit_adjustment: float = 0.0  # τ of logit-adjusted training (Menon et al. 2021); 0 = off
     # Fed-GraB (Xiao et al. 2023; fedsplice.core.grab): per-class PID-steered re-weighting of the
     # positive / negative logit gradients, on the classes the global model's prior calls tail.
@@ -39,6 +44,10 @@ class ClientConfig:
     grab_pos_scale: float = 0.0
     grab_neg_scale: float = 0.0
     grab_out_limit: float = 100.0  # |PID output| bound
+    # which classes the controllers steer: all (the official code, which never runs its prior
+    # analyzer), or those whose prior, estimated from the global model's response to a
+    # content-free input, is below grab_tail_ratio / num_classes (our reading of the paper's DPA)
+    grab_prior: Literal["all", "content-free"] = "all"
     grab_tail_ratio: float = 1.0  # tail: estimated global prior < tail_ratio / num_classes
     # softmax: re-weight the method's own CE; sigmoid: the official code's one-vs-all BCE (saturates
     # on CLIP-style scaled cosine logits: every sigmoid near 1, no positive gradient)
@@ -51,6 +60,9 @@ class ClientConfig:
         if self.logit_adjustment < 0:
             raise ConfigError(f"client.logit_adjustment must be >= 0 (0 = off), got {self.logit_adjustment}")
         self.check_grab()
+        if self.optimizer_state not in ("fresh", "keep_private"):
+            raise ConfigError(f"client.optimizer_state must be 'fresh' (a new optimizer every client-round) or "
+                              f"'keep_private' (PRIVATE tensors keep theirs), got {self.optimizer_state!r}")
         check_positive("client.local_epochs", self.local_epochs)
         check_positive("client.batch_size", self.batch_size)
         check_positive("client.lr", self.lr)
@@ -81,6 +93,9 @@ class ClientConfig:
                 raise ConfigError(f"client.grab_{name} must be a finite number {'>' if strict else '>='} {lo}, got {v}")
         if self.grab_loss not in ("sigmoid", "softmax"):
             raise ConfigError(f"client.grab_loss must be 'sigmoid' or 'softmax', got {self.grab_loss!r}")
+        if self.grab_prior not in ("all", "content-free"):
+            raise ConfigError(f"client.grab_prior must be 'all' (every class tail, the official code) or "
+                              f"'content-free' (the estimated prior), got {self.grab_prior!r}")
 
 
 @dataclass

@@ -15,7 +15,7 @@ import tomllib
 from fedsplice.config import SITES, ExperimentConfig, from_dict
 from fedsplice.core import wire
 from fedsplice.core.robust import check_update
-from fedsplice.federation.evaluation import references
+from fedsplice.federation.evaluation import movement, references
 from fedsplice.federation.experiment import Client, Experiment, build
 from fedsplice.federation.rounds import Reply, cold_start, evaluate_only, gm_and_pm, personalization, run_rounds
 from fedsplice.federation.store import DiskStore, make_store
@@ -28,7 +28,7 @@ from fedsplice.federation.validate import validate as validate_config
 
 __all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Reply", "SITES", "TASKS", "accepts", "build", "check_update",
            "client_task", "cold_start", "config_from_text", "evaluate_only", "fit_client", "gm_and_pm",
-           "load_config", "make_store", "personalization", "references", "rng", "run_rounds", "validate_config", "wire"]
+           "load_config", "make_store", "movement", "personalization", "references", "rng", "run_rounds", "validate_config", "wire"]
 
 
 def config_from_text(text: str) -> ExperimentConfig:

@@ -130,3 +130,20 @@ def evaluate_global(exp, global_params: dict) -> dict:
         logits = exp.model.predict(d.test_texts[:size], exp.cfg.eval.batch_size).numpy()
     m = score(exp, d.test_labels[:size], logits, np.arange(size))
     return with_longtail(exp, m, m["class_correct"], m["class_total"], m["zs_class_correct"])
+
+
+def _distance(a: dict, b: dict, names) -> float:
+    return float(sum(float((a[n].float() - b[n].float()).pow(2).sum()) for n in names) ** 0.5)
+
+
+def movement(exp, global_params: dict, store) -> dict:
+    """How far training moved the tensors from where they started (L2 norms of the change):
+    GLOBAL (the final aggregate), PRIVATE and the residual branch (mean over the training clients
+    whose state `store` holds; None where it holds none, as on Flower, whose clients keep theirs)."""
+    out = {"global": _distance(global_params, exp.init_params, exp.global_names) if exp.global_names else None}
+    states = [s for s in (store.get(c) for c in exp.train_ids) if s is not None]
+    for key, prefix in (("private", "param/"), ("branch", "branch/")):
+        per = [s_names for s_names in ({k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states)
+               if s_names]
+        out[key] = (sum(_distance(p, exp.init_params, p) for p in per) / len(per)) if per else None
+    return out

@@ -37,7 +37,7 @@ from fedsplice.data.partition import Client
 from fedsplice.errors import ConfigError
 from fedsplice.federation.evaluation import prior_logits, score
 from fedsplice.federation.metrics import classification_metrics
-from fedsplice.federation.train import local_train
+from fedsplice.federation.train import local_train, planned_steps
 
 TASKS = ("evaluate", "personalize", "cold_start", "evaluate_global")  # the tasks `run_task` serves (fit has its own reply)
 
@@ -63,22 +63,26 @@ def train_context(exp, cid: int, received: dict, **extra) -> dict:
 
 
 def grab_balancer(exp, stored: dict | None, global_params: dict):
-    """Fed-GraB (client.grab), PRIVATE: the Direct Prior Analyzer reads the global model's class
-    prior (GLOBAL + fresh PRIVATE tensors, its mean softmax on a content-free input "", no data)
-    and opens the PID controllers of the classes it calls tail; the balancer's state (accumulated
+    """Fed-GraB (client.grab), PRIVATE: the PID controllers of the tail classes open: every class
+    (grab_prior = "all", the official code), or those the Direct Prior Analyzer calls tail from the
+    global model's class prior (GLOBAL + fresh PRIVATE tensors, its mean softmax on a
+    content-free input "", no data); the balancer's state (accumulated
     gradients, errors, PID outputs) comes from the client's store ("grab/...")."""
     cc = exp.cfg.client
     if exp.recipe.objective is not None:
         raise ConfigError(f"client.grab re-weights the plain task loss, and algorithm {exp.cfg.algorithm!r} "
                           f"trains on an objective of its own; set client.grab = false")
-    exp.model.load_params({**global_params, **{n: exp.init_params[n] for n in exp.private_names}})
-    prior = G.prior_from_responses(exp.model.predict([""], 1))
+    if cc.grab_prior == "all":  # the official code: every class is tail, every controller open
+        mask = torch.ones(len(exp.data.class_names), dtype=torch.bool)
+    else:
+        exp.model.load_params({**global_params, **{n: exp.init_params[n] for n in exp.private_names}})
+        mask = G.tail_mask(G.prior_from_responses(exp.model.predict([""], 1)), cc.grab_tail_ratio)
     has = stored is not None and "grab/pos" in stored
     state = {k: stored[f"grab/{k}"] for k in G.STATE_KEYS} if has else G.fresh_state(len(exp.data.class_names))
     params = G.GrabParams(kp=cc.grab_kp, ki=cc.grab_ki, kd=cc.grab_kd, pos_scale=cc.grab_pos_scale,
                           neg_scale=cc.grab_neg_scale, out_limit=cc.grab_out_limit, tail_ratio=cc.grab_tail_ratio,
                           loss=cc.grab_loss)
-    return G.Balancer(params, state, G.tail_mask(prior, cc.grab_tail_ratio))
+    return G.Balancer(params, state, mask)
 
 
 def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: dict, objective=None, loss_terms=(),
@@ -96,22 +100,43 @@ def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: dict, object
         rng=streams.rng(exp.cfg, streams.CLIENT, rnd, cid), ctx=ctx, epochs=epochs)
 
 
+def phase_budgets(exp, cid: int, client_cfg) -> list[tuple[int, object]]:
+    """(epochs, client config) of each phase: its own epochs, or (recipe.phases_share_budget) a
+    share of one local budget, k_i steps in proportion to its epochs (the remainder to the first
+    phases), with the loop cut at k_i steps; a phase with no step is skipped (epochs 0)."""
+    phases = exp.recipe.phases
+    if not exp.recipe.phases_share_budget:
+        return [(e, client_cfg) for _, e in phases]
+    n = len(exp.clients[cid].train_idx)
+    total, per_epoch = planned_steps(n, client_cfg, None), -(-n // client_cfg.batch_size)
+    w = [e for _, e in phases]
+    ks = [total * e // sum(w) for e in w]
+    for i in range(total - sum(ks)):
+        ks[i] += 1
+    return [(-(-k // per_epoch), dataclasses.replace(client_cfg, max_steps=k)) if k else (0, client_cfg) for k in ks]
+
+
 def train_phases(exp, cid: int, **kw) -> tuple[dict, dict]:
     """`train_client`, or, with recipe.phases (pFedLoRA), one call per phase on only that split
-    group's tensors (the others frozen) for its epochs. Statistics: the last phase's, with each
-    phase's loss and steps as `<group>_loss`, `<group>_steps`; the kept optimizer state of all."""
+    group's tensors (the others frozen) for its epochs (`phase_budgets`). Statistics: the last
+    phase's, with each phase's loss and steps as `<group>_loss`, `<group>_steps`; the kept
+    optimizer state of all."""
     phases = exp.recipe.phases
     if not phases:
         return train_client(exp, cid, **kw)
     params, split = exp.model.trainable(), exp.recipe.split
     opt, stats, per = {}, {}, {}
     state = kw.pop("opt_state", None) or {}
+    budgets = phase_budgets(exp, cid, kw.pop("client_cfg", None) or exp.cfg.client)
     try:
-        for group, epochs in phases:
+        for (group, _), (epochs, ccfg) in zip(phases, budgets):
+            if epochs == 0:
+                per[f"{group}_steps"] = 0  # no loss to report (statistics are finite numbers)
+                continue
             for n, p in params.items():
                 p.requires_grad_(split[n] == group)
             mine = {k: v for k, v in state.items() if split[k.rsplit("/", 1)[0]] == group}
-            o, stats = train_client(exp, cid, **kw, opt_state=mine, epochs=epochs)
+            o, stats = train_client(exp, cid, **kw, opt_state=mine, epochs=epochs, client_cfg=ccfg)
             opt.update(o)
             per.update({f"{group}_loss": stats.get("loss", float("nan")), f"{group}_steps": stats["steps"]})
     finally:
@@ -191,8 +216,10 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
         branch = train_branch(exp, cid, received, stored_branch(exp, stored), range(rnd, rnd + 1),
                               global_logits(exp, cid, received))
     exp.model.load_params({**received, **priv})
-    # pooled (centralized): its optimizer state persists across rounds, one continuous training run
-    keep = exp.global_names + exp.private_names if r.pooled else exp.private_names
+    # pooled (centralized): its optimizer state persists across rounds, one continuous training run;
+    # else client.optimizer_state says whether PRIVATE tensors keep theirs
+    keep = (exp.global_names + exp.private_names if r.pooled
+            else exp.private_names if exp.cfg.client.optimizer_state == "keep_private" else [])
     new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd, ctx=train_context(exp, cid, received, round=rnd, **grab),
                                   objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
                                   keep_opt=keep, opt_state=opt_state,
