@@ -162,6 +162,12 @@ VLM_TOL = 5e-3
 # accuracies. Its held-out clients have 2 test samples each and, after that drift, one answer
 # flipped between the two kernels (fedavg-lora-easyvqa: per_client [0.5, 1.0] vs [0.5, 0.5]).
 VLM_LEFT_OUT = frozenset({"cold_start"})
+# FedPuReL's purification geometry (core/purify.py `geometry`): cos(g_task, g_align) and ‖g̃‖/‖g‖
+# carry g_align's relative error, and at this budget g_align is small (LoRA a step from zero-shot:
+# align loss ~2e-6), so the kernels' 1e-7 noise in f − z is ~1e-4 of it. Measured between the
+# default and avx2 kernels: 3.2e-5 (purify_cos) and 5.4e-6 (purify_norm_ratio) of
+# fedpurel-lora-fortunes; 30x room. (Where g_align is rounding noise alone, cos is reported as 0.)
+FIELD_TOL = {"purify_cos": 1e-3, "purify_norm_ratio": 1e-3}
 
 
 def tolerance(stem: str) -> tuple[float, frozenset]:
@@ -174,7 +180,7 @@ def tolerance(stem: str) -> tuple[float, frozenset]:
 
 def _close(x, y, tol: float = FLOAT_TOL) -> bool:
     if isinstance(x, dict) and isinstance(y, dict):
-        return set(x) == set(y) and all(_close(x[k], y[k], tol) for k in x)
+        return set(x) == set(y) and all(_close(x[k], y[k], max(tol, FIELD_TOL.get(k, 0.0))) for k in x)
     if isinstance(x, list) and isinstance(y, list):
         return len(x) == len(y) and all(_close(u, v, tol) for u, v in zip(x, y))
     if isinstance(x, float) and isinstance(y, float):

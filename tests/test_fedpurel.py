@@ -221,6 +221,11 @@ def test_purification_geometry_by_hand(granularity, conflict, ratio):
     assert float(stats["purify_norm_ratio"]) == pytest.approx(ratio, rel=1e-6)
     zero = PU.geometry([torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)])
     assert (float(zero["purify_cos"]), float(zero["purify_norm_ratio"])) == (0.0, 1.0)
+    # g_align at rounding-noise size (‖g_align‖ ≤ tie_tol·‖g_task‖): no direction, cos 0
+    noise = PU.geometry([torch.tensor([1.0, 0.0])], [torch.tensor([1e-6, 0.0])], [torch.tensor([1.0, 0.0])])
+    assert float(noise["purify_cos"]) == 0.0
+    assert float(PU.geometry([torch.tensor([1.0, 0.0])], [torch.tensor([1e-6, 0.0])], [torch.tensor([1.0, 0.0])],
+                             tie_tol=0.0)["purify_cos"]) == pytest.approx(1.0)
 
 
 def test_purification_per_tensor_projects_only_conflicting_tensor():

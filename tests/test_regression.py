@@ -77,6 +77,18 @@ def test_floats_within_tolerance_everything_else_exact(tmp_path):
     assert "field purified_steps (golden \"<absent>\", now 0.5)" in diff
 
 
+def test_purification_geometry_has_its_own_tolerance(tmp_path):
+    # fedpurel-lora-fortunes' measured avx2 difference of purify_cos (3.2e-5) passes; beyond 1e-3 not,
+    # and other fields keep FLOAT_TOL
+    g = _write(tmp_path / "g", [{"round": 1, "purify_cos": -0.05921103269793093, "task_loss": 1.0}], {})
+    near = _write(tmp_path / "a", [{"round": 1, "purify_cos": -0.05917878006584942, "task_loss": 1.0}], {})
+    assert regression.first_difference(g, near) is None
+    far = _write(tmp_path / "b", [{"round": 1, "purify_cos": -0.0579, "task_loss": 1.0}], {})
+    assert "field purify_cos" in regression.first_difference(g, far)
+    loss = _write(tmp_path / "c", [{"round": 1, "purify_cos": -0.05921103269793093, "task_loss": 1.0001}], {})
+    assert "field task_loss" in regression.first_difference(g, loss)
+
+
 def test_left_out_values_keep_their_structure(tmp_path):
     rec = [{"round": 1, "task_loss": 1.0}]
     g = _write(tmp_path / "g", rec, {"cold_start": {"accuracy": [0.25, 0.5], "clients": [8, 9]}})

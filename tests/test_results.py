@@ -292,13 +292,13 @@ def test_parameter_columns():
 def test_tuning_grid_runs_every_combination_and_chooses_the_best(suite, tmp_path):
     """A `grid` tunes keys together (FedYogi's η with its τ): one validation run per combination,
     the best mean metric chosen (the first on a tie), its values added to the experiment and to
-    the experiments that take them with `tune_from`."""
+    the experiments that take them with `tune_from` (a name or a list of names)."""
     from fedsplice.app import tuning as T
 
     text = suite.read_text().replace(
         'set = ["server.optimizer=fedavgm"]',
         'set = ["server.optimizer=fedyogi"]\ntune = {grid = {"server.lr" = [0.01, 0.1], "server.tau" = [0.001, 0.01]}, '
-        'metric = "PM acc"}').replace('label = "PFAdapter"', 'label = "PFAdapter"\ntune_from = "fl"')
+        'metric = "PM acc"}').replace('label = "PFAdapter"', 'label = "PFAdapter"\ntune_from = ["fl"]')
     suite.write_text(text)
     s = R.load_suite(suite)
     runs = T.plan_tuning(s, tmp_path / "out")

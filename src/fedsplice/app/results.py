@@ -90,9 +90,10 @@ def load_suite(path: Path) -> Suite:
             T.check_tune(path, e["name"], e["tune"], COLUMNS)
         exps[e["name"]] = e
     for e in exps.values():
-        if "tune_from" in e and "tune" not in exps.get(e["tune_from"], {}):
-            raise ConfigError(f"{path}: experiment {e['name']!r}: tune_from = {e['tune_from']!r} names no "
-                              f"experiment with a `tune` table")
+        for src in T.sources(e):
+            if "tune" not in exps.get(src, {}):
+                raise ConfigError(f"{path}: experiment {e['name']!r}: tune_from = {src!r} names no "
+                                  f"experiment with a `tune` table")
     tables = t.get("table", [])
     for tb in tables:
         for name in tb.get("rows", []):

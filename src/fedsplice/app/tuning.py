@@ -5,7 +5,8 @@ each value runs (on `seeds` seeds, default 1) with `eval.on = "validation"`, whi
 training samples held out of training (`fedsplice.federation.experiment.apply_validation`) and
 never reads the test set; the value with the best mean metric (the first on a tie) is appended
 to the experiment's overrides, and the page records every score. `tune_from = "<experiment>"`
-reuses the value chosen for another experiment (the same method on other data). Runs live under
+(or a list of them) reuses the values chosen for other experiments (the same method on other
+data; an ablation that takes its method's client lr and its server optimizer's η). Runs live under
 OUT/tune/runs/<experiment>--<value>/seed-<s>, so a stopped suite resumes here too.
 
 Several keys tune together as a grid: `tune = {grid = {"server.lr" = [...], "server.tau" = [...]},
@@ -41,6 +42,12 @@ def check_tune(path: Path, name: str, tune: dict, columns: set[str]) -> None:
     if tune.get("metric", "GM acc") not in columns:
         raise ConfigError(f"{path}: experiment {name!r}: tune.metric {tune.get('metric')!r} is unknown; "
                           f"one of {', '.join(sorted(columns))}")
+
+
+def sources(e: dict) -> list[str]:
+    """The experiments whose tuned values `e` takes (`tune_from`: a name or a list of names)."""
+    src = e.get("tune_from", [])
+    return [src] if isinstance(src, str) else list(src)
 
 
 def keys(tune: dict) -> list[str]:
@@ -99,9 +106,9 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
         best = max(order, key=lambda c: (scores[c], -order.index(c)))
         e["set"] = [*e.get("set", []), *_sets(t, best)]
         chosen[name] = {"keys": keys(t), "metric": metric, "scores": scores, "chosen": best}
-    for name, e in suite.experiments.items():  # tune_from: the values chosen for another experiment
-        if "tune_from" in e:
-            c = chosen[e["tune_from"]]
+    for name, e in suite.experiments.items():  # tune_from: the values chosen for other experiments
+        for src in sources(e):
+            c = chosen[src]
             e["set"] = [*e.get("set", []), *(f"{k}={v}" for k, v in zip(c["keys"], c["chosen"]))]
     return chosen
 

@@ -60,24 +60,27 @@ def purification(granularity: str = "tensor", tie_tol: float = TIE_TOL):
             for g in gt:
                 parts.append(out[i:i + g.numel()].view_as(g))
                 i += g.numel()
-            return parts, {"purified_steps": float(hit), "purified_tensors": float(hit), **geometry(gt, ga, parts)}
+            return parts, {"purified_steps": float(hit), "purified_tensors": float(hit),
+                           **geometry(gt, ga, parts, tie_tol)}
         res = [project(a, b, tie_tol) for a, b in zip(gt, ga)]
         hits = [h for _, h in res]
         out = [g for g, _ in res]
         return out, {"purified_steps": float(any(hits)), "purified_tensors": float(np.mean(hits)) if hits else 0.0,
-                     **geometry(gt, ga, out)}
+                     **geometry(gt, ga, out, tie_tol)}
 
     return transform
 
 
-def geometry(g_task: list, g_align: list, g_out: list) -> dict:
+def geometry(g_task: list, g_align: list, g_out: list, tie_tol: float = TIE_TOL) -> dict:
     """What purification did to a step, over all tensors together (the results page shows it per
-    round): cos(g_task, g_align), 0 where either is zero, and ‖g̃‖ / ‖g_task‖, 1 where g_task is
-    zero; as 0-d tensors (the loop reads them with its other statistics)."""
+    round): cos(g_task, g_align) and ‖g̃‖ / ‖g_task‖, as 0-d tensors (the loop reads them with its
+    other statistics). cos is 0 where g_align is zero to working precision (‖g_align‖ ≤
+    tie_tol·‖g_task‖, as `is_tie`): at zero-shot it is rounding noise, whose direction is the
+    CPU's; the ratio is 1 where g_task is zero."""
     dot = sum((t * a).sum() for t, a in zip(g_task, g_align))
     nt = torch.sqrt(sum((t * t).sum() for t in g_task))
     na = torch.sqrt(sum((a * a).sum() for a in g_align))
     no = torch.sqrt(sum((o * o).sum() for o in g_out))
     tiny = torch.finfo(nt.dtype).tiny
-    cos = torch.where(nt * na > 0, dot / (nt * na).clamp_min(tiny), torch.zeros_like(dot))
+    cos = torch.where((nt > 0) & (na > tie_tol * nt), dot / (nt * na).clamp_min(tiny), torch.zeros_like(dot))
     return {"purify_cos": cos, "purify_norm_ratio": torch.where(nt > 0, no / nt.clamp_min(tiny), torch.ones_like(nt))}

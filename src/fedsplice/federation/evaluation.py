@@ -143,7 +143,7 @@ def movement(exp, global_params: dict, store) -> dict:
     out = {"global": _distance(global_params, exp.init_params, exp.global_names) if exp.global_names else None}
     states = [s for s in (store.get(c) for c in exp.train_ids) if s is not None]
     for key, prefix in (("private", "param/"), ("branch", "branch/")):
-        per = [s_names for s_names in ({k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states)
-               if s_names]
-        out[key] = (sum(_distance(p, exp.init_params, p) for p in per) / len(per)) if per else None
+        tensors = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
+        per = [_distance(t, exp.init_params, t) for t in tensors if t]
+        out[key] = sum(per) / len(per) if per else None
     return out
