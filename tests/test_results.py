@@ -309,9 +309,20 @@ def test_tuning_grid_runs_every_combination_and_chooses_the_best(suite, tmp_path
     assert chosen["fl"]["chosen"] == (0.01, 0.01)  # a tie goes to the first
     assert s.experiments["fl"]["set"][-2:] == ["server.lr=0.01", "server.tau=0.01"]
     assert s.experiments["pf"]["set"][-2:] == ["server.lr=0.01", "server.tau=0.01"]
+    # an experiment's own tuned key is never taken from its source
+    s.experiments["pf"]["set"] = []
+    s.experiments["pf"]["tune"] = {"key": "server.tau", "values": [0.1, 0.2], "metric": "PM acc"}
+    runs_pf = [r for r in T.plan_tuning(s, tmp_path / "out") if r[0].startswith("pf--")]
+    both = [*runs, *runs_pf]
+    T.apply_tuning(s, both, [{"pm": {"accuracy": scores.get(r[0], 0.9 if r[0] == "pf--0.2" else 0.1)}} for r in both],
+                   R.value)
+    assert s.experiments["pf"]["set"] == ["server.tau=0.2", "server.lr=0.01"]
     md = T.tuning_section(chosen, {})
     assert "| fl | `server.lr`, `server.tau` | PM acc | 0.01,0.001: 0.500, 0.01,0.01: 0.700" in md
     assert md.rstrip().endswith("| **0.01, 0.01** |")
+    with pytest.raises(ConfigError, match="no validation run reports 'GM acc'"):
+        s.experiments["pf"]["tune"]["metric"] = "GM acc"
+        T.apply_tuning(s, both, [{"pm": {"accuracy": 0.5}} for _ in both], R.value)
     with pytest.raises(ConfigError, match="tune.grid must map keys to lists of values"):
         suite.write_text(text.replace('"server.tau" = [0.001, 0.01]', '"server.tau" = []'))
         R.load_suite(suite)
@@ -350,6 +361,10 @@ def test_records_restore_a_suite_and_stale_runs_run_again(suite, tmp_path, monke
     assert prov == {"commit": P.commit(), "goldens": P.goldens_hash()} and prov["goldens"]
     assert sorted(p.name for p in (records / "runs" / "pf" / "seed-0").iterdir()) == sorted(P.FILES)
     assert f"Runs by commit: 4 at {P.commit()}." in first and "0 were restored" in first
+    # each run is recorded as it finishes (a stopped suite keeps it), not only at the end
+    stamp = P.stamper({"commit": "x", "goldens": None}, tmp_path / "out", tmp_path / "early")
+    stamp(("pf", 0, None, tmp_path / "out" / "runs" / "pf" / "seed-0"))
+    assert json.loads((tmp_path / "early" / "runs" / "pf" / "seed-0" / "provenance.json").read_text())["commit"] == "x"
     calls = []
     monkeypatch.setattr(C, "_one", lambda *a: calls.append(a))
     R.run_suite(suite, tmp_path / "fresh", doc, quiet=True, records=records)

@@ -98,10 +98,20 @@ def prepare(runs, out: Path, records: Path | None, goldens: str | None) -> dict[
     return counts
 
 
-def stamper(prov: dict):
-    """`compare.run_all`'s on_done: a run finished by this invocation gets its provenance at once
-    (a suite stopped later keeps what it finished)."""
-    return lambda run: atomic_write_json(run[3] / "provenance.json", prov)
+def _record(d: Path, out: Path, records: Path | None) -> None:
+    if records is not None:
+        for f in FILES:
+            if (d / f).exists():
+                atomic_write_bytes(records / Path(d).relative_to(out) / f, (d / f).read_bytes())
+
+
+def stamper(prov: dict, out: Path, records: Path | None):
+    """`compare.run_all`'s on_done: a run finished by this invocation gets its provenance and its
+    record at once (a suite stopped later keeps what it finished, also in the records)."""
+    def done(run) -> None:
+        atomic_write_json(run[3] / "provenance.json", prov)
+        _record(run[3], out, records)
+    return done
 
 
 def finish(runs, out: Path, records: Path | None) -> dict[str, int]:
@@ -111,8 +121,5 @@ def finish(runs, out: Path, records: Path | None) -> dict[str, int]:
     for _, _, _, d in runs:
         c = json.loads((d / "provenance.json").read_text()).get("commit", "unknown")
         by_commit[c] = by_commit.get(c, 0) + 1
-        if records is not None:
-            for f in FILES:
-                if (d / f).exists():
-                    atomic_write_bytes(records / Path(d).relative_to(out) / f, (d / f).read_bytes())
+        _record(d, out, records)
     return by_commit

@@ -324,12 +324,12 @@ def run_suite(path: Path, out: Path, doc: Path, seeds: int | None = None, jobs: 
     prov = {"commit": P.commit(), "goldens": P.goldens_hash()}
     reuse = P.prepare(tune_runs, out, records, prov["goldens"])
     pending = sum(not (r[3] / "results.json").exists() for r in tune_runs)
-    tune_res = C.run_all(tune_runs, quiet=quiet, jobs=jobs or suite.jobs, on_done=P.stamper(prov))
+    tune_res = C.run_all(tune_runs, quiet=quiet, jobs=jobs or suite.jobs, on_done=P.stamper(prov, out, records))
     suite.tuned = T.apply_tuning(suite, tune_runs, tune_res, value)
     runs = plan_suite(suite, out)  # with the chosen values
     reuse = {k: v + P.prepare(runs, out, records, prov["goldens"])[k] for k, v in reuse.items()}
     pending += sum(not (r[3] / "results.json").exists() for r in runs)
-    res = C.run_all(runs, quiet=quiet, jobs=jobs or suite.jobs, on_done=P.stamper(prov))
+    res = C.run_all(runs, quiet=quiet, jobs=jobs or suite.jobs, on_done=P.stamper(prov, out, records))
     meta = {"command": command or f"fedsplice results {path} --out {out} --doc {doc}", "commit": prov["commit"],
             "goldens": prov["goldens"], "reuse": reuse, "by_commit": P.finish([*tune_runs, *runs], out, records),
             "date": time.strftime("%Y-%m-%d"), "runs": len(runs) + len(tune_runs), "executed": pending, "out": out,

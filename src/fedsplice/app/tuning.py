@@ -6,7 +6,8 @@ training samples held out of training (`fedsplice.federation.experiment.apply_va
 never reads the test set; the value with the best mean metric (the first on a tie) is appended
 to the experiment's overrides, and the page records every score. `tune_from = "<experiment>"`
 (or a list of them) reuses the values chosen for other experiments (the same method on other
-data; an ablation that takes its method's client lr and its server optimizer's η). Runs live under
+data; an ablation that takes its server optimizer's η and its method's client lr): a key the
+experiment tunes itself is not taken, and where two sources tune a key the last one's is used. Runs live under
 OUT/tune/runs/<experiment>--<value>/seed-<s>, so a stopped suite resumes here too.
 
 Several keys tune together as a grid: `tune = {grid = {"server.lr" = [...], "server.tau" = [...]},
@@ -103,13 +104,17 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
         for c in order:
             got = [value(res, metric) for res in by_label[_label(name, c)]]
             scores[c] = float(np.nanmean([np.nan if x is None else x for x in got]))
-        best = max(order, key=lambda c: (scores[c], -order.index(c)))
+        if all(np.isnan(v) for v in scores.values()):
+            raise ConfigError(f"tune of {name!r}: no validation run reports {metric!r}; choose a metric its "
+                              f"runs report (tune.metric)")
+        best = max(order, key=lambda c: (scores[c] if not np.isnan(scores[c]) else -np.inf, -order.index(c)))
         e["set"] = [*e.get("set", []), *_sets(t, best)]
         chosen[name] = {"keys": keys(t), "metric": metric, "scores": scores, "chosen": best}
-    for name, e in suite.experiments.items():  # tune_from: the values chosen for other experiments
+    for name, e in suite.experiments.items():  # tune_from: the values chosen for other experiments,
+        own = set(keys(e["tune"])) if "tune" in e else set()  # but never over its own; the last source wins
         for src in sources(e):
             c = chosen[src]
-            e["set"] = [*e.get("set", []), *(f"{k}={v}" for k, v in zip(c["keys"], c["chosen"]))]
+            e["set"] = [*e.get("set", []), *(f"{k}={v}" for k, v in zip(c["keys"], c["chosen"]) if k not in own)]
     return chosen
 
 
