@@ -2,23 +2,13 @@
 results` runs), written as docs/results.md with a folder of tables and plots per table.
 
 A suite (configs/results/suite.toml) names experiments — a committed config plus overrides —
-groups them into tables, and states each paper claim as a check over the measured runs:
-
-- greater: experiment a beats b on a metric. Seeds share clients and sampling, so runs pair up
-  by seed (and PM accuracy by client within a seed); a 95% paired bootstrap interval of a − b
-  (`fedsplice.app.stats`) decides: held if it lies above 0, did not hold if below, else
-  inconclusive.
-- best / lowest: a beats (stays below) every other row of its table in that sense (did not
-  hold if any row beats a / is below a).
-- balanced: one experiment's two metrics (zero-shot's many- and few-shot accuracy) do not
-  differ: held if the interval of metric − metric_b over seeds contains 0.
-- ratio: mean(a) / mean(b) lies in [low, high] (the bytes claims, which do not vary).
-- gap_greater: a1 − b1 exceeds a2 − b2 (an advantage that grows with heterogeneity), by the
-  interval of the per-seed difference of gaps.
-- untestable: a claim this substitute setting cannot test; the suite says why.
+groups them into tables, and states each paper claim as a check over the measured runs (the
+kinds, the training-signal gate and the tests that decide them: `fedsplice.app.claims`). Each
+group's setting text is generated from its runs' configs (`fedsplice.app.settings`).
 
 All runs share OUT/runs/<experiment>/seed-<s> and go through `compare.run_all`, so a
-suite that is stopped and started again runs only what is missing.
+suite that is stopped and started again runs only what is missing; a finished run is reused
+only while its config and the regression goldens are unchanged (`fedsplice.app.provenance`).
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ from fedsplice.app.settings import setting_text
 from fedsplice.app import claims as V
 from fedsplice.app import diagnostics as D
 from fedsplice.app import provenance as P
-from fedsplice.app import stats as S
 from fedsplice.app import tuning as T
 from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
