@@ -277,7 +277,7 @@ def test_suite_tunes_on_a_validation_split(suite, tmp_path):
     assert f"lr = {best}" in measured and 'on = "test"' in measured
     page = doc.read_text()
     assert "## Hyperparameters chosen on a validation split" in page
-    assert f"| fl | `server.lr` | GM acc | 0.5: {gm[0.5]:.3f}, 2: {gm[2.0]:.3f} | **{best:g}** |" in page
+    assert f"| fl | `server.lr` | GM acc | 0.5: {gm[0.5]:.3f}, 2: {gm[2.0]:.3f} | **{best:g}** (edge of the grid: server.lr) |" in page
     with pytest.raises(ConfigError, match="tune.values must list at least 2 values"):
         suite.write_text(text.replace("values = [0.5, 2.0]", "values = [0.5]"))
         R.load_suite(suite)
@@ -319,7 +319,8 @@ def test_tuning_grid_runs_every_combination_and_chooses_the_best(suite, tmp_path
     assert s.experiments["pf"]["set"] == ["server.tau=0.2", "server.lr=0.01"]
     md = T.tuning_section(chosen, {})
     assert "| fl | `server.lr`, `server.tau` | PM acc | 0.01,0.001: 0.500, 0.01,0.01: 0.700" in md
-    assert md.rstrip().endswith("| **0.01, 0.01** |")
+    assert md.rstrip().endswith("| **0.01, 0.01** (edge of the grid: server.lr, server.tau) |")
+    assert T.edge({"keys": ["x"], "scores": {(1,): 0.1, (2,): 0.3, (3,): 0.2}, "chosen": (2,)}) == ""
     with pytest.raises(ConfigError, match="no validation run reports 'GM acc'"):
         s.experiments["pf"]["tune"]["metric"] = "GM acc"
         T.apply_tuning(s, both, [{"pm": {"accuracy": 0.5}} for _ in both], R.value)

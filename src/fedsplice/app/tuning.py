@@ -118,6 +118,14 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
     return chosen
 
 
+def edge(c: dict) -> str:
+    """" (edge of the grid: …)" where a chosen value is a key's smallest or largest: the best may
+    lie outside the grid."""
+    keys_ = [k for i, k in enumerate(c["keys"]) if len({v[i] for v in c["scores"]}) > 1
+             and c["chosen"][i] in (min(v[i] for v in c["scores"]), max(v[i] for v in c["scores"]))]
+    return f" (edge of the grid: {', '.join(keys_)})" if keys_ else ""
+
+
 def tuning_section(chosen: dict[str, dict], labels: dict[str, str]) -> str:
     if not chosen:
         return ""
@@ -128,5 +136,5 @@ def tuning_section(chosen: dict[str, dict], labels: dict[str, str]) -> str:
     for name, c in chosen.items():
         sc = ", ".join(f"{','.join(map(_show, v))}: {s:.3f}" for v, s in c["scores"].items())
         md.append(f"| {labels.get(name, name)} | `{'`, `'.join(c['keys'])}` | {c['metric']} | {sc} | "
-                  f"**{', '.join(map(_show, c['chosen']))}** |")
+                  f"**{', '.join(map(_show, c['chosen']))}**{edge(c)} |")
     return "\n".join(md) + "\n"
