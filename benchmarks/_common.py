@@ -46,6 +46,52 @@ def in_subprocess(module: str, payload: dict, timeout: float = 3600) -> dict:
     return json.loads(lines[-1])
 
 
+def run_script_child(script: str, job: dict, timeout: float = 7200) -> tuple[dict, str]:
+    """Run `python SCRIPT --child` with `job` as JSON on stdin, in a fresh process (its peak RSS
+    its own): (its last stdout line that is JSON, its stderr)."""
+    p = subprocess.run([sys.executable, script, "--child"], input=json.dumps(job), cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or p.stdout).splitlines()[-8:]
+        raise RuntimeError(f"{Path(script).name} child failed (exit {p.returncode}): " + " | ".join(tail))
+    return json.loads(lines[-1]), p.stderr
+
+
+def interleaved_args(doc: str, workloads, per: str):
+    """The command line of a script that compares settings interleaved in one child per workload."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny random models (a smoke run of the script)")
+    ap.add_argument("--only", action="append", default=[], choices=list(workloads))
+    ap.add_argument("--reps", type=int, default=0, help=f"timed calls per {per} (default 4; quick 1)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    args.reps = args.reps or (1 if args.quick else 4)
+    return args
+
+
+def chosen(args, workloads: dict, tmp: Path, quick_set: list[str], tiny: dict):
+    """(name, workload, its --set list) of each workload the command line chose; with --quick, the
+    model is tiny[name](folder) (a random model of the test suite) and quick_set cuts the budget."""
+    for name, w in workloads.items():
+        if args.only and name not in args.only:
+            continue
+        sets = list(w["set"])
+        if args.quick:
+            sets += quick_set + [f"model.name='{tiny[name](tmp / name)}'"]
+        yield name, w, sets
+
+
+def child_or_main(child, main) -> None:
+    """A script's __main__: `--child` runs child(the JSON job on stdin), else main()."""
+    if "--child" in sys.argv:
+        child(json.loads(sys.stdin.read()))
+    else:
+        main()
+
+
 COMMIT = commit()  # at start: the code that ran, even if the tree changes while it runs
 
 

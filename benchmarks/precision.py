@@ -19,18 +19,18 @@ with AVX2 alone they are emulated and slower (`grep -o avx512_bf16 /proc/cpuinfo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import child_or_main, interleaved_args, run_script_child  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")
 WORKLOADS = {
@@ -116,41 +116,21 @@ def child(job: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- the parent
-def run_child(job: dict) -> dict:
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], input=json.dumps(job),
-                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=7200)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError("precision child failed: " + " | ".join((p.stderr or p.stdout).splitlines()[-8:]))
-    return json.loads(lines[-1])
-
-
 def main() -> None:
-    from benchmarks._common import ROOT, report
+    from benchmarks._common import ROOT, chosen, report
+    from fedsplice.data import zoo
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny random models (a smoke run of the script)")
-    ap.add_argument("--only", action="append", default=[], choices=list(WORKLOADS))
-    ap.add_argument("--reps", type=int, default=0, help="timed calls per precision (default 4; quick 1)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = ap.parse_args()
-    reps = args.reps or (1 if args.quick else 4)
+    args = interleaved_args(__doc__, WORKLOADS, "precision")
+    reps = args.reps
     bf16_cpu = "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
     load0 = os.getloadavg()[0]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, w in WORKLOADS.items():
-            if args.only and name not in args.only:
-                continue
-            sets = list(w["set"])
-            if args.quick:
-                from fedsplice.data import zoo
-
-                tiny = zoo.tiny_bert(Path(tmp) / "tiny-bert") if name == "minilm" else zoo.tiny_llama(Path(tmp) / "tiny-llama")
-                sets += QUICK_SET + [f"model.name='{tiny}'"]
+        for name, w, sets in chosen(args, WORKLOADS, Path(tmp), QUICK_SET, {"minilm": zoo.tiny_bert,
+                                                                            "smollm2": zoo.tiny_llama}):
             t_load = os.getloadavg()[0]
-            r = run_child({"config": str(ROOT / "configs" / w["config"]), "set": sets, "steps": w["steps"],
-                           "reps": reps, "threads": args.threads})
+            r, _ = run_script_child(__file__, {"config": str(ROOT / "configs" / w["config"]), "set": sets,
+                                               "steps": w["steps"], "reps": reps, "threads": args.threads})
             base = r["fp32"]
             for prec in PRECISIONS:
                 x = r[prec]
@@ -182,9 +162,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--child" in sys.argv:
-        for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
-            os.environ.setdefault(k, v)
-        child(json.loads(sys.stdin.read()))
-    else:
-        main()
+    child_or_main(child, main)

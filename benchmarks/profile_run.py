@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from pathlib import Path
 T_MAIN = time.time()  # before any heavy import: the child's "imports" stage starts here
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import child_or_main, run_script_child  # noqa: E402
 
 WORKLOADS = {
     # FedAvg-LoRA on MiniLM, 10 clients (2 held out), 4 per round: the round_time / naive-loop workload
@@ -206,15 +207,10 @@ def child(job: dict) -> None:
 
 # ----------------------------------------------------------------------------- the parent
 def run_child(job: dict) -> dict:
-    job = {**job, "t_launch": time.time()}
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], input=json.dumps(job),
-                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=7200)
+    out, err = run_script_child(__file__, {**job, "t_launch": time.time()})
     if job.get("cprofile"):
-        print(p.stderr[p.stderr.find("   ncalls"):] if "ncalls" in p.stderr else p.stderr[-6000:])
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError("profile_run child failed: " + " | ".join((p.stderr or p.stdout).splitlines()[-8:]))
-    return json.loads(lines[-1])
+        print(err[err.find("   ncalls"):] if "ncalls" in err else err[-6000:])
+    return out
 
 
 def group_of(name: str) -> str:
@@ -295,9 +291,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--child" in sys.argv:
-        for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
-            os.environ.setdefault(k, v)
-        child(json.loads(sys.stdin.read()))
-    else:
-        main()
+    child_or_main(child, main)

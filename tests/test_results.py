@@ -376,6 +376,14 @@ def test_records_restore_a_suite_and_stale_runs_run_again(suite, tmp_path, monke
     runs = R.plan_suite(R.load_suite(suite), tmp_path / "fresh")
     assert P.stale(runs[0][3], runs[0][2], P.goldens_hash()) is None
     assert "goldens changed" in P.stale(runs[0][3], runs[0][2], "0" * 16)
+    # a setting added after the run (absent from its config.toml) takes its default: still valid
+    saved = runs[0][3] / "config.toml"
+    text = saved.read_text()
+    saved.write_text(re.sub(r"(?m)^unpad = .*\n", "", text))
+    assert saved.read_text() != text and P.stale(runs[0][3], runs[0][2], P.goldens_hash()) is None
+    saved.write_text(text.replace("[runtime]\n", "[runtime]\nno_such_setting = 1\n"))
+    assert P.stale(runs[0][3], runs[0][2], P.goldens_hash()).startswith("its config no longer parses (")
+    saved.write_text(text)
     other = R.plan_suite(R.load_suite(suite), tmp_path / "fresh", seeds=1)
     other[0][2].client.lr *= 2
     assert P.stale(other[0][3], other[0][2], P.goldens_hash()) == "its config differs from the suite's"

@@ -3,7 +3,8 @@
 Each finished run of `fedsplice results` gets provenance.json: the commit it ran at and a hash
 of the regression goldens (tests/regression/golden, which pin the numbers of every shipped
 config: a change to a method's math changes them). A finished run is reused only while its
-config equals the one planned now and the goldens hash is unchanged; otherwise it is moved
+config equals the one planned now (a setting added since takes its default) and the goldens hash
+is unchanged; otherwise it is moved
 aside (OUT/stale/...) and run again. Nothing is deleted.
 
 With a records folder (`--records`, `make results`: docs/results/records, committed), the small
@@ -24,7 +25,8 @@ from pathlib import Path
 
 from fedsplice.app.rundir import atomic_write_json
 from fedsplice.data.assets import atomic_write_bytes
-from fedsplice.config import to_dict
+from fedsplice.config import from_dict, to_dict
+from fedsplice.errors import ConfigError
 
 FILES = ("results.json", "metrics.jsonl", "config.toml", "provenance.json")
 GOLDEN = Path("tests") / "regression" / "golden"
@@ -70,6 +72,10 @@ def stale(run_dir: Path, cfg, goldens: str | None) -> str | None:
         prov = json.loads((run_dir / "provenance.json").read_text())
     except (OSError, ValueError):
         return "no config.toml or provenance.json"
+    try:  # a setting added since the run takes its default (the goldens say if defaults kept the numbers)
+        saved = to_dict(from_dict(type(cfg), saved))
+    except (ConfigError, TypeError, ValueError) as e:
+        return f"its config no longer parses ({e})"
     if saved != to_dict(cfg):
         return "its config differs from the suite's"
     if prov.get("goldens") != goldens:

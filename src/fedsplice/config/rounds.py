@@ -205,6 +205,10 @@ class RuntimeConfig:
     # autocast for forward + backward; trainable tensors stay fp32 masters; fp16 adds a gradient
     # scaler. "auto": bf16 where this machine runs it faster than fp32 (fedsplice.model.device)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    # unpadded batches (fedsplice.model.unpad): a batch runs as sub-batches of similar length, the
+    # same math within rounding. "auto": on the CPU (measured faster), except while LoRA dropout
+    # trains (its masks are drawn per padded position); "on"; "off": padded to the longest member
+    unpad: Literal["auto", "on", "off"] = "auto"
     # simulation only: persistent worker processes, each building its own model and caches once
     # and using runtime.threads torch threads (0: cores // workers). A round's clients run on them
     # at once; client c always on worker c % workers, where its PRIVATE state lives. Metrics equal

@@ -103,9 +103,19 @@ class TokenCache:
         if not self.enabled:
             enc = self.tok(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
             return enc.to(self.device)
+        self._fill(texts)
+        return self.tok.pad([self._ids[t] for t in texts], padding=True, return_tensors="pt").to(self.device)
+
+    def lengths(self, texts: list[str]) -> list[int]:
+        """Each text's number of tokens (after truncation), as a batch of it would hold."""
+        if not self.enabled:
+            return [len(ids) for ids in self.tok(texts, truncation=True, max_length=self.max_length)["input_ids"]]
+        self._fill(texts)
+        return [len(self._ids[t]["input_ids"]) for t in texts]
+
+    def _fill(self, texts: list[str]) -> None:
         new = [t for t in dict.fromkeys(texts) if t not in self._ids]
         if new:
             enc = self.tok(new, truncation=True, max_length=self.max_length)
             for i, t in enumerate(new):
                 self._ids[t] = {k: v[i] for k, v in enc.items()}
-        return self.tok.pad([self._ids[t] for t in texts], padding=True, return_tensors="pt").to(self.device)

@@ -22,14 +22,19 @@ from fedsplice.model.adapters import FeatureAdapter, LowRankDelta, PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.peft import adapters_off
 from fedsplice.model.prefix import TextPrefix
+from fedsplice.model.unpad import by_length
 from fedsplice.model.vision import ClipImagePrefix, ClipInputs, clip_text_from_embeds
 
 
 class TextEncoder:
+    """`overhead`: unpadded batches (fedsplice.model.unpad), a forward call's cost in token rows; None: a
+    batch runs padded to its longest member. TaskModel sets it per mode (runtime.unpad)."""
+
     def __init__(self, backbone: nn.Module, hf: nn.Module, tokens: TokenCache, is_clip: bool,
                  prefix: TextPrefix | None = None):
         self.backbone, self.hf, self.tokens, self.is_clip = backbone, hf, tokens, is_clip
         self.prefix = prefix
+        self.overhead: int | None = None
 
     def encode(self, enc, texts: list[str]) -> torch.Tensor:
         if self.prefix is None:
@@ -37,6 +42,9 @@ class TextEncoder:
         return self.prefix.encode(enc, texts)
 
     def embed(self, texts: list[str]) -> torch.Tensor:
+        return self._unpadded(texts, self._mean_pooled)
+
+    def _mean_pooled(self, texts: list[str]) -> torch.Tensor:
         enc = self.tokens(texts)
         out = self.encode(enc, texts)
         mask = enc["attention_mask"].unsqueeze(-1).to(out.dtype)
@@ -45,8 +53,13 @@ class TextEncoder:
     def embed_text(self, texts: list[str]) -> torch.Tensor:
         """T(texts): CLIP's projected text features, else mean-pooled hidden states."""
         if self.is_clip:
-            return self.hf.get_text_features(**self.tokens(list(texts))).pooler_output
+            return self._unpadded(list(texts), lambda ts: self.hf.get_text_features(**self.tokens(ts)).pooler_output)
         return self.embed(texts)
+
+    def _unpadded(self, texts: list[str], fn) -> torch.Tensor:
+        if self.overhead is None:
+            return fn(texts)
+        return by_length(self.tokens.lengths(texts), lambda idx: fn([texts[i] for i in idx]), self.overhead)
 
 
 class ClassSide:

@@ -79,13 +79,14 @@ class CausalLMScorer:
     def __init__(self, lm: nn.Module, tokenizer, class_names: list[str], template: str, max_length: int = 0):
         self.lm, self.tokenizer, self.template, self.max_length = lm, tokenizer, template, max_length
         self.answers = [" " + c for c in class_names]
+        self.overhead: int | None = None  # unpadded batches (fedsplice.model.unpad); TaskModel sets it
 
     def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
         if any(isinstance(s, Sample) and s.has_image for s in items):
             raise ConfigError("data.dataset holds images but model.task = 'causal_lm' reads text only; "
                               "set model.task = 'vlm' and model.vision")
         return verbalizer_logits(self.lm, self.tokenizer, lm_prompts(self.template, items), self.answers,
-                                 max_length=self.max_length)
+                                 max_length=self.max_length, overhead=self.overhead)
 
 
 class ImageTokens:
@@ -124,4 +125,4 @@ class VLMScorer:
     def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
         lm = self.lm
         return verbalizer_logits(lm.lm, lm.tokenizer, lm_prompts(lm.template, items), lm.answers,
-                                 prefix=self.image_tokens(items), max_length=lm.max_length)
+                                 prefix=self.image_tokens(items), max_length=lm.max_length, overhead=lm.overhead)

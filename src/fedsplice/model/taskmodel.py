@@ -33,6 +33,7 @@ from fedsplice.model.loading import Backbone, load_backbone
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
 from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, OTScorer,
                                      VLMScorer, lm_prompts)
+from fedsplice.model.unpad import CPU_OVERHEAD
 from fedsplice.model.vision import Projector, load_vision_tower
 
 
@@ -128,6 +129,8 @@ class TaskModel(nn.Module):
         # vlm: the frozen vision tower's tokens, per image (keyed by its pixels: vision.image_key)
         self._vis = FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20, device=self.device) if rc.cache and self.task == "vlm" else None
         self._scorer = self._build_scorer()
+        self._unpad = rc.unpad
+        self._set_unpad(self.training)
 
     def _build_scorer(self):
         if self.task == "dual_encoder" and self.pcfg.ot_gamma > 0:
@@ -156,6 +159,7 @@ class TaskModel(nn.Module):
         dropout (peft.dropout) and the trainable modules follow `mode`. peft.type = "full" keeps
         this too: the whole backbone trains, without dropout, like LoRA's base."""
         super().train(mode)
+        self._set_unpad(mode)
         self.backbone.eval()
         if self.vision is not None:
             self.vision.eval()
@@ -168,6 +172,16 @@ class TaskModel(nn.Module):
             elif ckpt and isinstance(mod, ckpt):
                 mod.training = mode  # HF checkpoints a layer only in training; its dropouts stay off
         return self
+
+    def _set_unpad(self, training: bool) -> None:
+        """runtime.unpad for this mode: "auto" unpads on the CPU (benchmarks/unpad.py), but not
+        while LoRA dropout trains (its masks are drawn per padded position: another stream)."""
+        on = self._unpad == "on" or (self._unpad == "auto" and self.device.type == "cpu"
+                                     and not (training and self.pcfg.dropout > 0))
+        self._text.overhead = CPU_OVERHEAD if on else None
+        lm = self._scorer.lm if isinstance(self._scorer, VLMScorer) else self._scorer
+        if isinstance(lm, CausalLMScorer):
+            lm.overhead = self._text.overhead
 
     @contextmanager
     def zero_shot(self):

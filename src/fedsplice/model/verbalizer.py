@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fedsplice.model.unpad import by_length
+
 _ANSWER_CACHE: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -115,7 +117,7 @@ def cut_prompt(ids: list[int], max_length: int, bos: int | None) -> list[int]:
 
 def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequence[str],
                       *, method: str = "cache", prefix: Sequence | None = None,
-                      max_length: int = 0) -> torch.Tensor:
+                      max_length: int = 0, overhead: int | None = None) -> torch.Tensor:
     """[B, C] summed answer log-likelihoods (differentiable). See the module docstring.
 
     ``method="cache"`` (default) runs prompts once and continuations on a shared KV cache;
@@ -124,6 +126,8 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     ``prefix`` (vision-language LMs): per prompt, input embeddings [n_b, d] placed before the
     prompt's tokens (projected image tokens), or None for a prompt without an image.
     ``max_length``: each prompt's tokens cut to this many from the left (`cut_prompt`); 0: none.
+    ``overhead``: unpadded batches (`fedsplice.model.unpad`): prompts of similar length (image
+    tokens included) run together; None: one batch left-padded to its longest prompt.
     """
     if len(prompts) == 0 or len(answers) == 0:
         raise ValueError("verbalizer: need at least one prompt and one answer")
@@ -138,6 +142,16 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     a_ids = tokenize_answers(tokenizer, answers)
     if prefix is not None and all(x is None for x in prefix):
         prefix = None
+    if overhead is None:
+        return _scores(model, p_ids, a_ids, pad, device, prefix, bos, method)
+    lengths = [len(p) + (0 if prefix is None or prefix[i] is None else len(prefix[i])) for i, p in enumerate(p_ids)]
+    return by_length(lengths, lambda idx: _scores(model, [p_ids[i] for i in idx], a_ids, pad, device,
+                                                  None if prefix is None else [prefix[i] for i in idx], bos, method),
+                     overhead)
+
+
+def _scores(model, p_ids, a_ids, pad, device, prefix, bos, method) -> torch.Tensor:
+    """[B, C] of `verbalizer_logits` for tokenized prompts, as one left-padded batch."""
     multi = [c for c, a in enumerate(a_ids) if len(a) > 1]
     ckpt = _checkpointing(model)
     # one-token answers need the prompt pass alone (no cache), checkpointing or not
