@@ -12,6 +12,7 @@ checkpoint write (the FEDSPLICE_TEST_CHECKPOINT_PAUSE hook), and resume it.
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -197,6 +198,26 @@ def test_resume_from_checkpoint_k(setups, tmp_path, k):
     run = _truncate_to(ref, tmp_path / "run", k)
     assert main(["resume", str(run), "--quiet"]) == 0
     assert_same_outputs(run, ref, f"resume after round {k}")
+
+
+def test_a_run_resumes_across_a_version_that_added_a_setting(setups, tmp_path):
+    """A run written before `runtime.unpad` existed (its config.toml and checkpoint digests
+    without it) resumes: the missing setting takes its default, and the outputs are the same."""
+    import hashlib
+    import tomllib
+
+    _, ref = setups["memory"]
+    run = _truncate_to(ref, tmp_path / "run", ROUNDS // 2)
+    text = (run / "config.toml").read_text()
+    old = re.sub(r'(?m)^unpad = "auto"\n', "", text)
+    assert old != text
+    (run / "config.toml").write_text(old)
+    digest = hashlib.sha256(json.dumps(tomllib.loads(old), sort_keys=True).encode()).hexdigest()
+    for _, p in ckpt.checkpoints(run / ckpt.DIRNAME):
+        meta = json.loads((p / "state.json").read_text())
+        (p / "state.json").write_text(json.dumps({**meta, "config_sha256": digest}))
+    assert main(["resume", str(run), "--quiet"]) == 0
+    assert_same_outputs(run, ref, "resume across a new setting")
 
 
 def test_resume_without_any_checkpoint_starts_over(setups, tmp_path):

@@ -37,6 +37,7 @@ import re
 import shutil
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from fedsplice.config import ExperimentConfig, to_dict
+from fedsplice.config import ExperimentConfig, from_dict, to_dict
 from fedsplice.data.assets import dumps, share_mode
 from fedsplice.errors import ConfigError, FedspliceError
 
@@ -296,10 +297,21 @@ def check(path: Path, cfg: ExperimentConfig) -> dict:
     except Exception as e:
         raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it "
                               f"to fall back to the one before") from None
-    if digest != config_digest(cfg):
+    if digest != config_digest(cfg) and not _written_before_new_settings(path, digest, cfg):
         raise CheckpointError(f"{path}: written for a different config than {path.parent.parent}"
                               f"/config.toml; resume needs the config the run started with")
     return meta
+
+
+def _written_before_new_settings(path: Path, digest: str, cfg: ExperimentConfig) -> bool:
+    """The checkpoint was written for its run's config.toml, and that file read by this version
+    (a setting added since takes its default) is `cfg`: a run resumes across such an upgrade."""
+    try:
+        saved = tomllib.loads((path.parent.parent / "config.toml").read_text())
+        return (hashlib.sha256(json.dumps(saved, sort_keys=True).encode()).hexdigest() == digest
+                and to_dict(from_dict(type(cfg), saved)) == to_dict(cfg))
+    except (OSError, ValueError, TypeError, ConfigError):
+        return False
 
 
 def load(path: Path, cfg: ExperimentConfig, sampling: list[list[int]]) -> Loaded:
