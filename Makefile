@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test unit install bench results clean
+.PHONY: demo test unit test-gpu install bench results clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(VENV)/.installed
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
+
+# CUDA parity tests (tests/test_gpu.py) on a machine with a CUDA GPU and a CUDA build of torch
+test-gpu: $(VENV)/.installed
+	FEDSPLICE_TEST_GPU=1 $(PY) -m pytest -q -m gpu
 
 # Quick versions of the benchmarks (tables in benchmarks/results/*-quick.*); the full ones are
 # `python benchmarks/<name>.py` without --quick. Ray (Flower's simulation engine) comes with .[bench].

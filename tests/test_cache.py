@@ -1,5 +1,7 @@
 """Caches of frozen work: exact stand-ins for the computation they skip, never found stale."""
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -173,3 +175,26 @@ def test_cached_zero_shot_logits_equal_a_frozen_forward(tiny_cfg):
     # measured ~2e-7 relative (another padded length per batch of 8 than the cache's batches)
     assert _rel(fresh, exp.caches["zero_shot"][:20]) < CACHE_RTOL
     assert not build(tiny_cfg(algorithm="fedpurel", runtime__cache=False)).caches.get("zero_shot")
+
+
+def test_cached_rows_reach_another_device_in_one_copy_with_their_shapes():
+    """Off the CPU, a batch's cached rows travel as one (pinned, non-blocking) buffer and are cut
+    back into their shapes; on the CPU each is its own copy of the stored array."""
+    from fedsplice.model.cache import split_rows
+
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array([7.0, 8.0], dtype=np.float32),
+              np.arange(12, dtype=np.float32).reshape(3, 2, 2)]
+    flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
+    assert [r.tolist() for r in split_rows(flat, [a.shape for a in arrays])] == [a.tolist() for a in arrays]
+    rows = {"a": torch.ones(2, 3), "b": torch.zeros(4)}
+    for device in ("cpu", "meta"):
+        cache = FrozenCache({"kind": "test"}, 1 << 20, device=device)
+        cache.rows(["a", "b"], lambda ts: [rows[t] for t in ts])  # computed, kept on the host
+        copies = []
+        real = torch.Tensor.to
+        with mock.patch.object(torch.Tensor, "to", lambda self, *a, **k: (copies.append(k), real(self, *a, **k))[1]):
+            got = cache.rows(["b", "a"], lambda ts: pytest.fail("every row is cached"))
+        assert [tuple(g.shape) for g in got] == [(4,), (2, 3)] and {g.device.type for g in got} == {device}
+        assert copies == ([] if device == "cpu" else [{"non_blocking": True}])
+        if device == "cpu":
+            assert got[0].tolist() == [0.0] * 4 and got[1].tolist() == [[1.0] * 3] * 2

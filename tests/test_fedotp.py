@@ -136,3 +136,17 @@ def test_clip_matches_image_patches(tmp_path):
         assert torch.allclose(m(items), want, atol=1e-4)
     with pytest.raises(Exception, match="needs an image and no caption"):
         m([Sample("toy/x", items[0].image, "a caption")])
+
+
+@pytest.mark.parametrize("iters,thresh,stops", [(100, 1e-3, 55), (100, 1e-4, 83), (7, 1e-3, 7)])
+def test_reading_the_stopping_test_every_few_iterations_gives_the_same_plan(iters, thresh, stops):
+    """On an accelerator the test is read every 10 iterations; the plan is still the one of the
+    first iteration that met it (55 and 83 here: mid-chunk), or of the last allowed, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    cost = torch.rand(6, 5, 4, generator=g)
+    cap = torch.full((6, 5), 0.2)
+    ref = partial_plan(cost, cap, 0.8, 0.1, iters=iters, thresh=thresh, chunk=1)
+    assert torch.equal(partial_plan(cost, cap, 0.8, 0.1, iters=stops, thresh=0.0, chunk=1), ref)
+    assert not torch.equal(partial_plan(cost, cap, 0.8, 0.1, iters=stops - 1, thresh=0.0, chunk=1), ref)
+    for chunk in (3, 10, 1000):
+        assert torch.equal(partial_plan(cost, cap, 0.8, 0.1, iters=iters, thresh=thresh, chunk=chunk), ref), chunk

@@ -193,6 +193,12 @@ def test_pfadapter_rounds_log_lo_and_gradient_ratios(cfg):
         assert r["orthogonality_raw"] >= 0.0
         assert r["orthogonality_grad_ratio_global"] >= 0.0 and r["orthogonality_grad_ratio_private"] >= 0.0
     assert records[-1]["orthogonality_raw"] > 0.0  # B has moved off zero by round 2
+    # client.diagnostics = false: no ratios (no extra backward passes), the same training
+    quiet = []
+    run_rounds(build(cfg(server__rounds=2, eval__every=2, client__diagnostics="false")), MemoryStore(), quiet.append)
+    assert not any(k.endswith(("_grad_ratio_global", "_grad_ratio_private")) for r in quiet for k in r)
+    assert [r["train_loss"] for r in quiet[1:]] == [r["train_loss"] for r in records[1:]]
+    assert quiet[-1]["gm"]["accuracy"] == records[-1]["gm"]["accuracy"]
 
 
 # ----------------------------------------------------------------------------- validation split

@@ -105,8 +105,16 @@ def test_auto_precision_on_cuda_asks_that_device_for_native_bf16(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # emulation counts there
-    assert resolve_precision("auto", torch.device("cuda:0")) == torch.float32
-    assert resolve_precision("auto", torch.device("cuda:1")) == torch.bfloat16
+    before = torch.backends.cuda.matmul.fp32_precision  # a process-wide switch: put back below
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        assert resolve_precision("fp32", torch.device("cuda:0")) == torch.float32
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"  # an explicit fp32 stays IEEE
+        assert resolve_precision("auto", torch.device("cuda:0")) == torch.float32
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # auto: fp32 matmuls may use TF32
+        assert resolve_precision("auto", torch.device("cuda:1")) == torch.bfloat16
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
     assert [d.index for d in asked] == [0, 1]
 
 

@@ -55,7 +55,7 @@ def models(tmp_path_factory):
             "llama": str(zoo.tiny_llama(d / "llama")), "vit": str(zoo.tiny_vit(d / "vit"))}
 
 
-def build(models, family: str, unpad: str = "auto", **peft) -> TaskModel:
+def build(models, family: str, unpad: str = "auto", device: str = "cpu", precision: str = "fp32", **peft) -> TaskModel:
     if family == "clip":
         peft.setdefault("tower", "text_model")  # the inputs are texts: the image tower gets no gradient
     model = {"bert": ModelConfig(name=models["bert"], task="encoder_head"),
@@ -63,7 +63,7 @@ def build(models, family: str, unpad: str = "auto", **peft) -> TaskModel:
              "llama": ModelConfig(name=models["llama"], task="causal_lm", input_template="q: {text} a:"),
              "vlm": ModelConfig(name=models["llama"], task="vlm", vision=models["vit"],
                                 input_template="q: {text} a:")}[family]
-    cfg = ExperimentConfig(model=model, peft=PeftConfig(**peft), runtime=RuntimeConfig(device="cpu", unpad=unpad),
+    cfg = ExperimentConfig(model=model, peft=PeftConfig(**peft), runtime=RuntimeConfig(device=device, precision=precision, unpad=unpad),
                            data=DataConfig(class_prompt="a photo of a {label}."))
     cfg.check()
     m = TaskModel(cfg, CLASSES)
@@ -83,11 +83,13 @@ def inputs(family: str) -> list:
 
 
 def logits_and_grads(m: TaskModel, items: list):
+    """Logits of `items` and the gradients of a loss of them, as float32 CPU tensors."""
     m.train()
     m.zero_grad()
-    out = m(items)
-    (out.float().logsumexp(-1) * torch.arange(1.0, len(items) + 1)).sum().backward()
-    return out.detach().clone(), {n: p.grad.clone() for n, p in m.trainable().items()}
+    with m.autocast():
+        out = m(items)
+    (out.float().logsumexp(-1) * torch.arange(1.0, len(items) + 1, device=out.device)).sum().backward()
+    return out.detach().float().cpu(), {n: p.grad.float().cpu() for n, p in m.trainable().items()}
 
 
 @pytest.mark.parametrize("family", ["bert", "clip", "llama", "vlm"])

@@ -32,6 +32,10 @@ class ClientConfig:
     # (FedSA-LoRA's, Fed-GraB's and FedPuReL's branch code); keep_private: PRIVATE tensors keep
     # theirs across the client's rounds (GLOBAL ones still start fresh: they arrive new each round)
     optimizer_state: Literal["fresh", "keep_private"] = "fresh"
+    # per loss term (PFAdapter's orthogonality), ‖∇term‖ / ‖∇task‖ on the GLOBAL and PRIVATE tensors
+    # on each client-round's last step, in metrics.jsonl: 1 + (terms) extra backward passes a
+    # client-round; false skips them (training is the same either way)
+    diagnostics: bool = True
     logit_adjustment: float = 0.0  # τ of logit-adjusted training (Menon et al. 2021); 0 = off
     # Fed-GraB (Xiao et al. 2023; fedsplice.core.grab): per-class PID-steered re-weighting of the
     # positive / negative logit gradients, on the classes the global model's prior calls tail.

@@ -17,7 +17,6 @@ tie_tol = 0 is the exact sign rule of the paper and the official code.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 # Measured (benchmarks/purify_ties.py, benchmarks/results/purify_ties.md): ‖g_align‖/‖g_task‖ is
@@ -32,15 +31,15 @@ def is_tie(dot, norm_task, norm_align, tie_tol: float = TIE_TOL):
     return (norm_align <= tie_tol * norm_task) | (abs(dot) <= tie_tol * norm_task * norm_align)
 
 
-def project(g_task: torch.Tensor, g_align: torch.Tensor, tie_tol: float = TIE_TOL) -> tuple[torch.Tensor, bool]:
+def project(g_task: torch.Tensor, g_align: torch.Tensor, tie_tol: float = TIE_TOL) -> tuple[torch.Tensor, torch.Tensor]:
     """Remove the component of g_task opposing g_align (only when ⟨g_task, g_align⟩ < 0 and that
-    is not a tie)."""
+    is not a tie). Returns (the gradient, whether it was projected: a bool 0-d tensor). No host
+    sync: without a conflict the coefficient is 0 and g_task − 0·g_align is g_task exactly."""
     dot = (g_task * g_align).sum()
     nrm = (g_align * g_align).sum()
     conflict = (dot < 0) & (nrm > 0) & ~is_tie(dot, g_task.norm(), nrm.sqrt(), tie_tol)
-    if conflict:  # the one host sync of a projection
-        return g_task - (dot / nrm) * g_align, True
-    return g_task, False
+    coef = torch.where(conflict, dot / torch.where(conflict, nrm, torch.ones_like(nrm)), torch.zeros_like(dot))
+    return g_task - coef * g_align, conflict
 
 
 def purification(granularity: str = "tensor", tie_tol: float = TIE_TOL):
@@ -60,13 +59,12 @@ def purification(granularity: str = "tensor", tie_tol: float = TIE_TOL):
             for g in gt:
                 parts.append(out[i:i + g.numel()].view_as(g))
                 i += g.numel()
-            return parts, {"purified_steps": float(hit), "purified_tensors": float(hit),
-                           **geometry(gt, ga, parts, tie_tol)}
+            hit = hit.to(flat_t.dtype)
+            return parts, {"purified_steps": hit, "purified_tensors": hit, **geometry(gt, ga, parts, tie_tol)}
         res = [project(a, b, tie_tol) for a, b in zip(gt, ga)]
-        hits = [h for _, h in res]
+        hits = torch.stack([h for _, h in res]).to(gt[0].dtype)
         out = [g for g, _ in res]
-        return out, {"purified_steps": float(any(hits)), "purified_tensors": float(np.mean(hits)) if hits else 0.0,
-                     **geometry(gt, ga, out, tie_tol)}
+        return out, {"purified_steps": hits.max(), "purified_tensors": hits.mean(), **geometry(gt, ga, out, tie_tol)}
 
     return transform
 

@@ -66,7 +66,23 @@ def backward(losses: dict, total, plist: list, grad_transform, sums: dict, scale
     for p, g in zip(plist, final):
         p.grad = g * s if s != 1.0 else g
     for k, v in tstats.items():
-        sums[k] = sums.get(k, 0.0) + float(v)
+        accumulate(sums, k, v)
+
+
+def accumulate(sums: dict, key: str, v) -> None:
+    """Add a step's statistic (a 0-d tensor or a float) to the round's running sums: tensors stay
+    on the device, so the loop does not wait for it every step; `means` reads them once a round."""
+    sums.setdefault(key, []).append(v.detach() if torch.is_tensor(v) else float(v))
+
+
+def means(sums: dict, steps: int) -> dict:
+    """{key: mean over the round's steps} of the running sums, summed in float64."""
+    out = {}
+    for k, vs in sums.items():
+        ts = [v for v in vs if torch.is_tensor(v)]
+        t = float(torch.stack([v.double() for v in ts]).sum()) if ts else 0.0  # the one read of a key
+        out[k] = (t + sum(v for v in vs if not torch.is_tensor(v))) / max(steps, 1)
+    return out
 
 
 def planned_steps(n: int, cfg: ClientConfig, epochs: int | None) -> int:
@@ -80,11 +96,11 @@ def term_diagnostics(task, terms: dict, plist: list, names: list[str], split: di
     question: does λo·Lo move anything next to the task loss?), and the unweighted term value."""
     def norms(loss) -> dict:
         gs = torch.autograd.grad(loss, plist, retain_graph=True, allow_unused=True)
-        sq = {"global": 0.0, "private": 0.0}
+        sq = {"global": [], "private": []}
         for n, g in zip(names, gs):
             if g is not None:
-                sq["private" if split.get(n) == "private" else "global"] += float((g.detach() ** 2).sum())
-        return {k: v ** 0.5 for k, v in sq.items()}
+                sq["private" if split.get(n) == "private" else "global"].append((g.detach() ** 2).sum())
+        return {k: float(torch.stack(v).double().sum()) ** 0.5 if v else 0.0 for k, v in sq.items()}
 
     base, out = norms(task), {}
     for key, (v, weight) in terms.items():
@@ -113,7 +129,7 @@ def add_terms(losses: dict, loss_terms, params: dict, ctx: dict, sums: dict, las
     for term in loss_terms:
         v = term(params, ctx)
         key = type(term).__name__.lower()
-        sums[key] = sums.get(key, 0.0) + float(v.detach())
+        accumulate(sums, key, v)
         if last and getattr(term, "weight", 0) > 0 and v.requires_grad:
             weighted[key] = (v, term.weight)
         losses["task"] = losses["task"] + v
@@ -151,14 +167,15 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
     y_all = torch.as_tensor(labels, dtype=torch.long).to(dev)
     ids = np.arange(len(texts)) if ids is None else np.asarray(ids)
     steps, sums, diag = 0, {}, {}
-    last = planned_steps(len(texts), cfg, epochs) - 1
+    last = planned_steps(len(texts), cfg, epochs) - 1 if cfg.diagnostics else -1  # -1: no step is measured
     model.train()
     for _ in range(epochs or cfg.local_epochs):
         order = rng.permutation(len(texts))
+        order_dev = torch.from_numpy(order).to(dev)  # the labels are picked on the device, one copy an epoch
         for i in range(0, len(order), cfg.batch_size):
-            idx = order[i:i + cfg.batch_size]
+            idx, y = order[i:i + cfg.batch_size], y_all[order_dev[i:i + cfg.batch_size]]
             with amp():  # runtime.precision: the forward and its losses under autocast
-                losses = objective(model, [texts[j] for j in idx], y_all[idx], ids[idx], ctx)
+                losses = objective(model, [texts[j] for j in idx], y, ids[idx], ctx)
             # parameter-only terms in fp32 (PFAdapter's orthogonality products are ~1e-9 early on)
             task, weighted = losses["task"], add_terms(losses, loss_terms, params, ctx, sums, steps == last)
             total = sum(losses.values())
@@ -168,12 +185,12 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
             backward(losses, total, plist, grad_transform, sums, scaler)
             optimizer_step(opt, scaler)
             steps += 1
-            sums["loss"] = sums.get("loss", 0.0) + float(total.detach())
+            accumulate(sums, "loss", total)
             for k, v in losses.items():
-                sums[f"{k}_loss"] = sums.get(f"{k}_loss", 0.0) + float(v.detach())
+                accumulate(sums, f"{k}_loss", v)
             if cfg.max_steps and steps >= cfg.max_steps:
                 break
         if cfg.max_steps and steps >= cfg.max_steps:
             break
-    stats = {"steps": steps, **{k: v / max(steps, 1) for k, v in sums.items()}, **diag}
+    stats = {"steps": steps, **means(sums, steps), **diag}
     return export_opt_state(opt, by_param, keep_opt), stats

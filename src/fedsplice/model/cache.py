@@ -30,6 +30,16 @@ def fingerprint(tensors) -> str:
     return h.hexdigest()
 
 
+def split_rows(flat: torch.Tensor, shapes: list[tuple]) -> list[torch.Tensor]:
+    """Views of consecutive pieces of a flat tensor, one per shape."""
+    out, at = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        out.append(flat[at:at + n].view(shape))
+        at += n
+    return out
+
+
 class FrozenCache:
     def __init__(self, namespace: dict, budget_bytes: int, root: str | Path = "", device: torch.device | str = "cpu"):
         """Entries are kept in host memory (or on disk) as float32 arrays and come back from
@@ -85,7 +95,20 @@ class FrozenCache:
             for i, v in zip(miss, compute([texts[i] for i in miss])):
                 rows[i] = v.float()  # as a cached row comes back: a batch is the same either way
                 self.put(texts[i], v)
-        return [r if torch.is_tensor(r) else torch.from_numpy(np.array(r)).to(self.device) for r in rows]
+        cached = [i for i, r in enumerate(rows) if not torch.is_tensor(r)]
+        for i, t in zip(cached, self._to_device([rows[i] for i in cached])):
+            rows[i] = t
+        return rows
+
+    def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Cached rows as tensors on the device: on the CPU a copy each (the arrays may be
+        read-only memory maps); elsewhere one pinned host buffer, copied once without blocking."""
+        if self.device.type == "cpu" or not arrays:
+            return [torch.from_numpy(np.array(a)) for a in arrays]
+        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.float32).reshape(-1) for a in arrays]))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory()
+        return split_rows(flat.to(self.device, non_blocking=True), [a.shape for a in arrays])
 
     def stats(self) -> dict:
         return {"entries": len(self._mem), "bytes": self.used, "hits": self.hits, "misses": self.misses}

@@ -59,9 +59,11 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype:
     capability 8.0+, Ampere on) and on a CPU with native bf16, else fp32 (fp16 is never chosen for
     you: it needs loss scaling). `device`'s own capability is asked, not GPU 0's, and emulated
     bf16 (`torch.cuda.is_bf16_supported()` says True for it on older GPUs) does not count: it is
-    slower than fp32."""
+    slower than fp32. "auto" on CUDA also lets fp32 matmuls (those outside autocast) use TF32, a
+    process-wide switch (torch.backends.cuda.matmul.fp32_precision); "fp32" keeps them IEEE."""
     if name == "auto":
         if device.type == "cuda":
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
             return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float32
         return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
     if name == "fp16" and device.type == "mps":
