@@ -287,3 +287,20 @@ def test_cosine_logits_are_fp32_under_bf16_autocast():
         naive = 100.0 * torch.nn.functional.normalize(x, dim=-1) @ ce.T
     assert got.dtype == torch.float32 and torch.equal(got, ref)
     assert naive.dtype == torch.bfloat16 and (naive.float() - ref).abs().max() > 0.01  # what it avoids
+
+
+def test_an_accelerator_gets_the_weights_as_they_load(tiny_cfg, monkeypatch):
+    """On a GPU the base loads straight onto it (transformers' device_map): no second copy of the
+    weights on the host. On the CPU no device_map is passed (the plain load). The call is stubbed:
+    this machine has no GPU."""
+    import transformers
+
+    from fedsplice.model.loading import load_pretrained
+
+    seen, real = [], transformers.AutoModel.from_pretrained
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained",
+                        lambda path, **kw: (seen.append(kw.get("device_map")), real(path))[1])
+    cfg = tiny_cfg()
+    load_pretrained(cfg, torch.device("cuda:1"))
+    load_pretrained(cfg, torch.device("cpu"))
+    assert seen == [{"": "cuda:1"}, None]

@@ -173,3 +173,19 @@ def test_prompts_are_cut_to_max_length_keeping_their_end(lm, method):
     torch.testing.assert_close(got, naive(model, tok, PROMPTS, ANSWERS, max_length=8), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], uncut[1], atol=1e-5, rtol=1e-5)  # a short prompt is not cut
     assert (got[2] - uncut[2]).abs().max() > 1e-3  # the long one is
+
+
+def test_the_full_path_computes_only_the_answers_logits(lm):
+    """method "full" (and gradient checkpointing with multi-token answers) runs B·C sequences of
+    prompt + answer: the vocabulary's logits are taken at the A + 1 last positions only (A the
+    longest answer), not at every prompt position, with the same scores."""
+    model, tok = lm
+    shapes = []
+    hook = model.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.logits.shape)))
+    try:
+        got = verbalizer_logits(model, tok, PROMPTS, ANSWERS, method="full")
+    finally:
+        hook.remove()
+    a_max = max(len(a) for a in tokenize_answers(tok, ANSWERS))
+    assert a_max == 5 and shapes == [(len(PROMPTS) * len(ANSWERS), a_max + 1, model.config.vocab_size)]
+    assert torch.allclose(got, naive(model, tok, PROMPTS, ANSWERS), atol=1e-4)

@@ -289,3 +289,24 @@ def test_clip_image_prefix_cache_reproduces_the_full_forward(clip_dir, tower, la
     on.train()
     F.cross_entropy(on(items), torch.tensor([0, 1, 2, 0, 1, 2, 0])).backward()
     assert all(p.grad is not None for n, p in on.trainable().items() if "lora_A" in n)
+
+
+def test_clip_pixels_are_preprocessed_once_per_image(clip_dir):
+    """LoRA in every vision layer (no frozen prefix): each step runs the whole tower, but an
+    image's preprocessed pixels are computed once; the logits equal those of a run without caches."""
+    from fedsplice.config import RuntimeConfig
+
+    def model(cache: bool) -> TaskModel:
+        cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, logit_scale=100.0), runtime=RuntimeConfig(cache=cache),
+                               peft=PeftConfig(tower="vision_model"), data=DataConfig(class_prompt="a photo of a {label}."))
+        cfg.check()
+        return TaskModel(cfg, CLASSES)
+
+    items = samples(text=False)
+    m = model(True)
+    first = m.predict(items, 4)
+    assert m.cache_stats()["pixels"] == {**m.cache_stats()["pixels"], "entries": 6, "misses": 6, "hits": 0}
+    assert torch.equal(m.predict(items, 4), first) and m.cache_stats()["pixels"]["hits"] == 6
+    off = model(False)
+    assert "pixels" not in off.cache_stats()
+    assert torch.allclose(off.predict(items, 4), first, atol=1e-5)

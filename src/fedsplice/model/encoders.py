@@ -138,13 +138,14 @@ class InputSide:
         self.token_cache: FrozenCache | None = None  # FedOTP's token features (TaskModel sets it)
 
     @staticmethod
-    def clip(text: TextEncoder, processor, image_prefix: ClipImagePrefix | None, captions_frozen: bool) -> ClipInputs:
+    def clip(text: TextEncoder, processor, image_prefix: ClipImagePrefix | None, captions_frozen: bool,
+             pixels: FrozenCache | None = None) -> ClipInputs:
         """CLIP's E(x); with a frozen text tower (and caching on) captions are encoded once."""
         fn = text.embed_text
         if captions_frozen:
             captions = FrozenCache({"kind": "clip-captions"}, 1 << 62, device=text.tokens.device)
             fn = lambda ts: torch.stack(captions.rows(ts, text.embed_text))  # noqa: E731
-        return ClipInputs(text.hf, processor, fn, image_prefix)
+        return ClipInputs(text.hf, processor, fn, image_prefix, pixels)
 
     def __call__(self, items: list, zero_shot: bool) -> torch.Tensor:
         if self.peft_type in ("lora", "full"):  # the encoder itself trains

@@ -68,8 +68,8 @@ def quantization_config(cfg: ExperimentConfig, device: torch.device | None = Non
 
 def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
     """(model, tokenizer, resolved path) of `model.name` in `model.dtype`; the tokenizer always
-    has a pad. A quantized base is placed on `device` as it loads (bitsandbytes weights cannot
-    move afterwards) and prepared for k-bit training (peft); any other stays on the CPU here."""
+    has a pad. The weights are placed on `device` as they load (a quantized base must be:
+    bitsandbytes weights cannot move afterwards; it is then prepared for k-bit training)."""
     # transformers is imported here, not at module level: importing fedsplice stays fast
     import transformers
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -83,6 +83,8 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
     kw = {"dtype": DTYPES[cfg.model.dtype]}
     if quant is not None:
         kw.update(quantization_config=quant, device_map={"": str(device or "cpu")})
+    elif device is not None and device.type != "cpu":
+        kw["device_map"] = {"": str(device)}  # straight to the accelerator: no second copy on the host
     try:
         tok = AutoTokenizer.from_pretrained(path)
         cls = AutoModelForCausalLM if cfg.model.task in ("causal_lm", "vlm") else AutoModel

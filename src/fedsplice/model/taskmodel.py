@@ -62,8 +62,8 @@ class TaskModel(nn.Module):
         self._build_trainables(cfg, bb)
         self._zero_shot = False
         self.cache_on = cfg.runtime.cache
-        # a quantized base was placed as it loaded (device_map; bitsandbytes weights cannot move
-        # afterwards) and peft put its LoRA beside it; everything else moves now
+        # the base was placed as it loaded (device_map; a quantized one cannot move afterwards)
+        # and peft put its LoRA beside it; everything else moves now
         for name, mod in self.named_children():
             if name != "backbone" or cfg.model.quantization == "none":
                 mod.to(self.device)
@@ -118,8 +118,11 @@ class TaskModel(nn.Module):
         # prompt/adapter: the input side is frozen whole, so its pooled features are cached
         features = (FrozenCache({"kind": "features"}, 1 << 62, device=self.device)
                     if rc.cache and pc.type in ("prompt", "adapter") and not lm_task else None)
+        # CLIP images through the whole tower each step (no frozen prefix): their pixels, once
+        self._pixels = (FrozenCache({"kind": "pixels"}, rc.cache_budget_mb << 20, device=self.device)
+                        if rc.cache and self.is_clip and self._img_prefix is None else None)
         clip_inputs = (InputSide.clip(self._text, self.image_processor, self._img_prefix,
-                                      self.cache_on and not trains_text) if self.is_clip else None)
+                                      self.cache_on and not trains_text, self._pixels) if self.is_clip else None)
         self._inputs = InputSide(self._text, pc.type, self.adapter, features, clip_inputs)
         if pc.ot_gamma > 0:  # FedOTP: the frozen input tower's token features, per input
             if self.task != "dual_encoder":
@@ -258,7 +261,7 @@ class TaskModel(nn.Module):
     def cache_stats(self) -> dict:
         img = self._img_prefix.cache if self._img_prefix is not None else None
         caches = (("prefix", self._prefix), ("features", self._inputs.features), ("vision", self._vis),
-                  ("image_prefix", img))
+                  ("image_prefix", img), ("pixels", self._pixels))
         return {k: c.stats() for k, c in caches if c is not None}
 
     # ----------------------------------------------------------------- internals tests look at

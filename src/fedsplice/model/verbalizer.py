@@ -240,8 +240,9 @@ def _full(model, p_ids, a_ids, pad, device, prefix=None, bos=None) -> torch.Tens
         seqs = [(p + a, x) for p, x in zip(p_ids, prefix) for a in a_ids]
         embeds, mask = _left_pad_embeds(model, [s for s, _ in seqs], [x for _, x in seqs], device, bos)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        A = max(len(a) for a in a_ids)
         logits = _forward(model, inputs_embeds=embeds, attention_mask=mask, position_ids=pos,
-                          use_cache=False).logits
+                          use_cache=False, logits_to_keep=A + 1).logits  # only the answers' positions
         T = logits.shape[1]  # left padding: each row ends with its answer's tokens
         lp = [_token_logprobs(logits[b * C + c, T - len(a) - 1:T - 1], torch.tensor(a, device=device)).sum()
               for b in range(B) for c, a in enumerate(a_ids)]
@@ -265,7 +266,9 @@ def _full(model, p_ids, a_ids, pad, device, prefix=None, bos=None) -> torch.Tens
             tmask[r, :len(a)] = 1
     ids, mask, tgt, tmask = ids.to(device), mask.to(device), tgt.to(device), tmask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = _forward(model, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-    logits = out.logits[:, P - 1:P - 1 + A, :]   # position t predicts token t+1
+    # the vocabulary's logits only where an answer token is predicted: the last A + 1 positions
+    out = _forward(model, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                   logits_to_keep=A + 1)
+    logits = out.logits[:, -(A + 1):-1, :]   # positions P-1 .. P+A-2: position t predicts token t+1
     lp = _token_logprobs(logits, tgt)
     return (lp * tmask).sum(-1).view(B, C)

@@ -158,11 +158,19 @@ class ClipImagePrefix:
 class ClipInputs:
     """E(x) for a CLIP dual encoder: image features, caption features, or their mean (both
     normalized first); plain strings are texts. `image_features` (e.g. a ClipImagePrefix)
-    replaces the full image forward."""
+    replaces the full image forward. `pixels` (a FrozenCache): each image's preprocessed pixels,
+    computed once (the processor's resize and normalization are a pure function of the image)."""
 
-    def __init__(self, clip, processor, text_features, image_features=None):
+    def __init__(self, clip, processor, text_features, image_features=None, pixels=None):
         self.clip, self.processor, self.text_features = clip, processor, text_features
-        self.image_features = image_features
+        self.image_features, self.pixels = image_features, pixels
+
+    def pixel_values(self, items: list) -> torch.Tensor:
+        if self.pixels is None:
+            return pixel_values(self.processor, items, self.clip)
+        by_key = {image_key(s): s for s in items}
+        return torch.stack(self.pixels.rows([image_key(s) for s in items], lambda ks: list(
+            pixel_values(self.processor, [by_key[k] for k in ks], self.clip))))
 
     def __call__(self, items: list) -> torch.Tensor:
         with_img = [i for i, s in enumerate(items) if isinstance(s, Sample) and s.has_image]
@@ -173,7 +181,7 @@ class ClipInputs:
             if self.image_features is not None:
                 img = self.image_features([items[i] for i in with_img])
             else:
-                pv = pixel_values(self.processor, [items[i] for i in with_img], self.clip)
+                pv = self.pixel_values([items[i] for i in with_img])
                 img = self.clip.get_image_features(pixel_values=pv).pooler_output
             for j, i in enumerate(with_img):
                 feats[i].append(F.normalize(img[j], dim=-1))
