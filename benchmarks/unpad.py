@@ -33,6 +33,8 @@ SETTINGS = ("off", "on")
 SHORT = ["server.rounds=2", "eval.every=100", "eval.cold_start_epochs=0"]
 WORKLOADS = {
     "minilm": {"config": "pfadapter-minilm.toml", "set": SHORT, "steps": 3, "sweep": [0, 16, 64, 128, 512]},
+    "minilm-bf16": {"config": "pfadapter-minilm.toml", "set": SHORT + ["runtime.precision='bf16'"], "steps": 3,
+                    "sweep": [0, 64, 256, 1024]},
     "clip": {"config": "cliplora-fortunes.toml", "set": SHORT, "steps": 3},
     "smollm2": {"config": "pfadapter-smollm2.toml",
                 "set": ["server.rounds=1", "server.clients_per_round=2", "client.max_steps=2", "client.batch_size=8",
@@ -123,7 +125,7 @@ def main() -> None:
     args = interleaved_args(__doc__, WORKLOADS, "setting")
     reps = args.reps
     rows, sweeps, load0 = [], [], os.getloadavg()[0]
-    tiny = {"minilm": zoo.tiny_bert, "clip": zoo.tiny_clip, "smollm2": zoo.tiny_llama}
+    tiny = {"minilm": zoo.tiny_bert, "minilm-bf16": zoo.tiny_bert, "clip": zoo.tiny_clip, "smollm2": zoo.tiny_llama}
     with tempfile.TemporaryDirectory() as tmp:
         for name, w, sets in chosen(args, WORKLOADS, Path(tmp), QUICK_SET, tiny):
             r, _ = run_script_child(__file__, {"config": str(ROOT / "configs" / w["config"]), "set": sets,

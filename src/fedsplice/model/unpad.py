@@ -4,8 +4,8 @@ see (almost) only real tokens and attention runs over each sequence's own length
 A padded batch pushes B x (its longest member) token rows through every layer: on the fortunes
 texts (MiniLM tokenizer, cap 64) that is 1.93x the real tokens. Sorting the batch by length and
 cutting it where the padding saved outweighs a forward call's fixed cost (`overhead`, in token
-rows) keeps 1.19x for 2-3 calls, and a PFAdapter training step on this CPU runs 1.5x faster
-(benchmarks/unpad.py). Each sequence's result is the same function of its own tokens either way
+rows) keeps 1.19x for 2-3 calls, and a PFAdapter training step on this CPU runs 1.3-1.4x faster in
+fp32 (benchmarks/unpad.py). Each sequence's result is the same function of its own tokens either way
 (padding is masked), so outputs, losses and gradients agree within float rounding; the rows come
 back in the batch's order.
 """
@@ -16,8 +16,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-# A forward + backward call's fixed cost in token rows, measured on MiniLM (1 thread, this CPU):
-# 0 -> 13 calls and slower than 64; 128+ -> fewer cuts and more padding (benchmarks/unpad.py).
+# A forward + backward call's fixed cost in token rows, from benchmarks/unpad.py's sweep on MiniLM
+# (fp32, this CPU's 2 threads): 0 -> 13 calls a batch and 1.6x slower than 64; 512 -> almost no
+# cuts. 64 and 128 are within the sweep's noise (about 15%: it is not interleaved), and so is
+# every value tried under bf16 autocast, where unpadding gains 1.07x a step, not fp32's 1.3-1.4x.
 CPU_OVERHEAD = 64
 
 
