@@ -3,9 +3,8 @@
 Each finished run of `fedsplice results` gets provenance.json: the commit it ran at and a hash
 of the regression goldens (tests/regression/golden, which pin the numbers of every shipped
 config: a change to a method's math changes them). A finished run is reused only while its
-config equals the one planned now (a setting added since takes its default) and the goldens hash
-is unchanged; otherwise it is moved
-aside (OUT/stale/...) and run again. Nothing is deleted.
+config equals the one planned now (a setting added since takes its default) and the goldens
+hash is unchanged; otherwise it is moved aside (OUT/stale/...) and run again. Nothing is deleted.
 
 With a records folder (`--records`, `make results`: docs/results/records, committed), the small
 files of every finished run (results.json, metrics.jsonl, config.toml, provenance.json) are
