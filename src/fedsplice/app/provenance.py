@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fedsplice.app.rundir import atomic_write_json
 from fedsplice.data.assets import atomic_write_bytes
-from fedsplice.config import from_dict, to_dict
+from fedsplice.config import saved_as_current, to_dict
 from fedsplice.errors import ConfigError
 
 FILES = ("results.json", "metrics.jsonl", "config.toml", "provenance.json")
@@ -72,7 +72,7 @@ def stale(run_dir: Path, cfg, goldens: str | None) -> str | None:
     except (OSError, ValueError):
         return "no config.toml or provenance.json"
     try:  # a setting added since the run takes its default (the goldens say if defaults kept the numbers)
-        saved = to_dict(from_dict(type(cfg), saved))
+        saved = saved_as_current(saved)
     except (ConfigError, TypeError, ValueError) as e:
         return f"its config no longer parses ({e})"
     if saved != to_dict(cfg):

@@ -128,3 +128,9 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def saved_as_current(table: dict) -> dict:
+    """A config an earlier version saved (a run's config.toml), as this version reads it: settings
+    added since take their defaults; a setting no longer known is a ConfigError."""
+    return to_dict(from_dict(ExperimentConfig, table))

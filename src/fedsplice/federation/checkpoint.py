@@ -46,7 +46,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from fedsplice.config import ExperimentConfig, from_dict, to_dict
+from fedsplice.config import ExperimentConfig, saved_as_current, to_dict
 from fedsplice.data.assets import dumps, share_mode
 from fedsplice.errors import ConfigError, FedspliceError
 
@@ -309,7 +309,7 @@ def _written_before_new_settings(path: Path, digest: str, cfg: ExperimentConfig)
     try:
         saved = tomllib.loads((path.parent.parent / "config.toml").read_text())
         return (hashlib.sha256(json.dumps(saved, sort_keys=True).encode()).hexdigest() == digest
-                and to_dict(from_dict(type(cfg), saved)) == to_dict(cfg))
+                and saved_as_current(saved) == to_dict(cfg))
     except (OSError, ValueError, TypeError, ConfigError):
         return False
 

@@ -20,7 +20,7 @@ from fedsplice.errors import ConfigError
 from fedsplice.model.cache import FrozenCache
 from fedsplice.model.encoders import ClassSide, InputSide
 from fedsplice.model.verbalizer import verbalizer_logits
-from fedsplice.model.vision import image_key, vision_tokens
+from fedsplice.model.vision import per_image, vision_tokens
 
 
 def cosine_logits(scale: float, features: torch.Tensor, class_emb: torch.Tensor) -> torch.Tensor:
@@ -98,11 +98,7 @@ class ImageTokens:
         self.tower, self.processor, self.projector, self.cache = tower, processor, projector, cache
 
     def _tower(self, imgs: list) -> list[torch.Tensor]:
-        if self.cache is None:
-            return vision_tokens(self.tower, self.processor, imgs)
-        by_key = {image_key(s): s for s in imgs}
-        return self.cache.rows([image_key(s) for s in imgs],
-                               lambda ks: vision_tokens(self.tower, self.processor, [by_key[k] for k in ks]))
+        return per_image(self.cache, imgs, lambda ss: vision_tokens(self.tower, self.processor, ss))
 
     def __call__(self, items: list) -> list[torch.Tensor | None]:
         has = [i for i, s in enumerate(items) if isinstance(s, Sample) and s.has_image]

@@ -106,6 +106,15 @@ def image_key(s: Sample) -> str:
     return key
 
 
+def per_image(cache, items: list, compute) -> list[torch.Tensor]:
+    """One row per sample: compute(samples) (one row each), through `cache` keyed by each image's
+    pixels (`image_key`) when there is one, so a repeated image is computed once."""
+    if cache is None:
+        return list(compute(items))
+    by_key = {image_key(s): s for s in items}
+    return cache.rows([image_key(s) for s in items], lambda ks: list(compute([by_key[k] for k in ks])))
+
+
 def vision_tokens(tower, processor, items: list) -> list[torch.Tensor]:
     """Frozen last hidden states [T, Dv] of each sample's image (CLS + patches)."""
     with torch.no_grad():
@@ -146,9 +155,7 @@ class ClipImagePrefix:
         return list(h)
 
     def __call__(self, items: list) -> torch.Tensor:
-        by_key = {image_key(s): s for s in items}
-        h = torch.stack(self.cache.rows([image_key(s) for s in items],
-                                        lambda ks: self._bottom([by_key[k] for k in ks])))
+        h = torch.stack(per_image(self.cache, items, self._bottom))
         vm = self.clip.vision_model
         for layer in vm.encoder.layers[self.l0:]:
             h = layer(h, None)
@@ -168,9 +175,7 @@ class ClipInputs:
     def pixel_values(self, items: list) -> torch.Tensor:
         if self.pixels is None:
             return pixel_values(self.processor, items, self.clip)
-        by_key = {image_key(s): s for s in items}
-        return torch.stack(self.pixels.rows([image_key(s) for s in items], lambda ks: list(
-            pixel_values(self.processor, [by_key[k] for k in ks], self.clip))))
+        return torch.stack(per_image(self.pixels, items, lambda ss: pixel_values(self.processor, ss, self.clip)))
 
     def __call__(self, items: list) -> torch.Tensor:
         with_img = [i for i, s in enumerate(items) if isinstance(s, Sample) and s.has_image]
@@ -198,12 +203,9 @@ class ClipInputs:
         if not all(isinstance(s, Sample) and s.has_image and s.text is None for s in items):
             raise ConfigError("peft.ot_gamma on CLIP matches an image's patches to the prompts: every sample "
                               "needs an image and no caption")
-        by_key = {image_key(s): s for s in items}
-
-        def compute(keys: list[str]) -> list[torch.Tensor]:
+        def compute(samples: list) -> torch.Tensor:
             vm = self.clip.vision_model
-            h = vm(pixel_values=pixel_values(self.processor, [by_key[k] for k in keys], vm)).last_hidden_state
-            return list(self.clip.visual_projection(vm.post_layernorm(h[:, 1:])))
+            h = vm(pixel_values=pixel_values(self.processor, samples, vm)).last_hidden_state
+            return self.clip.visual_projection(vm.post_layernorm(h[:, 1:]))
 
-        keys = [image_key(s) for s in items]
-        return cache.rows(keys, compute) if cache is not None else compute(keys)
+        return per_image(cache, items, compute)
