@@ -36,7 +36,7 @@ $(VENV)/.bench: $(VENV)/.installed
 	touch $@
 
 bench: $(VENV)/.bench
-	for b in overheads comm scale round_time clip_prefix precision unpad utilisation profile_run candidates purify_ties isa_kernels startup; do $(PY) benchmarks/$$b.py --quick || exit 1; done
+	for b in overheads comm scale round_time clip_prefix precision bf16_width unpad utilisation profile_run candidates purify_ties isa_kernels startup; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 
 # The papers' tables on the offline zoo (configs/results/suite.toml and its seeds; SEEDS=N forces
 # N seeds in every group) -> docs/results.md + docs/results/; resumable (runs/results). Every

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import benchmarks._common  # noqa: F401  (offline environment)
+from benchmarks._common import FP32  # also sets up the offline environment
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     from fedsplice.runtimes.inprocess import run_rounds
     from fedsplice.federation.store import make_store
 
-    cfg = load_config(Path(job["config"]), job.get("set", []))
+    cfg = load_config(Path(job["config"]), FP32 + job.get("set", []))
     t0 = time.perf_counter()
     exp = build(cfg)
     setup = time.perf_counter() - t0

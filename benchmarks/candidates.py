@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import ROOT, report  # noqa: E402
+from benchmarks._common import FP32, ROOT, report  # noqa: E402
 
 import torch  # noqa: E402  (after _common: the offline environment is set first)
 
@@ -100,7 +100,7 @@ def main() -> None:
     from fedsplice.federation.validate import load_config
 
     sets = ["data.test_per_class=10"] if args.quick else []
-    exp = build(load_config(ROOT / "configs" / "fedavg-lora-minilm.toml", sets))
+    exp = build(load_config(ROOT / "configs" / "fedavg-lora-minilm.toml", FP32 + sets))
     with torch.no_grad():  # a trained-like state: LoRA B nonzero, so the adapters act
         gen = torch.Generator().manual_seed(0)
         for p in exp.model.trainable().values():

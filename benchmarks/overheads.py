@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import ROOT, report  # noqa: E402
+from benchmarks._common import FP32, ROOT, report  # noqa: E402
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     from fedsplice.federation.train import local_train
 
     base = ROOT / "configs" / "fedavg-lora-minilm.toml"
-    exp = build(load_config(base, [f"client.max_steps={steps}", "client.batch_size=16"]))
+    exp = build(load_config(base, FP32 + [f"client.max_steps={steps}", "client.batch_size=16"]))
     m = exp.model
     infos, params = m.param_infos(), m.trainable()
     shapes, scal = {n: p.shape for n, p in params.items()}, m.scalings()

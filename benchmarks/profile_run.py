@@ -32,7 +32,7 @@ T_MAIN = time.time()  # before any heavy import: the child's "imports" stage sta
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import child_or_main, run_script_child  # noqa: E402
+from benchmarks._common import FP32, child_or_main, run_script_child  # noqa: E402
 
 WORKLOADS = {
     # FedAvg-LoRA on MiniLM, 10 clients (2 held out), 4 per round: the round_time / naive-loop workload
@@ -187,7 +187,7 @@ def child(job: dict) -> None:
         prof = cProfile.Profile()
         prof.enable()
     t1 = time.perf_counter()
-    cfg = load_config(Path(job["config"]), job["set"])
+    cfg = load_config(Path(job["config"]), FP32 + job["set"])
     T.add("setup: config", time.perf_counter() - t1)
     with tempfile.TemporaryDirectory() as tmp:
         res = T.wrap(run_experiment, "other")(cfg, Path(tmp) / "run", quiet=False)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import ROOT, report  # noqa: E402
+from benchmarks._common import FP32, ROOT, report  # noqa: E402
 
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # (config, granularity): "flat" is the paper's Eq. 5 (the configs' default), "tensor" the
@@ -58,7 +58,7 @@ def child() -> None:
         return original(g_task, g_align, tie_tol)
 
     purify.project = recording  # the transform looks `project` up at call time
-    cfg = fedsplice.load_config(ROOT / "configs" / f"{job['config']}.toml", job["set"])
+    cfg = fedsplice.load_config(ROOT / "configs" / f"{job['config']}.toml", FP32 + job["set"])
     with tempfile.TemporaryDirectory() as tmp:
         fedsplice.run(cfg, Path(tmp) / "run", overwrite=True, quiet=True)
     print(json.dumps(calls))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import ROOT, report  # noqa: E402
+from benchmarks._common import FP32, ROOT, report  # noqa: E402
 
 SMOL = "pfadapter-smollm2.toml"
 SMOL_SETS = ["data.test_per_class=1", "data.local_test_size=2"]  # build-time zero-shot scoring: keep it small
@@ -51,7 +51,7 @@ def worker(job: dict) -> dict:
     from fedsplice.federation.store import MemoryStore
     from fedsplice.federation.validate import load_config
 
-    cfg = load_config(Path(job["config"]), job["set"])
+    cfg = load_config(Path(job["config"]), FP32 + job["set"])
     exp = build(cfg)
     params = exp.model.trainable()
     down = wire.encode({n: params[n].detach() for n in exp.global_names})

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import child_or_main, interleaved_args, run_script_child  # noqa: E402
+from benchmarks._common import FP32, child_or_main, interleaved_args, run_script_child  # noqa: E402
 
 SETTINGS = ("off", "on")
 SHORT = ["server.rounds=2", "eval.every=100", "eval.cold_start_epochs=0"]
@@ -87,7 +87,7 @@ def child(job: dict) -> None:
     from fedsplice.runtimes.inprocess import run_rounds
 
     torch.set_num_threads(job["threads"] or torch.get_num_threads())
-    exps = {s: build(load_config(Path(job["config"]), job["set"] + [f"runtime.unpad='{s}'"])) for s in SETTINGS}
+    exps = {s: build(load_config(Path(job["config"]), FP32 + job["set"] + [f"runtime.unpad='{s}'"])) for s in SETTINGS}
     out = {s: {} for s in SETTINGS}
     for s, exp in exps.items():
         records = []

@@ -84,13 +84,45 @@ def test_model_and_uploads_live_where_they_should(tiny_cfg):
 # ----------------------------------------------------------------------------- precision
 
 
-def test_auto_precision_follows_the_cpu_flags(monkeypatch):
+def test_auto_precision_follows_the_cpu_flags_and_the_models_width(monkeypatch):
+    """bf16 on a CPU with native bf16 for a model at least CPU_BF16_MIN_WIDTH (192) wide, where a
+    training step measured faster (benchmarks/bf16_width.py); narrower (the tiny test models), or
+    without the units, fp32. An unknown width counts as wide."""
     import fedsplice.model.device as D
 
-    for has, want in ((True, torch.bfloat16), (False, torch.float32)):
+    assert D.CPU_BF16_MIN_WIDTH == 192
+    cpu = torch.device("cpu")
+    for has, width, want in ((True, None, torch.bfloat16), (True, 192, torch.bfloat16), (True, 384, torch.bfloat16),
+                             (True, 191, torch.float32), (True, 32, torch.float32), (False, 384, torch.float32),
+                             (False, None, torch.float32)):
         monkeypatch.setattr(D, "cpu_has_bf16", lambda has=has: has)
-        assert resolve_precision("auto", torch.device("cpu")) == want
-    assert resolve_precision("fp16", torch.device("cpu")) == torch.float16
+        assert resolve_precision("auto", cpu, width) == want, (has, width)
+        assert resolve_precision("fp32", cpu, width) == torch.float32  # only "auto" looks
+    assert resolve_precision("fp16", cpu, 32) == torch.float16
+
+
+def test_auto_is_the_default_and_reads_the_widest_tower(tiny_cfg, tmp_path, monkeypatch):
+    """runtime.precision defaults to "auto"; the width is the widest hidden size of the model's
+    towers, read from config.json (a CLIP's text and vision configs; a VLM's vision tower too)."""
+    import json
+
+    import fedsplice.model.device as D
+    from fedsplice.config import ExperimentConfig
+    from fedsplice.model.loading import model_width, run_precision
+
+    assert ExperimentConfig().runtime.precision == "auto"
+    cfg = tiny_cfg()
+    assert cfg.runtime.precision == "auto" and model_width(cfg) == 32
+    monkeypatch.setattr(D, "cpu_has_bf16", lambda: True)
+    assert run_precision(cfg, torch.device("cpu")) == torch.float32  # hidden 32: bf16 measured slower
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text(json.dumps({"model_type": "clip", "text_config": {"hidden_size": 128, "num_attention_heads": 4},
+                                                  "vision_config": {"hidden_size": 256, "num_attention_heads": 4}}))
+    cfg.model.name = str(wide)
+    assert model_width(cfg) == 256 and run_precision(cfg, torch.device("cpu")) == torch.bfloat16
+    cfg.model.name = str(tmp_path / "missing")
+    assert model_width(cfg) is None
 
 
 def test_auto_precision_on_cuda_asks_that_device_for_native_bf16(monkeypatch):
@@ -226,6 +258,44 @@ def test_qlora_trains_on_a_quantized_base(cfg_factory, tiny_llama_dir, toy_jsonl
     assert torch.isfinite(torch.tensor(records[-1]["train_loss"]))
 
 
+# ----------------------------------------------------------------------------- graphs freed
+
+
+@pytest.mark.parametrize("algorithm", ["fedpurel", "pfadapter"])
+def test_a_steps_graph_is_freed_before_the_next_step(cfg_factory, tiny_bert_dir, toy_jsonl, algorithm):
+    """Every activation a training step's forward made is gone when the next step's forward runs:
+    no graph outlives its step. FedPuReL takes one gradient per loss (autograd.grad) and keeps the
+    graph for the next loss only; PFAdapter sums its losses. (With retain_graph on the last loss
+    the graph lived until the next step: about 2x activation memory.)"""
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm=f'"{algorithm}"', client__max_steps=3, server__rounds=1)
+    exp = build(cfg)
+    layer = next(m for m in exp.model.backbone.modules() if type(m).__name__ == "BertLayer")
+    current, finished, alive, steps = [], [], [], []
+
+    def forward(module, args, out):
+        if torch.is_grad_enabled():
+            alive.extend(r for r in finished if r() is not None)
+            finished.clear()
+            current.append(weakref.ref(out[0] if isinstance(out, tuple) else out))
+
+    def step(*_):
+        steps.append(1)
+        finished.extend(current)
+        current.clear()
+
+    hooks = [layer.register_forward_hook(forward), register_optimizer_step_post_hook(step)]
+    try:
+        run_rounds(exp, MemoryStore(), lambda r: None)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(steps) >= 4 and not alive, (len(steps), len(alive))
+
+
 # ----------------------------------------------------------------------------- gradient checkpointing
 
 
@@ -253,10 +323,15 @@ def test_the_run_says_what_auto_resolved_to(tiny_cfg, monkeypatch):
     from fedsplice.app.summary import hardware_line
 
     monkeypatch.setattr(D, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(D, "CPU_BF16_MIN_WIDTH", 32)  # the tiny model counts as wide here
     cfg = tiny_cfg(runtime__device='"cpu"', runtime__precision='"auto"', model__gradient_checkpointing=True)
     exp = build(cfg)
     assert exp.model.amp_dtype == torch.bfloat16
     assert hardware_line(cfg, exp) == "device cpu, bf16 autocast (auto), gradient checkpointing"
+    monkeypatch.setattr(D, "CPU_BF16_MIN_WIDTH", 192)
+    exp = build(cfg)
+    assert exp.model.amp_dtype == torch.float32
+    assert hardware_line(cfg, exp) == "device cpu, fp32 (auto), gradient checkpointing"
 
 
 def test_caches_take_bf16_rows_and_weights():

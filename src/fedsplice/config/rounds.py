@@ -207,8 +207,10 @@ class RuntimeConfig:
     # else MPS, else CPU. The store, the wire and the server math stay on the CPU (float64 server)
     device: str = "auto"
     # autocast for forward + backward; trainable tensors stay fp32 masters; fp16 adds a gradient
-    # scaler. "auto": bf16 where this machine runs it faster than fp32 (fedsplice.model.device)
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    # scaler. "auto": bf16 where this machine runs it faster than fp32 (fedsplice.model.device:
+    # a GPU with native bf16, plus TF32; a CPU with native bf16 for a model at least 192 wide),
+    # else fp32. Numbers then differ by rounding between machines: "fp32" compares across them
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # unpadded batches (fedsplice.model.unpad): a batch runs as sub-batches of similar length, the
     # same math within rounding. "auto": on the CPU (measured faster), except while LoRA dropout
     # trains (its masks are drawn per padded position); "on"; "off": padded to the longest member

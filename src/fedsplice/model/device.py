@@ -54,18 +54,30 @@ def cpu_has_bf16() -> bool:
     return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
-def resolve_precision(name: str, device: torch.device) -> torch.dtype:
-    """The autocast dtype ("fp32": none). "auto": bf16 on a CUDA device with native bf16 (compute
-    capability 8.0+, Ampere on) and on a CPU with native bf16, else fp32 (fp16 is never chosen for
-    you: it needs loss scaling). `device`'s own capability is asked, not GPU 0's, and emulated
-    bf16 (`torch.cuda.is_bf16_supported()` says True for it on older GPUs) does not count: it is
-    slower than fp32. "auto" on CUDA also lets fp32 matmuls (those outside autocast) use TF32, a
-    process-wide switch (torch.backends.cuda.matmul.fp32_precision); "fp32" keeps them IEEE."""
+# bf16 pays on a CPU only for a model wide enough that autocast's casts and per-op costs weigh less
+# than what bf16 saves in the matmuls: `python benchmarks/bf16_width.py` (AVX-512 BF16, 2 threads;
+# PFAdapter steps of 16 short texts on 4-layer Llamas) measured bf16 at 0.57x fp32's step speed at
+# width 32, 0.76x at 128, 1.22x at 192, 1.62x at 384; MiniLM (384 wide) trains 1.71x faster in
+# bf16, SmolLM2-135M (576) 1.30x (benchmarks/precision.py; docs/performance.md)
+CPU_BF16_MIN_WIDTH = 192
+
+
+def resolve_precision(name: str, device: torch.device, width: int | None = None) -> torch.dtype:
+    """The autocast dtype ("fp32": none). "auto" (the default): bf16 where it measured faster
+    than fp32, else fp32 (fp16 is never chosen for you: it needs loss scaling):
+    - a CUDA device with native bf16 (compute capability 8.0+, Ampere on). `device`'s own
+      capability is asked, not GPU 0's, and emulated bf16 (`torch.cuda.is_bf16_supported()`
+      says True for it on older GPUs) does not count: it is slower than fp32. "auto" on CUDA also
+      lets fp32 matmuls (those outside autocast) use TF32, a process-wide switch
+      (torch.backends.cuda.matmul.fp32_precision); "fp32" keeps them IEEE;
+    - a CPU with native bf16, for a model whose widest tower is `width` >= CPU_BF16_MIN_WIDTH
+      (None: not known, taken as wide)."""
     if name == "auto":
         if device.type == "cuda":
             torch.backends.cuda.matmul.fp32_precision = "tf32"
             return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float32
-        return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
+        wide = width is None or width >= CPU_BF16_MIN_WIDTH
+        return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() and wide else torch.float32
     if name == "fp16" and device.type == "mps":
         raise ConfigError("runtime.precision = 'fp16' is not supported on MPS here; use 'fp32'")
     return DTYPES[name]

@@ -58,12 +58,37 @@ def quantization_config(cfg: ExperimentConfig, device: torch.device | None = Non
                           f"pip install bitsandbytes (QLoRA runs on a CUDA GPU), or set model.quantization = 'none'")
     from transformers import BitsAndBytesConfig
 
-    compute = DTYPES[mc.dtype] if mc.dtype != "fp32" else resolve_precision(cfg.runtime.precision,
-                                                                              device or torch.device("cpu"))
+    compute = DTYPES[mc.dtype] if mc.dtype != "fp32" else run_precision(cfg, device or torch.device("cpu"))
     if mc.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute)
+
+
+def run_precision(cfg: ExperimentConfig, device: torch.device) -> torch.dtype:
+    """The run's autocast dtype: runtime.precision resolved on `device` (for "auto" on a CPU,
+    knowing the model's width: fedsplice.model.device.resolve_precision)."""
+    auto_cpu = cfg.runtime.precision == "auto" and device.type == "cpu"
+    return resolve_precision(cfg.runtime.precision, device, model_width(cfg) if auto_cpu else None)
+
+
+def model_width(cfg: ExperimentConfig) -> int | None:
+    """The widest hidden size among the model's towers (model.name's, its text and vision
+    configs', and a VLM's model.vision), from their config.json; None where one cannot be read."""
+    from transformers import AutoConfig
+
+    widths = []
+    for spec in (cfg.model.name, cfg.model.vision if cfg.model.task == "vlm" else ""):
+        if not spec:
+            continue
+        try:
+            c = AutoConfig.from_pretrained(resolve_model(spec))
+        except Exception:  # noqa: BLE001 -- unreadable here: the model's own load says why, in one line
+            return None
+        for sub in (c, getattr(c, "text_config", None), getattr(c, "vision_config", None)):
+            w = getattr(sub, "hidden_size", None)
+            widths += [w] if isinstance(w, int) else []
+    return max(widths) if widths else None
 
 
 def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):

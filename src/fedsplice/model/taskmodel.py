@@ -27,9 +27,9 @@ from fedsplice.data.datasets import class_prompt_of
 from fedsplice.errors import ConfigError
 from fedsplice.model import peft
 from fedsplice.model.cache import FrozenCache, TokenCache
-from fedsplice.model.device import DTYPES, autocast, resolve_device, resolve_precision
+from fedsplice.model.device import DTYPES, autocast, resolve_device
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
-from fedsplice.model.loading import Backbone, load_backbone
+from fedsplice.model.loading import Backbone, load_backbone, run_precision
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
 from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, OTScorer,
                                      VLMScorer, lm_prompts)
@@ -48,7 +48,7 @@ class TaskModel(nn.Module):
         self.class_names = list(class_names)
         self.device = resolve_device(cfg.runtime.device)
         # autocast dtype of every forward (and the backward under it); trainable tensors stay fp32
-        self.amp_dtype = resolve_precision(cfg.runtime.precision, self.device)
+        self.amp_dtype = run_precision(cfg, self.device)
         if cfg.model.dtype != "fp32" and self.amp_dtype != DTYPES[cfg.model.dtype]:
             raise ConfigError(f"model.dtype = {cfg.model.dtype!r} runs the fp32 adapters beside a {cfg.model.dtype} base "
                               f"under autocast: set runtime.precision = {cfg.model.dtype!r} (it resolved to "
