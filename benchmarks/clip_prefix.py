@@ -1,5 +1,5 @@
 """Training-step time of a ViT-B/16-sized CLIP with LoRA in the image tower, with and without the
-frozen-prefix cache (DESIGN §7).
+frozen-prefix cache (docs/design.md §7).
 
     python benchmarks/clip_prefix.py [--quick]
 

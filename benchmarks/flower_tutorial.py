@@ -259,7 +259,7 @@ def make_server_app(exp, log: dict) -> ServerApp:
 def run_tutorial_style(cfg_path: str, overrides: list[str], rounds: int) -> dict:
     """Run CONFIG (with --set overrides) for `rounds` rounds the Flower-tutorial way."""
     t_start = time.perf_counter()
-    # Tutorial style: no frozen work is cached (runtime.cache, DESIGN §7), nothing is reused.
+    # Tutorial style: no frozen work is cached (runtime.cache, docs/design.md §7), nothing is reused.
     cfg = load_config(cfg_path, ["runtime.precision=fp32", *overrides, f"server.rounds={rounds}", "runtime.cache=false"])
     if cfg.server.optimizer != "fedavg" or cfg.server.aggregation != "mean" or cfg.client.upload != "fp32":
         raise ValueError("flower_tutorial: needs server.optimizer = fedavg, server.aggregation = mean and "

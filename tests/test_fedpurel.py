@@ -1,4 +1,4 @@
-"""FedPuReL (DESIGN §3.2; ../shared/papers/fedpurel.md §3.2-3.3, Algorithm 1): temperature
+"""FedPuReL (docs/design.md §3.2; the FedPuReL paper §3.2-3.3, Algorithm 1): temperature
 alignment, TKL, gradient purification, the two objectives, a purified local step on a tiny BERT,
 and two end-to-end runs with the personalization phase. Values checked by hand."""
 

@@ -1,4 +1,4 @@
-"""The shape of the house (DESIGN §9-§10): the layer contracts, file and function sizes."""
+"""The shape of the house (docs/design.md §9-§10): the layer contracts, file and function sizes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Long-tailed protocol (DESIGN §5-§6): balancedness, shot groups, pooled group accuracies,
+"""Long-tailed protocol (docs/design.md §5-§6): balancedness, shot groups, pooled group accuracies,
 head bias, the long-tail cut of the training set and its config errors. Values by hand."""
 
 import math

@@ -1,4 +1,4 @@
-"""PEFT types besides LoRA (DESIGN §2, §3.2 baselines): CoOp prompts, the FedCLIP feature adapter,
+"""PEFT types besides LoRA (docs/design.md §2, §3.2 baselines): CoOp prompts, the FedCLIP feature adapter,
 the zero_shot() context, the baselines built on them (promptfl, promptfolio, fedclip, zeroshot),
 and logit adjustment. Tiny BERT as a dual encoder."""
 

@@ -1,4 +1,4 @@
-"""The baselines both papers compare against, each a split over the same PEFT (DESIGN §3.3).
+"""The baselines both papers compare against, each a split over the same PEFT (docs/design.md §3.3).
 
 The server optimizer (`[server] optimizer`) is orthogonal to the method: `lora` + fedyogi is
 FedYogi-LoRA. `full-ft` has no PEFT at all (peft.type = "full"): the cost reference of LoRA.
@@ -92,5 +92,5 @@ LORA_BASELINES: dict[str, Algorithm] = {
         NoParams, full_ft,
         "federated full fine-tuning: every backbone weight shared and averaged, no PEFT "
         "(peft.type = 'full'; PFAdapter's Table IV prices it against LoRA)",
-        "../shared/papers/pfadapter.txt"),
+        "Liu et al., PFAdapter: Hierarchical LoRA Decomposition for Personalized Federated MLLMs, arXiv:2607.12111"),
 }

@@ -1,4 +1,4 @@
-"""FedPuReL (../shared/papers/fedpurel.md; DESIGN §3.2): gradient purification and residual learning.
+"""FedPuReL (github.com/shihaohou/FedPuReL; docs/design.md §3.2): gradient purification and residual learning.
 
 - Phase 1 (§3.2, Eq. 3-5): every PEFT tensor is GLOBAL; each local step takes, from ONE
   forward, the task cross-entropy and the temperature-aligned KL toward the frozen zero-shot
@@ -100,4 +100,5 @@ def build(p: FedPuReLParams, infos, shapes, scalings) -> Recipe:
 
 FEDPUREL = Algorithm(FedPuReLParams, build,
                      "gradient purification toward zero-shot (TKL) + residual personalization (FedPuReL)",
-                     "../shared/papers/fedpurel.md")
+                     "Fine-Tuning Impairs the Balancedness of Foundation Models in Long-tailed Personalized "
+                     "Federated Learning (FedPuReL; github.com/shihaohou/FedPuReL)")

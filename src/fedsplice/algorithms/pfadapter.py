@@ -1,4 +1,4 @@
-"""PFAdapter (../shared/papers/pfadapter.txt; DESIGN §3.1).
+"""PFAdapter (Liu et al., arXiv:2607.12111; docs/design.md §3.1).
 
 - Split (§III-B): LoRA on the q, k projections is GLOBAL (uploaded, averaged); v, o LoRA is
   PRIVATE (never leaves the client) — `fedsplice.core.split.by_roles`.
@@ -46,4 +46,5 @@ def build(p: PFAdapterParams, infos, shapes, scalings) -> Recipe:
 
 
 PFADAPTER = Algorithm(PFAdapterParams, build, "LoRA q,k global / v,o private + orthogonality loss (PFAdapter)",
-                      "../shared/papers/pfadapter.txt")
+                      "Liu et al., PFAdapter: Hierarchical LoRA Decomposition for Personalized Federated "
+                      "MLLMs, arXiv:2607.12111")

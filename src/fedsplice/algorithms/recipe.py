@@ -2,7 +2,7 @@
 
 No algorithm subclasses a client or a server. A method is a `build(params, infos, shapes,
 scalings) -> Recipe` function over the dataclass of its `[method]` table; the federation layer
-runs every recipe with the same client tasks and the same round loop (DESIGN §2, §9).
+runs every recipe with the same client tasks and the same round loop (docs/design.md §2, §9).
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ class RuntimeConfig:
     devices: list[str] = field(default_factory=list)  # per worker (cycled); empty: runtime.device
     checkpoint_every: int = 1  # rounds between checkpoints (the last round always); 0 = none
     keep_checkpoints: int = 2  # the newest k checkpoints are kept
-    # Frozen work computed once (DESIGN §7): tokenized inputs, frozen input features, hidden
+    # Frozen work computed once (docs/design.md §7): tokenized inputs, frozen input features, hidden
     # states below the first adapted layer. false = recompute everything every step (checks,
     # benchmarks). The prefix cache holds at most cache_budget_mb; past that it computes afresh.
     cache: bool = True

@@ -1,4 +1,4 @@
-"""Gradient purification (FedPuReL Eq. 5; DESIGN §3.2): the task gradient loses its component
+"""Gradient purification (FedPuReL Eq. 5; docs/design.md §3.2): the task gradient loses its component
 that opposes the alignment gradient, so a step never increases the alignment loss to first order.
 
 A grad transform combines per-loss gradients into the one the optimizer steps with

@@ -22,7 +22,10 @@ class ParamInfo:
     role: str | None  # q, k, v, o for attention LoRA; None otherwise
     factor: str | None  # "A" or "B" for LoRA; None otherwise
     layer: str | None  # a key shared by the LoRA tensors of one attention block
-    kind: str  # "lora" or "head"
+    # what the tensor belongs to: "lora", "lora_private" (pFedLoRA's second adapter), or the
+    # module a non-LoRA tensor lives in, named by its first path part: "head", "prompt",
+    # "prompt_local", "adapter", "projector", "backbone" (full fine-tuning), ... (model/peft.py)
+    kind: str
 
 
 def all_global(infos: dict[str, ParamInfo]) -> dict[str, str]:

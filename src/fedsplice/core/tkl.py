@@ -1,4 +1,4 @@
-"""Temperature-aligned KL (FedPuReL Eq. 3-4; DESIGN §3.2): both predictions are brought to the
+"""Temperature-aligned KL (FedPuReL Eq. 3-4; docs/design.md §3.2): both predictions are brought to the
 same entropy before their KL is taken, so the alignment loss compares ranks, not confidence.
 
 Pure tensor math: torch only.

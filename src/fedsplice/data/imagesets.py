@@ -13,7 +13,7 @@ carrying `.image` / `.text`).
     tuxpaint       Tux Paint stamps, 782 captioned drawings and photos in 15 folders, 96×96 RGB
                    (white padded to square); text = the English caption (Debian
                    `tuxpaint-stamps-default`). The package holds 785 captioned PNGs (the 538 of
-                   DESIGN §4 are those outside `symbols`: letters, coins, chess pieces…, kept
+                   docs/design.md §4 are those outside `symbols`: letters, coins, chess pieces…, kept
                    here as a class); `naturalforces` (3 stamps) is dropped: < 4 samples.
     easyvqa        easy-VQA, 64×64 RGB shapes + a question, label = one of 13 answers; official
                    split 38,575 / 9,673 questions on 4,000 / 1,000 images (PyPI `easy-vqa`)

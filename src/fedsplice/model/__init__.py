@@ -1,3 +1,3 @@
 """Backbones for federated fine-tuning: a frozen Hugging Face model, its PEFT modules and a task
-scorer, composed by `fedsplice.model.taskmodel.TaskModel` (DESIGN §10: loading, roles, PEFT
+scorer, composed by `fedsplice.model.taskmodel.TaskModel` (docs/design.md §10: loading, roles, PEFT
 builders, scorers, caches)."""

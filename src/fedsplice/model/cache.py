@@ -1,4 +1,4 @@
-"""Caches of frozen work (DESIGN §7): per-text arrays the frozen backbone computes the same way
+"""Caches of frozen work (docs/design.md §7): per-text arrays the frozen backbone computes the same way
 every time — hidden states below the first adapted layer, frozen input features.
 
 A cache is addressed by a namespace (what computed it: backbone fingerprint, PEFT placement,

@@ -109,8 +109,3 @@ def to_device(obj, device: torch.device):
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
     return obj
-
-
-def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Name-keyed tensors as the store and the wire hold them: detached CPU copies."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}

@@ -1,4 +1,4 @@
-"""Frozen-prefix caches (DESIGN §7): with LoRA only in layers >= l0, the hidden states entering
+"""Frozen-prefix caches (docs/design.md §7): with LoRA only in layers >= l0, the hidden states entering
 layer l0 depend on frozen weights alone, so they are computed once per input and only the layers
 from l0 up run on them. Cached hidden states reproduce the full forward exactly.
 

@@ -158,7 +158,7 @@ class TaskModel(nn.Module):
     # ----------------------------------------------------------------- modes
     def train(self, mode: bool = True):
         """The frozen backbone always runs as at inference (no dropout): its work is then a pure
-        function of the input, which makes caching it exact (DESIGN §7). The adapters' own
+        function of the input, which makes caching it exact (docs/design.md §7). The adapters' own
         dropout (peft.dropout) and the trainable modules follow `mode`. peft.type = "full" keeps
         this too: the whole backbone trains, without dropout, like LoRA's base."""
         super().train(mode)

@@ -137,7 +137,7 @@ def clip_text_from_embeds(clip, embeds: torch.Tensor, mask: torch.Tensor) -> tor
 
 
 class ClipImagePrefix:
-    """CLIP image features with the frozen bottom of the vision tower cached (DESIGN §7): with
+    """CLIP image features with the frozen bottom of the vision tower cached (docs/design.md §7): with
     LoRA only in vision layers >= l0 (or only in the text tower: l0 = every layer), the hidden
     states entering layer l0 depend on frozen weights alone, so they are computed once per image
     (keyed by its pixels) and only layers l0.. run on them. The layers are called in place, so

@@ -13,7 +13,7 @@ the order the clients were asked, as `InProcess` returns them, and injected faul
 the same `FaultPlan`. Training randomness is keyed by (seed, round, client), so which process
 runs a client does not change what it computes: metrics equal `workers = 1` (tests/test_workers.py).
 
-What crosses the pipes is JSON and safetensors, never pickle (DESIGN §8): a message is a JSON
+What crosses the pipes is JSON and safetensors, never pickle (docs/design.md §8): a message is a JSON
 header followed by the byte blobs it announces. A worker that fails reports its error, which the
 main process raises as one line (a FedspliceError as itself, anything else as WorkerError, the
 worker's traceback attached as a note); a worker that dies is seen through its process sentinel.

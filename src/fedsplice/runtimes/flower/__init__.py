@@ -1,11 +1,13 @@
 """fedsplice on Flower's deployment engine (flwr 1.42): the only package that imports flwr.
 
-- `app`: the ServerApp (fedsplice's own round loop with a Flower transport) and the ClientApp
-  (fedsplice's local update and evaluation on each SuperNode).
+- `client`: the ClientApp (fedsplice's local update and evaluation on each SuperNode) and the
+  run-config keys.
+- `executor`: a warm ClientApp executor for SuperNodes started with `--isolation process`.
 - `transport`: `FlowerTransport`, the round loop's fit/evaluate over Flower messages.
 - `records`: torch tensors <-> ArrayRecords; the size of a serialized message.
 - `certs`: TLS certificates and SuperNode keys with `cryptography`.
-- `launcher`: `fedsplice flower up` (SuperLink + SuperNodes on loopback, one run, teardown).
+
+The ServerApp, `fedsplice flower up` and resuming live above the runtimes, in `fedsplice.app.flower`.
 
 See docs/flower.md.
 """
