@@ -305,7 +305,7 @@ def test_flower_config_fields_are_validated(cfg_factory, tiny_bert_dir, toy_json
 
 class FakeGrid:
     """A Grid without processes: messages go straight to fedsplice's real ClientApp, called
-    in this process with each node's Context; `tamper(kind, node, msg, reply)` may alter a
+    in this process with each node's Context (an exception becomes Flower's error reply); `tamper(kind, node, msg, reply)` may alter a
     reply or return "silence" (no reply ever); `silent` nodes never answer."""
 
     def __init__(self, cfg_text: str, tmp: Path, n: int, tamper=None, silent=()):
@@ -322,6 +322,10 @@ class FakeGrid:
         return list(self.nodes)
 
     def push_messages(self, messages):
+        from flwr.app import Message
+        from flwr.common import Error
+        from flwr.common.constant import ErrorCode
+
         from fedsplice.runtimes.flower.client import client_app
 
         ids = []
@@ -330,7 +334,11 @@ class FakeGrid:
             ids.append(m.metadata.message_id)
             if m.metadata.dst_node_id in self.silent:
                 continue
-            rep = client_app(message=m, context=self.nodes[m.metadata.dst_node_id])
+            try:
+                rep = client_app(message=m, context=self.nodes[m.metadata.dst_node_id])
+            except Exception as ex:  # the error reply flwr.supernode.runtime.run_clientapp sends
+                rep = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                    reason=str(type(ex)) + ":<'" + str(ex) + "'>"), reply_to=m)
             if self.tamper:
                 rep = self.tamper(m.metadata.message_type, m.metadata.dst_node_id, m, rep) or rep
             if rep != "silence":

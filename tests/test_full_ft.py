@@ -134,9 +134,8 @@ def test_bad_use_is_one_line_exit_2(capsys, sets, needle):
 
 
 def test_full_ft_without_peft_full_is_refused(cfg_factory, tiny_bert_dir, toy_jsonl):
-    cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"full-ft"')
-    with pytest.raises(ConfigError, match="set peft.type = 'full'"):
-        build(cfg)
+    with pytest.raises(ConfigError, match="set peft.type = 'full'"):  # at validation, before any model
+        cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"full-ft"')
 
 
 def test_fedper_keeps_the_head_private_over_a_full_backbone(cfg_factory, tiny_bert_dir, toy_jsonl):

@@ -198,7 +198,11 @@ def test_bad_hyperparameters_are_one_line_errors(field, value, cfg, capsys):
     assert rc == 2 and len(err.splitlines()) == 1 and f"client.{field}" in err, err
 
 
-def test_an_algorithm_with_its_own_objective_refuses_the_switch(cfg):
-    exp = build(cfg(algorithm='"fedpurel"', method="{personal_rounds = 1}", client__grab=True))
-    with pytest.raises(ConfigError, match="client.grab"):
+def test_an_algorithm_with_its_own_objective_refuses_the_switch(cfg, monkeypatch):
+    with pytest.raises(ConfigError, match="^client.grab re-weights the plain task loss, and algorithm 'fedpurel'"):
+        cfg(algorithm='"fedpurel"', method="{personal_rounds = 1}", client__grab=True)  # at validation
+    # a user's method that declares no check_config: refused at the first fit, by the same rule
+    exp = build(cfg(algorithm='"fedpurel"', method="{personal_rounds = 1}"))
+    monkeypatch.setattr(exp.cfg.client, "grab", True)
+    with pytest.raises(ConfigError, match="^client.grab re-weights .* trains on an objective of its own"):
         grab_balancer(exp, None, {n: exp.init_params[n] for n in exp.global_names})

@@ -77,3 +77,54 @@ def test_a_broken_entry_point_is_named_not_raised(monkeypatch):
     assert out["pfadapter"] is R.ALGORITHMS["pfadapter"]
     with pytest.raises(ConfigError, match="fails to load .*fix or uninstall"):
         get_algorithm("ep-broken")
+
+
+# ----------------------------------------------------------------------------- one validation pass
+
+COMBINATIONS = [  # config, --set, the error's start: each one used to wait for the first fit
+    ("fedotp-fortunes", ["peft.ot_gamma=0"], "algorithm 'fedotp' matches a global and a local prompt"),
+    ("fedotp-fortunes", ["model.task=encoder_head"], "peft.ot_gamma (FedOTP) matches an input's token features"),
+    ("fedpurel-lora-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpurel'"),
+    ("fedpgp-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpgp'"),
+    ("fedpgp-fortunes", ["peft.prompt_lowrank=0"], "algorithm 'fedpgp' adds a private low-rank correction"),
+    ("pfedlora-fortunes", ["peft.private_r=0"], "algorithm 'pfedlora' trains a shared and a private LoRA adapter"),
+    ("promptfolio-fortunes", ["peft.portfolio=0"], "algorithm 'promptfolio' mixes a global and a local prompt"),
+    ("fedclip-fortunes", ["peft.type=prompt"], "algorithm 'fedclip' federates one adapter (peft.type = 'adapter')"),
+    ("promptfl-fortunes", ["peft.type=adapter"], "algorithm 'promptfl' federates one prompt (peft.type = 'prompt')"),
+    ("fedavg-lora-minilm", ["algorithm=fedper"], "algorithm 'fedper' keeps a classification head private"),
+    ("fedavg-lora-minilm", ["algorithm=full-ft"], "algorithm 'full-ft' trains every backbone weight"),
+]
+
+
+@pytest.mark.parametrize("name, sets, says", COMBINATIONS, ids=[f"{c[0]}:{c[1][0]}" for c in COMBINATIONS])
+def test_validate_catches_every_combination_error_without_a_model(name, sets, says, capsys, monkeypatch):
+    import fedsplice.model.taskmodel as tm
+    from fedsplice.app.cli import main
+
+    monkeypatch.setattr(tm.TaskModel, "__init__", lambda *a, **k: pytest.fail("validate built a model"))
+    args = ["validate", "--no-data", f"configs/{name}.toml"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"fedsplice: error: {says}"), err
+    assert main(args[:3]) == 0  # the shipped config itself is fine
+    capsys.readouterr()
+
+
+def test_a_users_check_config_runs_in_validate(capsys):
+    from fedsplice.app.cli import main
+
+    def check_config(p, cfg):
+        if cfg.model.task != "encoder_head":
+            raise ConfigError("algorithm 'head-only' keeps a head private: set model.task = 'encoder_head'")
+    register_algorithm("head-only", build=lambda p, infos, *_: Recipe({n: "global" for n in infos}),
+                       check_config=check_config, replace=True)
+    try:
+        assert main(["validate", "--no-data", "--set", "algorithm=head-only", "--set", "method={}"]) == 2
+        assert capsys.readouterr().err.strip() == ("fedsplice: error: algorithm 'head-only' keeps a head private: "
+                                                   "set model.task = 'encoder_head'")
+        assert main(["validate", "--no-data", "--set", "algorithm=head-only", "--set", "method={}",
+                     "--set", "model.task=encoder_head"]) == 0
+    finally:
+        R.ALGORITHMS.pop("head-only")

@@ -28,29 +28,40 @@ def fedprox(p: FedProxParams, infos, shapes, scalings) -> Recipe:
     return Recipe(split, [Proximal(S.names_in(split, S.GLOBAL), p.mu)] if p.mu > 0 else [])
 
 
-def one_peft(kind: str, algo: str, peft: str):
-    """All-global FedAvg over one PEFT type (PromptFL: prompts; FedCLIP: the adapter)."""
+def all_global(p, infos, *_) -> Recipe:
+    """All-global FedAvg over the config's PEFT parts (PromptFL: prompts; FedCLIP: the adapter)."""
+    return Recipe(S.all_global(infos))
 
-    def build(p, infos, *_):
-        if not any(i.kind == kind for i in infos.values()):
-            raise ConfigError(f"algorithm {algo!r} trains a {kind}: set peft.type = {peft!r}")
-        return Recipe(S.all_global(infos))
 
-    return build
+def needs_peft(peft: str):
+    """check_config of a method that trains one PEFT type: PromptFL a prompt, FedCLIP an adapter."""
+
+    def check_config(p, cfg) -> None:
+        if cfg.peft.type != peft:
+            raise ConfigError(f"algorithm {cfg.algorithm!r} federates one {peft} (peft.type = {peft!r}); "
+                              f"set peft.type = {peft!r}")
+
+    return check_config
+
+
+def promptfolio_check(p, cfg) -> None:
+    if cfg.peft.type != "prompt" or not cfg.peft.portfolio:
+        raise ConfigError("algorithm 'promptfolio' mixes a global and a local prompt: set "
+                          "peft.type = 'prompt' and peft.portfolio = θ (e.g. 0.2)")
+
+
+def fedper_check(p, cfg) -> None:
+    if cfg.model.task != "encoder_head":
+        raise ConfigError("algorithm 'fedper' keeps a classification head private: set model.task = 'encoder_head'")
 
 
 def promptfolio(p, infos, *_) -> Recipe:
-    if not any(i.kind == "prompt_local" for i in infos.values()):
-        raise ConfigError("algorithm 'promptfolio' mixes a global and a local prompt: set "
-                          "peft.type = 'prompt' and peft.portfolio = θ (e.g. 0.2)")
     return Recipe({n: S.PRIVATE if i.kind == "prompt_local" else S.GLOBAL for n, i in infos.items()})
 
 
-def full_ft(p, infos, *_) -> Recipe:
-    """Every backbone weight (and a head or projector, if any) is GLOBAL: plain FedAvg of the model."""
-    if not any(i.kind == "backbone" for i in infos.values()):
+def full_ft_check(p, cfg) -> None:
+    if cfg.peft.type != "full":
         raise ConfigError("algorithm 'full-ft' trains every backbone weight: set peft.type = 'full'")
-    return Recipe(S.all_global(infos))
 
 
 BASELINES: dict[str, Algorithm] = {
@@ -58,15 +69,16 @@ BASELINES: dict[str, Algorithm] = {
         NoParams, lambda p, i, *_: Recipe(S.none_global(i), trains=False),
         "the frozen model's zero-shot predictions; no training, no traffic"),
     "promptfl": Algorithm(
-        NoParams, one_peft("prompt", "promptfl", "prompt"),
-        "CoOp prompt context shared and averaged (PromptFL)", "https://arxiv.org/abs/2208.11625"),
+        NoParams, all_global,
+        "CoOp prompt context shared and averaged (PromptFL)", "https://arxiv.org/abs/2208.11625", needs_peft("prompt")),
     "promptfolio": Algorithm(
         NoParams, promptfolio,
         "global prompt shared, local prompt private, class features mixed by peft.portfolio (PromptFolio)",
-        "https://arxiv.org/abs/2409.19600"),
+        "https://arxiv.org/abs/2409.19600", promptfolio_check),
     "fedclip": Algorithm(
-        NoParams, one_peft("adapter", "fedclip", "adapter"),
-        "attention feature adapter shared and averaged (FedCLIP)", "https://arxiv.org/abs/2302.13485"),
+        NoParams, all_global,
+        "attention feature adapter shared and averaged (FedCLIP)", "https://arxiv.org/abs/2302.13485",
+        needs_peft("adapter")),
 }
 # after PFAdapter in `fedsplice list algorithms` (the registry keeps this order)
 LORA_BASELINES: dict[str, Algorithm] = {
@@ -80,7 +92,7 @@ LORA_BASELINES: dict[str, Algorithm] = {
         "LoRA A global, B private (FedSA-LoRA)", "https://arxiv.org/abs/2410.01463"),
     "fedper": Algorithm(
         NoParams, lambda p, i, *_: Recipe(S.head_private(i)),
-        "adapters global, classification head private (FedPer)", "https://arxiv.org/abs/1912.00818"),
+        "adapters global, classification head private (FedPer)", "https://arxiv.org/abs/1912.00818", fedper_check),
     "fedprox": Algorithm(
         FedProxParams, fedprox,
         "federated LoRA with a proximal term mu/2*||theta_g - theta_g0||^2 (FedProx)",
@@ -89,8 +101,9 @@ LORA_BASELINES: dict[str, Algorithm] = {
         NoParams, lambda p, i, *_: Recipe(S.none_global(i)),
         "local-only training, nothing shared (lower bound on communication)"),
     "full-ft": Algorithm(
-        NoParams, full_ft,
+        NoParams, all_global,
         "federated full fine-tuning: every backbone weight shared and averaged, no PEFT "
         "(peft.type = 'full'; PFAdapter's Table IV prices it against LoRA)",
-        "Liu et al., PFAdapter: Hierarchical LoRA Decomposition for Personalized Federated MLLMs, arXiv:2607.12111"),
+        "Liu et al., PFAdapter: Hierarchical LoRA Decomposition for Personalized Federated MLLMs, arXiv:2607.12111",
+        full_ft_check),
 }

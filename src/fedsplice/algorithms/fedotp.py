@@ -18,12 +18,16 @@ from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
 
-def build(p, infos, *_) -> Recipe:
-    if not any(i.kind == "prompt_ot" for i in infos.values()):
+def check_config(p, cfg) -> None:
+    if cfg.peft.type != "prompt" or not cfg.peft.ot_gamma > 0:
         raise ConfigError("algorithm 'fedotp' matches a global and a local prompt by optimal transport: set "
                           "peft.type = 'prompt' and peft.ot_gamma = γ (the official scripts' 0.8)")
+
+
+def build(p, infos, *_) -> Recipe:
     return Recipe({n: S.PRIVATE if i.kind == "prompt_ot" else S.GLOBAL for n, i in infos.items()})
 
 
 FEDOTP = Algorithm(NoParams, build, "global prompt shared, local prompt private, both matched to the input's "
-                   "tokens by partial optimal transport (FedOTP)", "https://arxiv.org/abs/2403.00041")
+                   "tokens by partial optimal transport (FedOTP)", "https://arxiv.org/abs/2403.00041",
+                   check_config)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from fedsplice.algorithms.recipe import Algorithm, Recipe
+from fedsplice.algorithms.recipe import Algorithm, Recipe, refuse_grab
 from fedsplice.core import split as S
 from fedsplice.core.losses import prompt_contrastive
 from fedsplice.errors import ConfigError
@@ -45,13 +45,17 @@ def objective(mu: float, tau: float):
     return fedpgp_objective
 
 
-def build(p: FedPGPParams, infos, *_) -> Recipe:
-    if not any(i.kind == "prompt_lowrank" for i in infos.values()):
+def check_config(p: FedPGPParams, cfg) -> None:
+    if cfg.peft.type != "prompt" or not cfg.peft.prompt_lowrank:
         raise ConfigError("algorithm 'fedpgp' adds a private low-rank correction to a prompt: set "
                           "peft.type = 'prompt' and peft.prompt_lowrank = r (e.g. 8)")
+    refuse_grab(cfg, "cross-entropy plus its prompt-wise contrastive loss")
+
+
+def build(p: FedPGPParams, infos, *_) -> Recipe:
     split = {n: S.PRIVATE if i.kind == "prompt_lowrank" else S.GLOBAL for n, i in infos.items()}
     return Recipe(split, objective=objective(p.mu, p.tau))
 
 
 FEDPGP = Algorithm(FedPGPParams, build, "global prompt shared, low-rank prompt correction U·V private, "
-                   "prompt-wise contrastive loss (FedPGP)", "https://arxiv.org/abs/2405.09771")
+                   "prompt-wise contrastive loss (FedPGP)", "https://arxiv.org/abs/2405.09771", check_config)

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fedsplice.algorithms.recipe import Algorithm, PersonalStage, Recipe
+from fedsplice.algorithms.recipe import Algorithm, PersonalStage, Recipe, refuse_grab
 from fedsplice.core import split as S
 from fedsplice.core.purify import TIE_TOL, purification
 from fedsplice.core.tkl import tkl
@@ -90,6 +90,12 @@ def residual_objective(lam: float):
     return objective
 
 
+def check_config(p: FedPuReLParams, cfg) -> None:
+    if p.purify:
+        refuse_grab(cfg, "cross-entropy purified against its alignment to zero-shot (method.purify = false "
+                         "trains plain cross-entropy)")
+
+
 def build(p: FedPuReLParams, infos, shapes, scalings) -> Recipe:
     return Recipe(S.all_global(infos),
                   objective=align_objective(p.align == "tkl") if p.purify else None,
@@ -101,4 +107,4 @@ def build(p: FedPuReLParams, infos, shapes, scalings) -> Recipe:
 FEDPUREL = Algorithm(FedPuReLParams, build,
                      "gradient purification toward zero-shot (TKL) + residual personalization (FedPuReL)",
                      "Fine-Tuning Impairs the Balancedness of Foundation Models in Long-tailed Personalized "
-                     "Federated Learning (FedPuReL; github.com/shihaohou/FedPuReL)")
+                     "Federated Learning (FedPuReL; github.com/shihaohou/FedPuReL)", check_config)

@@ -41,14 +41,18 @@ class PFedLoRAParams:
                               f"{self.private_epochs} and {self.global_epochs}")
 
 
-def build(p: PFedLoRAParams, infos, *_) -> Recipe:
-    if not any(i.kind == "lora_private" for i in infos.values()):
+def check_config(p: PFedLoRAParams, cfg) -> None:
+    if cfg.peft.type != "lora" or not cfg.peft.private_r:
         raise ConfigError("algorithm 'pfedlora' trains a shared and a private LoRA adapter: set peft.type = "
                           "'lora' and peft.private_r = r (e.g. 8, the shared adapter's peft.r)")
+
+
+def build(p: PFedLoRAParams, infos, *_) -> Recipe:
     split = {n: S.PRIVATE if i.kind == "lora_private" else S.GLOBAL for n, i in infos.items()}
     return Recipe(split, phases=((S.PRIVATE, p.private_epochs), (S.GLOBAL, p.global_epochs)),
                   phases_share_budget=p.budget == "shared")
 
 
 PFEDLORA = Algorithm(PFedLoRAParams, build, "shared LoRA adapter averaged, private LoRA adapter kept; trained "
-                     "alternately, private then shared (pFedLoRA)", "https://arxiv.org/abs/2310.13283")
+                     "alternately, private then shared (pFedLoRA)", "https://arxiv.org/abs/2310.13283",
+                     check_config)

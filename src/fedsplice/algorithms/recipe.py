@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from fedsplice.errors import ConfigError
+
 
 @dataclass
 class NoParams:
@@ -66,6 +68,18 @@ class Algorithm:
     build: Callable  # (params, infos, shapes, scalings) -> Recipe
     description: str
     paper: str = ""
+    # (params, cfg) -> None: what the method needs of, or refuses in, the rest of the config (a
+    # PEFT part it splits, a switch it cannot compose with). Run by `fedsplice validate` and
+    # before every build, so a combination error never waits for the first fit.
+    check_config: Callable | None = None
+
+
+def refuse_grab(cfg, objective: str) -> None:
+    """Fed-GraB (client.grab) re-weights the plain cross-entropy; a method that trains on an
+    `objective` of its own cannot take it. The one place this rule is worded."""
+    if cfg.client.grab:
+        raise ConfigError(f"client.grab re-weights the plain task loss, and algorithm {cfg.algorithm!r} trains "
+                          f"on {objective}; set client.grab = false")
 
 
 def clone(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -38,10 +38,12 @@ _BUILTIN = frozenset(ALGORITHMS)  # before any register_algorithm: users' own ar
 
 
 def register_algorithm(name: str, params_type: type = NoParams, build: Callable | None = None, *,
-                       description: str = "", paper: str = "", replace: bool = False) -> Algorithm:
+                       description: str = "", paper: str = "", replace: bool = False,
+                       check_config: Callable | None = None) -> Algorithm:
     """Make `algorithm = name` usable in configs. `params_type` is the dataclass of its `[method]`
     table (an optional `check()` validates it); `build(params, infos, shapes, scalings)` returns
-    the `Recipe`. Refuses to shadow an existing name unless `replace=True`."""
+    the `Recipe`; `check_config(params, cfg)` refuses the rest of a config the method cannot run
+    with (`fedsplice validate` runs it). Refuses to shadow an existing name unless `replace=True`."""
     if not name or ":" in name:
         raise ConfigError(f"register_algorithm: name {name!r} must be non-empty and contain no ':'")
     if name in ALGORITHMS and not replace:
@@ -49,7 +51,7 @@ def register_algorithm(name: str, params_type: type = NoParams, build: Callable 
     if not dataclasses.is_dataclass(params_type) or not callable(build):
         raise ConfigError(f"register_algorithm({name!r}): params_type must be a dataclass and build a function")
     ALGORITHMS[name] = Algorithm(params_type, build, description or (build.__doc__ or "").strip().split("\n")[0],
-                                 paper)
+                                 paper, check_config)
     return ALGORITHMS[name]
 
 
@@ -128,8 +130,9 @@ def get_algorithm(name: str) -> Algorithm:
 
 
 def method_params(cfg):
-    """The typed `[method]` table of cfg's algorithm (unknown keys are errors), and whether the
-    algorithm fits its PEFT parts (check_peft_fits; so `fedsplice validate` catches it)."""
+    """The typed `[method]` table of cfg's algorithm (unknown keys are errors), after checking that
+    the algorithm fits its PEFT parts (check_peft_fits) and the rest of the config (the method's
+    own `check_config`): `fedsplice validate` catches every such combination error."""
     algo = get_algorithm(cfg.algorithm)
     check_peft_fits(cfg)
     try:
@@ -141,6 +144,8 @@ def method_params(cfg):
         raise
     if hasattr(params, "check"):
         params.check()
+    if algo.check_config is not None:
+        algo.check_config(params, cfg)
     return params
 
 

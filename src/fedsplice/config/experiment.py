@@ -67,6 +67,9 @@ class ExperimentConfig:
                 f"faults.straggler = {self.faults.straggler} needs 0 < server.round_deadline_s < "
                 f"faults.straggler_delay_s ({self.faults.straggler_delay_s}); without a deadline a "
                 f"slow client is simply waited for")
+        if self.peft.ot_gamma > 0 and self.model.task != "dual_encoder":
+            raise ConfigError(f"peft.ot_gamma (FedOTP) matches an input's token features to class prompts, which "
+                              f"model.task = {self.model.task!r} has none of: set model.task = 'dual_encoder'")
         if self.client.upload != "fp32" and self.runtime.kind == "flower":
             raise ConfigError(f"client.upload = {self.client.upload!r} is implemented by the simulation "
                               f"runtime only; use client.upload = 'fp32' with runtime.kind = 'flower'")

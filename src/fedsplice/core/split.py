@@ -51,7 +51,7 @@ def by_lora_factor(infos: dict[str, ParamInfo]) -> dict[str, str]:
 def head_private(infos: dict[str, ParamInfo]) -> dict[str, str]:
     """FedPer: the classification head stays on the client; everything else is shared."""
     if not any(i.kind == "head" for i in infos.values()):
-        raise ConfigError("algorithm 'fedper' needs a trainable head: set model.task = 'encoder_head'")
+        raise ConfigError("a private classification head needs a trainable one: set model.task = 'encoder_head'")
     return {n: PRIVATE if i.kind == "head" else GLOBAL for n, i in infos.items()}
 
 

@@ -28,7 +28,7 @@ import math
 import numpy as np
 import torch
 
-from fedsplice.algorithms import clone
+from fedsplice.algorithms import clone, refuse_grab
 from fedsplice.core import grab as G
 from fedsplice.core import wire
 from fedsplice.core import streams
@@ -69,9 +69,8 @@ def grab_balancer(exp, stored: dict | None, global_params: dict):
     content-free input "", no data); the balancer's state (accumulated
     gradients, errors, PID outputs) comes from the client's store ("grab/...")."""
     cc = exp.cfg.client
-    if exp.recipe.objective is not None:
-        raise ConfigError(f"client.grab re-weights the plain task loss, and algorithm {exp.cfg.algorithm!r} "
-                          f"trains on an objective of its own; set client.grab = false")
+    if exp.recipe.objective is not None:  # a user's method without its own check_config
+        refuse_grab(exp.cfg, "an objective of its own")
     if cc.grab_prior == "all":  # the official code: every class is tail, every controller open
         mask = torch.ones(len(exp.data.class_names), dtype=torch.bool)
     else:

@@ -125,9 +125,6 @@ class TaskModel(nn.Module):
                                       self.cache_on and not trains_text, self._pixels) if self.is_clip else None)
         self._inputs = InputSide(self._text, pc.type, self.adapter, features, clip_inputs)
         if pc.ot_gamma > 0:  # FedOTP: the frozen input tower's token features, per input
-            if self.task != "dual_encoder":
-                raise ConfigError("peft.ot_gamma (FedOTP) matches an input's token features to class prompts: "
-                                  "it needs model.task = 'dual_encoder'")
             self._inputs.token_cache = FrozenCache({"kind": "tokens"}, rc.cache_budget_mb << 20, device=self.device) if rc.cache else None
         # vlm: the frozen vision tower's tokens, per image (keyed by its pixels: vision.image_key)
         self._vis = FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20, device=self.device) if rc.cache and self.task == "vlm" else None

@@ -4,6 +4,7 @@
   run-config keys.
 - `executor`: a warm ClientApp executor for SuperNodes started with `--isolation process`.
 - `transport`: `FlowerTransport`, the round loop's fit/evaluate over Flower messages.
+- `faults`: which client errors end the run (a retry repeats them) and which are dropouts.
 - `records`: torch tensors <-> ArrayRecords; the size of a serialized message.
 - `certs`: TLS certificates and SuperNode keys with `cryptography`.
 

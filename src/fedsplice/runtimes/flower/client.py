@@ -8,6 +8,8 @@ returns:
   evaluate            `evaluate`: each client's metrics on its local test set (PM)
   train.personalize   `personalize`: FedPuReL's phase 2, trained here; its metrics
   train.cold_start    `cold_start`: a held-out client's adaptation curve
+An error a retry would repeat (a config error, a bug) reaches the server as `ClientTaskError`
+and stops the run; a fault of the host (memory, network, disk) is a dropout (`faults`).
 PRIVATE tensors and their optimizer state live in a `DiskStore` in the node's own folder (node
 config `state-dir`, one subfolder `run-<run key>` per run: the key comes with every task and
 stays the same when the run is resumed), so they survive from one message (process) to the
@@ -50,7 +52,8 @@ from flwr.clientapp import ClientApp
 from fedsplice.errors import ConfigError
 from fedsplice.version import __version__
 from fedsplice.federation import SITES, DiskStore, accepts, build, client_task, config_from_text, fit_client, validate_config, wire
-from fedsplice.runtimes.flower.records import finite_json, from_record, to_record
+from fedsplice.runtimes.flower.faults import classified
+from fedsplice.runtimes.flower.records import from_record, to_record, wire_scalar
 from fedsplice.runtimes.flower.transport import (CONFIG_KEY, GLOBAL_KEY, RESULT_KEY, ROLLBACK_ERROR, ROLLBACK_FIELD,
                                                  RUN_KEY_FIELD, TASK_KEY, UP_PREFIX, client_fingerprint, owned)
 
@@ -252,11 +255,12 @@ def _task(msg: Message) -> tuple[int, list[int]]:
 
 def _result(payload: dict, arrays: dict | None = None) -> RecordDict:
     content = RecordDict(arrays or {})
-    content[RESULT_KEY] = ConfigRecord({"json": json.dumps(payload, default=finite_json)})
+    content[RESULT_KEY] = ConfigRecord({"json": json.dumps(payload, default=wire_scalar)})
     return content
 
 
 @client_app.query()
+@classified  # an error a retry repeats stops the run; a fault is a dropout
 def node_query(msg: Message, context: Context) -> Message:
     p, n = partition(context.node_config)
     rec = {"partition-id": p, "num-partitions": n, "fedsplice-version": __version__, "python": sys.version.split()[0],
@@ -272,6 +276,7 @@ def node_query(msg: Message, context: Context) -> Message:
 
 
 @client_app.train()
+@classified
 def node_train(msg: Message, context: Context) -> Message:
     node = Node.get(context)
     rnd, cids = _task(msg)
@@ -307,20 +312,24 @@ def _run(task: str, msg: Message, context: Context) -> Message:
 
 
 @client_app.evaluate()
+@classified
 def node_evaluate(msg: Message, context: Context) -> Message:
     return _run("evaluate", msg, context)
 
 
 @client_app.evaluate("global")
+@classified
 def node_evaluate_global(msg: Message, context: Context) -> Message:
     return _run("evaluate_global", msg, context)
 
 
 @client_app.train("personalize")
+@classified
 def node_personalize(msg: Message, context: Context) -> Message:
     return _run("personalize", msg, context)
 
 
 @client_app.train("cold_start")
+@classified
 def node_cold_start(msg: Message, context: Context) -> Message:
     return _run("cold_start", msg, context)

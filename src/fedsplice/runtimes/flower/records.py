@@ -121,7 +121,7 @@ def split_bytes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < total - base * parts else 0) for i in range(parts)]
 
 
-def finite_json(x):
+def wire_scalar(x):
     """json.dumps default for the wire: numpy / torch scalars as Python numbers. A NaN metric
     stays NaN there (Python's json reads it back), so the server's summaries over clients equal
     the simulation's; files go through strict_record instead."""
@@ -133,7 +133,7 @@ def finite_json(x):
 
 
 def strict_record(x):
-    """`x` as strict JSON values for a file (events.jsonl, wire.jsonl): scalars as finite_json
+    """`x` as strict JSON values for a file (events.jsonl, wire.jsonl): scalars as wire_scalar
     gives them, non-finite floats as None (null). The runtime's copy of
     fedsplice.data.assets.strict_json, which runtimes may not import."""
     if isinstance(x, dict):
@@ -141,7 +141,7 @@ def strict_record(x):
     if isinstance(x, (list, tuple)):
         return [strict_record(v) for v in x]
     if isinstance(x, np.generic) or (isinstance(x, torch.Tensor) and x.numel() == 1):
-        x = finite_json(x)
+        x = wire_scalar(x)
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x

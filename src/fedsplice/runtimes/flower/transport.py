@@ -18,15 +18,19 @@ the same when a run is resumed (Flower's run id is not), and the query of a resu
 the nodes to roll that state back to the end of the checkpoint's round (`rollback`).
 
 Faults never raise here: a node that does not answer before `server.round_deadline_s` gives
-`late` replies; a Flower error reply (ClientApp exception, node unavailable) or a node that is
-gone gives replies with `error` set; an ArrayRecord that cannot be read, or data that differs
-from the server's partition, too. The round loop then counts, retries or skips as it does for
+`late` replies; a Flower error reply for a fault (node unavailable, a crashed or out-of-memory
+ClientApp, an I/O or network error) or a node that is gone gives replies with `error` set; an
+ArrayRecord that cannot be read, or data that differs from the server's partition, too. The round loop then counts, retries or skips as it does for
 the simulation. Every such event is also logged to events.jsonl with the node id. A node that
 missed a deadline or was reported unavailable is not asked again in this run.
 
 Every message sent and received is weighed (records.weigh) and audited: wire.jsonl gets the
 names in every ArrayRecord and a byte scan of the serialized message for every PRIVATE name.
 A reply whose bytes contain a PRIVATE name is refused whole.
+
+Errors do raise: a ClientApp that raised `faults.ClientTaskError` (its wrapper for every error a
+retry would repeat: a configuration error, a node that does not serve a client, a bug) or that
+could not be loaded ends the run with `faults.ClientError`, naming the node and the error.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Callable
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedsplice.federation import SITES, Experiment, Reply, check_update, wire
+from fedsplice.runtimes.flower.faults import ClientError, fatal_reason
 from fedsplice.runtimes.flower.records import RecordError, decode, scan, split_bytes, strict_record, to_record, weigh
 
 GLOBAL_KEY, TASK_KEY, RESULT_KEY, UP_PREFIX = "global", "task", "result", "up."  # message contents
@@ -250,6 +255,12 @@ class FlowerTransport:
                     continue
                 self.totals["messages"] += 1
                 if rep.has_error():
+                    fatal = fatal_reason(rep.error.code, str(rep.error.reason))
+                    if fatal is not None:
+                        self._event("client_error", node, by_node[node], f"{kind}: {fatal}", rnd)
+                        raise ClientError(f"SuperNode {node}, clients {by_node[node]}, {kind} of round {rnd}: "
+                                          f"{fatal}. A retry would repeat it, so the run stops (rounds already "
+                                          f"checkpointed are kept); fix it and resume")
                     err = f"SuperNode {node}: Flower error {rep.error.code}: {rep.error.reason}"
                     if "unavailable" in str(rep.error.reason).lower():
                         self.gone.add(node)
