@@ -82,11 +82,11 @@ def test_prefix_cache_on_disk_is_reused_and_keyed_by_what_computed_it(tiny_cfg, 
     # other frozen weights or another placement: another namespace, never the stale entries
     m3 = TaskModel(c, CLASSES)
     with torch.no_grad():
-        m3._hf().embeddings.word_embeddings.weight.add_(0.01)
+        m3._text.hf.embeddings.word_embeddings.weight.add_(0.01)
     m3._init_prefix_cache(c, 1)
-    assert m3._prefix.key != m1._prefix.key
+    assert m3._text.prefix.cache.key != m1._text.prefix.cache.key
     c_len = tiny_cfg(peft__layers=[1], model__max_length=16, runtime__cache_dir=str(tmp_path / "pc"))
-    assert TaskModel(c_len, CLASSES)._prefix.key != m1._prefix.key
+    assert TaskModel(c_len, CLASSES)._text.prefix.cache.key != m1._text.prefix.cache.key
 
 
 def test_prefix_cache_budget_bounds_its_bytes_and_changes_nothing(tiny_cfg):

@@ -132,7 +132,7 @@ def test_clip_matches_image_patches(tmp_path):
     g = np.random.default_rng(0)
     items = [Sample(f"toy/{i}", g.integers(0, 256, (20, 24, 3), dtype=np.uint8), None) for i in range(3)]
     with torch.no_grad():
-        vm, clip = m._hf().vision_model, m._hf()
+        vm, clip = m._text.hf.vision_model, m._text.hf
         from fedsplice.model.vision import pixel_values
         h = vm(pixel_values=pixel_values(m.image_processor, items, vm)).last_hidden_state
         tok = torch.nn.functional.normalize(clip.visual_projection(vm.post_layernorm(h[:, 1:])), dim=-1)

@@ -46,7 +46,7 @@ def test_no_frozen_work_is_cached(full_cfg):
     # nothing is frozen: no prefix or feature cache, and the class side runs the trained encoder
     exp = build(full_cfg(runtime__cache=True))
     assert exp.model.cache_stats() == {}
-    assert exp.model._class_side and exp.model._text.prefix is None
+    assert exp.model._classes.trains_text and exp.model._text.prefix is None
 
 
 def test_the_input_side_gets_gradients(full_cfg):

@@ -82,7 +82,7 @@ def test_init_equals_zero_shot_and_zero_shot_ignores_peft(kind, cfg, texts):
     with torch.no_grad():
         for p in model.trainable().values():
             p.add_(torch.randn(p.shape, generator=g) * 0.5)
-    model._frozen_class_emb = None  # recompute the frozen class side too: it must not see the PEFT
+    model._classes.frozen_emb = None  # recompute the frozen class side too: it must not see the PEFT
     moved = model.predict(x, 64)
     assert (moved - zs).abs().max() > 1e-2
     assert torch.allclose(_zero_shot(model, x), zs, atol=1e-5)

@@ -6,7 +6,7 @@ GLOBAL tensors, server state, every client's PRIVATE state and torch's RNG byte-
 
 The SIGKILL tests run a real `fedsplice run` subprocess on the tiny BERT and the toy data set,
 kill it at a randomly chosen round (set FEDSPLICE_KILL_SEED to replay a choice) or inside a
-checkpoint write (the FEDSPLICE_TEST_CHECKPOINT_PAUSE hook), and resume it.
+checkpoint write (held open by an audit hook in the child process, PAUSE_AT_STATE), and resume it.
 """
 
 import json
@@ -81,10 +81,25 @@ def assert_same_outputs(run: Path, ref: Path, why: str = "") -> None:
 # ----------------------------------------------------------------------------- subprocess helpers
 
 
-def _spawn(args: list[str], log: Path, **env) -> subprocess.Popen:
+# The child's CLI, with an audit hook that sleeps when round K's checkpoint opens its state.json
+# for writing: the client files are written by then, state.json (which marks it whole) is not.
+PAUSE_AT_STATE = '''import sys, time
+K = sys.argv.pop(1)
+def hook(event, args):
+    if event == "open" and str(args[0]).endswith("/state.json") and f"/.round-{int(K):06d}.tmp" in str(args[0]) \\
+            and "w" in str(args[1]):
+        time.sleep(120)
+sys.addaudithook(hook)
+from fedsplice.app.cli import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def _spawn(args: list[str], log: Path, pause_round: int | None = None) -> subprocess.Popen:
     full = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "fedsplice.app.cli", *args], env=full,
+            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    cmd = ["-m", "fedsplice.app.cli"] if pause_round is None else ["-c", PAUSE_AT_STATE, str(pause_round)]
+    return subprocess.Popen([sys.executable, *cmd, *args], env=full,
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 
 
@@ -141,7 +156,7 @@ def test_sigkill_inside_a_checkpoint_write(setups, tmp_path):
     k = random.Random(SEED + 1).randrange(2, ROUNDS)
     why = f"kill inside the write of checkpoint {k} (FEDSPLICE_KILL_SEED={SEED})"
     run, log = tmp_path / "run", tmp_path / "log"
-    proc = _spawn(["run", str(toml), "--out", str(run), "--quiet"], log, **{ckpt.PAUSE_ENV: f"{k}:120"})
+    proc = _spawn(["run", str(toml), "--out", str(run), "--quiet"], log, pause_round=k)
     root = run / ckpt.DIRNAME
 
     def writing() -> bool:

@@ -59,11 +59,11 @@ def test_clip_lora_by_tower_layer_and_role_split(clip_dir):
     priv = sorted(n for n, g in split.items() if g == PRIVATE)
     assert [n.split("self_attn.")[1].split(".")[0] for n in glob] == ["k_proj"] * 2 + ["q_proj"] * 2
     assert [n.split("self_attn.")[1].split(".")[0] for n in priv] == ["out_proj"] * 2 + ["v_proj"] * 2
-    assert not m._class_side  # LoRA only in the image tower: class embeddings stay frozen
+    assert not m._classes.trains_text  # LoRA only in the image tower: class embeddings stay frozen
 
     t = clip_model(clip_dir, tower="text_model", roles=["v"])
     assert all(".text_model.encoder.layers." in n and ".v_proj." in n for n in t.param_infos())
-    assert t._class_side  # text-tower LoRA changes the class side: recomputed every step
+    assert t._classes.trains_text  # text-tower LoRA changes the class side: recomputed every step
     before = t.class_embeddings().detach().clone()
     with torch.no_grad():
         for n, p in t.trainable().items():
@@ -154,16 +154,17 @@ def test_vlm_roles_are_the_lm_attention_and_projector_is_global(llama_dir, vit_d
 
 
 def test_vlm_scores_image_tokens_and_text_only_samples(llama_dir, vit_dir):
+    from fedsplice.model.scorers import lm_prompts
     from fedsplice.model.verbalizer import verbalizer_logits
 
     m = vlm(llama_dir, vit_dir, roles=["q", "v"])
     items = samples(4)
     got = m.predict(items, 4)
-    pre = m._image_tokens(items)
+    pre = m._scorer.image_tokens(items)
     assert [p.shape for p in pre] == [(17, 32)] * 4  # CLS + 16 patches of 8x8 in a 32x32 image
     with torch.no_grad():
-        full = verbalizer_logits(m.backbone, m.tokenizer, m._lm_prompts(items), [" yes", " no", " circle"],
-                                 prefix=pre, method="full")
+        full = verbalizer_logits(m.backbone, m.tokenizer, lm_prompts(m.mcfg.input_template, items),
+                                 [" yes", " no", " circle"], prefix=pre, method="full")
     assert torch.allclose(got, full, atol=1e-4)  # KV-cache path == one full forward per pair
     other = m.predict([s.derive("white", image=np.full((28, 28), 255, np.uint8)) for s in items], 4)
     assert not torch.allclose(got, other, atol=1e-3)  # the image matters

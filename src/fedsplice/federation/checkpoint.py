@@ -36,7 +36,6 @@ import random
 import re
 import shutil
 import tempfile
-import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +52,6 @@ from fedsplice.errors import ConfigError, FedspliceError
 FORMAT = 1
 DIRNAME = "checkpoints"
 _NAME = re.compile(r"^round-(\d{6})$")
-# Test-only hook: "<round>:<seconds>" (or "<seconds>" for every round) sleeps inside the write of
-# that checkpoint, after the client files and before the rename, so a test can kill it there.
-PAUSE_ENV = "FEDSPLICE_TEST_CHECKPOINT_PAUSE"
 
 
 class CheckpointError(FedspliceError):
@@ -115,15 +111,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def _client_file(cid: int) -> str:
     return f"client-{cid:05d}.safetensors"
-
-
-def _pause(rnd: int) -> None:
-    spec = os.environ.get(PAUSE_ENV, "")
-    if not spec:
-        return
-    when, _, secs = spec.rpartition(":")
-    if not when or int(when) == rnd:
-        time.sleep(float(secs))
 
 
 def checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -196,7 +183,6 @@ class Checkpointer:
             put("rng.safetensors", st_save({"torch": torch.get_rng_state()}))
             put("metrics.jsonl", ("\n".join(metrics_lines) + "\n").encode())
             cids = self._save_clients(tmp / "clients", state.round, store, files)
-            _pause(state.round)
             np_state = np.random.get_state()
             meta = {
                 "format": FORMAT,

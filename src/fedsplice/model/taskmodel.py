@@ -32,7 +32,7 @@ from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
 from fedsplice.model.loading import Backbone, load_backbone, run_precision
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
 from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, OTScorer,
-                                     VLMScorer, lm_prompts)
+                                     VLMScorer)
 from fedsplice.model.unpad import CPU_OVERHEAD
 from fedsplice.model.vision import Projector, load_vision_tower
 
@@ -257,32 +257,7 @@ class TaskModel(nn.Module):
 
     def cache_stats(self) -> dict:
         img = self._img_prefix.cache if self._img_prefix is not None else None
-        caches = (("prefix", self._prefix), ("features", self._inputs.features), ("vision", self._vis),
+        prefix = self._text.prefix.cache if self._text.prefix is not None else None
+        caches = (("prefix", prefix), ("features", self._inputs.features), ("vision", self._vis),
                   ("image_prefix", img), ("pixels", self._pixels))
         return {k: c.stats() for k, c in caches if c is not None}
-
-    # ----------------------------------------------------------------- internals tests look at
-    def _hf(self) -> nn.Module:
-        return self._text.hf
-
-    @property
-    def _prefix(self) -> FrozenCache | None:
-        return self._text.prefix.cache if self._text.prefix is not None else None
-
-    @property
-    def _class_side(self) -> bool:
-        return self._classes.trains_text
-
-    @property
-    def _frozen_class_emb(self) -> torch.Tensor | None:
-        return self._classes.frozen_emb
-
-    @_frozen_class_emb.setter
-    def _frozen_class_emb(self, value: torch.Tensor | None) -> None:
-        self._classes.frozen_emb = value
-
-    def _lm_prompts(self, items: list) -> list[str]:
-        return lm_prompts(self.mcfg.input_template, items)
-
-    def _image_tokens(self, items: list) -> list[torch.Tensor | None]:
-        return self._scorer.image_tokens(items)
