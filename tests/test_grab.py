@@ -2,7 +2,6 @@
 against hand-computed values; the switch end to end on fedavg-lora and promptfolio; bad
 hyperparameters as one-line errors."""
 
-import json
 import math
 
 import pytest
@@ -176,14 +175,23 @@ def test_the_state_is_private_and_persists_across_rounds(cfg):
     dict(algorithm='"lora"'),
     dict(algorithm='"promptfolio"', peft__type='"prompt"', peft__n_ctx=0, peft__portfolio=0.2),
 ])
-def test_grab_runs_end_to_end(over, cfg, tmp_path):
-    from fedsplice.app.runner import run_experiment
+def test_grab_runs_end_to_end(over, cfg):
+    from fedsplice.runtimes.inprocess import run_rounds
 
-    out = tmp_path / "run"
-    run_experiment(cfg(**over, client__grab=True), out, quiet=True)
-    saved = json.loads((out / "results.json").read_text())
-    assert saved["rounds"] == 2
-    assert 0.0 <= saved["gm"]["accuracy"] <= 1.0 and 0.0 <= saved["pm"]["accuracy"] <= 1.0
+    exp, store, recs = build(cfg(**over, client__grab=True)), MemoryStore(), []
+    final = run_rounds(exp, store, recs.append)
+    assert [r["round"] for r in recs] == [0, 1, 2]
+    # every client that trained keeps its balancer state (PRIVATE, in its store)
+    for c in {c for r in exp.sampling[:2] for c in r}:
+        assert {f"grab/{k}" for k in G.STATE_KEYS} <= set(store.get(c)), c
+    # GM, recomputed by hand: the final GLOBAL tensors with fresh PRIVATE ones on the global test set
+    d = exp.data
+    exp.model.load_params({**final["global_params"], **{n: exp.init_params[n] for n in exp.private_names}})
+    pred = exp.model.predict(d.test_texts[:d.global_test_size], 8).argmax(1).numpy()
+    assert recs[-1]["gm"]["accuracy"] == pytest.approx(float((pred == d.test_labels[:d.global_test_size]).mean()))
+    # the switch changed the training: the same run without it ends on other GLOBAL tensors
+    off = run_rounds(build(cfg(**over)), MemoryStore(), lambda r: None)["global_params"]
+    assert any(not torch.equal(final["global_params"][n], off[n]) for n in exp.global_names)
 
 
 @pytest.mark.parametrize("field, value", [

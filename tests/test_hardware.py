@@ -157,17 +157,24 @@ def test_bf16_autocast_runs_the_matmuls_in_bf16_with_fp32_masters(tiny_cfg):
     assert exp.model.predict(["play the ball"], 4).dtype == torch.float32
 
 
-@pytest.mark.parametrize("precision, tol", [("bf16", 0.05), ("fp16", 0.01)])
-def test_mixed_precision_run_lands_near_fp32(tiny_cfg, precision, tol):
+@pytest.mark.parametrize("precision, tol, ptol", [("bf16", 0.05, 0.1), ("fp16", 0.01, 0.03)])
+def test_mixed_precision_run_lands_near_fp32(tiny_cfg, precision, tol, ptol):
     """The same tiny run in fp32 and under autocast: the training losses agree to `tol`
-    (bf16 keeps 8 bits of mantissa, fp16 11), and the uploads stay fp32 on the CPU."""
-    _, ref = _run(tiny_cfg(algorithm='"lora"', method="{}"))
-    exp, got = _run(tiny_cfg(algorithm='"lora"', method="{}", runtime__precision=f'"{precision}"'))
+    (bf16 keeps 8 bits of mantissa, fp16 11), and the uploads stay fp32 on the CPU. The final
+    GLOBAL tensors' update is the fp32 run's to `ptol` (relative distance; measured on this CPU:
+    0.024 under bf16, 0.0062 under fp16)."""
+    exp0, ref = build(tiny_cfg(algorithm='"lora"', method="{}")), []
+    theta_ref = run_rounds(exp0, MemoryStore(), ref.append)["global_params"]
+    exp, got = build(tiny_cfg(algorithm='"lora"', method="{}", runtime__precision=f'"{precision}"')), []
+    theta = run_rounds(exp, MemoryStore(), got.append)["global_params"]
     assert exp.model.amp_dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     for a, b in zip(ref[1:], got[1:]):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=tol)
         assert b["train_loss"] != a["train_loss"]  # autocast really ran in lower precision
-    assert got[-1]["gm"]["accuracy"] == pytest.approx(ref[-1]["gm"]["accuracy"], abs=0.2)
+    # the model it lands on: the update (final - initial GLOBAL tensors) is the fp32 run's, to `ptol`
+    flat = lambda d: torch.cat([d[n].flatten() for n in exp.global_names])  # noqa: E731
+    moved = flat(theta_ref) - flat(exp0.init_params)
+    assert float(moved.norm()) > 0 and float((flat(theta) - flat(theta_ref)).norm()) <= ptol * float(moved.norm())
 
 
 def test_fp16_scaler_with_a_grad_transform(tiny_cfg):
