@@ -19,11 +19,12 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/fedsplice run --out runs/demo --overwrite
 
+# every tier but gpu (tests/conftest.py), with the 25 slowest tests listed
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 unit: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m unit --durations=15
 
 # CUDA parity tests (tests/test_gpu.py) on a machine with a CUDA GPU and a CUDA build of torch
 test-gpu: $(VENV)/.installed

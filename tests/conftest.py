@@ -1,8 +1,15 @@
 """Shared fixtures: tiny seeded models and a toy data set, built once per session, offline.
 
 At import (before any test module imports transformers) the hub is switched off and the asset
-cache points at a session temp folder, so fast tests never touch the network or the user cache.
-`slow` tests load the real packaged weights and data, so they get the user's cache back.
+cache points at a session temp folder, so unit tests never touch the network or the user cache.
+`real_weights` tests load the real packaged weights and data, so they get the user's cache back.
+
+Tiers (pyproject markers; `make unit` runs `-m unit`, `make test` everything but `gpu`):
+- `integration`: starts processes (subprocesses, Flower deployments, worker pools), uses the
+  network, or loads real weights (`real_weights` implies it). Marked by hand, per test or module.
+- `gpu`: CUDA only (`make test-gpu`).
+- `unit`: every other test, marked here. A unit test that starts a process or opens a network
+  connection fails, naming the tier rule (`_install_unit_guards`), and each has a 120 s timeout.
 """
 
 from __future__ import annotations
@@ -44,9 +51,21 @@ _DEFAULT_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)  # tiny models on a shared 2-core box: threads only add contention
 
 
+UNIT_TIMEOUT_S = 120
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers added here
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests run only under FEDSPLICE_TEST_GPU=1 (`make test-gpu`), where CUDA is visible;
-    elsewhere they are deselected (not skipped: they are not this run's work)."""
+    """The tiers (module docstring); then `gpu` tests run only under FEDSPLICE_TEST_GPU=1 (`make
+    test-gpu`), where CUDA is visible; elsewhere they are deselected (not skipped: they are not
+    this run's work)."""
+    for it in items:
+        if it.get_closest_marker("real_weights") is not None:
+            it.add_marker(pytest.mark.integration)
+        if it.get_closest_marker("integration") is None and it.get_closest_marker("gpu") is None:
+            it.add_marker(pytest.mark.unit)
+            if it.get_closest_marker("timeout") is None:
+                it.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
     if os.environ.get("FEDSPLICE_TEST_GPU") == "1":
         return
     keep = [it for it in items if it.get_closest_marker("gpu") is None]
@@ -62,11 +81,52 @@ def _cuda_for_gpu_tests(request):
                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): run `make test-gpu` on a CUDA machine")
 
 
+# The unit tier's rule, installed once: while a `unit` test runs (its fixtures too, module-scoped
+# ones included), starting a process or connecting to a network address fails the test.
+_IN_UNIT = [False]
+
+
+def _refuse(what: str) -> None:
+    raise AssertionError(f"a unit test {what}: mark it `integration` (tests/conftest.py, the tiers)")
+
+
+def _guard(cls, name: str, what, when=lambda *a: True) -> None:
+    real = getattr(cls, name)
+
+    def guarded(self, *a, **k):
+        if _IN_UNIT[0] and when(self, *a):
+            _refuse(what(self, *a) if callable(what) else what)
+        return real(self, *a, **k)
+    setattr(cls, name, guarded)
+
+
+def _install_unit_guards() -> None:
+    import multiprocessing.process
+    import socket
+    import subprocess
+
+    _guard(subprocess.Popen, "__init__", "started a process")
+    _guard(multiprocessing.process.BaseProcess, "start", "started a process")
+    _guard(socket.socket, "connect", lambda self, addr: f"opened a network connection to {addr}",
+           when=lambda self, addr: self.family in (socket.AF_INET, socket.AF_INET6))
+
+
+_install_unit_guards()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _IN_UNIT[0] = item.get_closest_marker("unit") is not None
+    try:
+        yield
+    finally:
+        _IN_UNIT[0] = False
+
+
 @pytest.fixture(autouse=True)
-def _user_cache_for_slow_tests(request, monkeypatch):
-    """Slow tests use the real (fetched-once) assets in the user's cache, and torch's threads."""
-    slow = request.node.get_closest_marker("slow") is not None
-    if slow:
+def _user_cache_for_real_weights(request, monkeypatch):
+    """Real-weight tests use the real (fetched-once) assets in the user's cache, and torch's threads."""
+    if request.node.get_closest_marker("real_weights") is not None:
         if _USER_CACHE is None:
             monkeypatch.delenv("FEDSPLICE_CACHE", raising=False)
         else:
@@ -194,7 +254,7 @@ MICRO_BUDGET = {
     "runtime.threads": "1",
 }
 
-# Shipped configs on the real offline zoo (slow tests): a budget that checks plumbing, not accuracy.
+# Shipped configs on the real offline zoo (real_weights tests): a budget that checks plumbing, not accuracy.
 ZOO_SMALL = {
     "server.rounds": "1",
     "client.max_steps": "2",

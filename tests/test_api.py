@@ -240,6 +240,7 @@ def test_register_and_list_algorithms(example, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- the package
 
 
+@pytest.mark.integration
 def test_import_is_lazy_and_cheap():
     code = ("import sys, fedsplice; assert fedsplice.__version__; "
             "heavy = [m for m in ('torch', 'transformers', 'fedsplice.app.api', 'fedsplice.app') if m in sys.modules]; "

@@ -79,6 +79,7 @@ def test_missing_dataset_file(capsys, tmp_path, tiny_bert_dir):
     assert "data.dataset" in line and "none.jsonl" in line
 
 
+@pytest.mark.integration
 def test_validate_ok(capsys, tmp_path):
     assert main(["validate"]) == 0
     out, err = capsys.readouterr()
@@ -114,6 +115,7 @@ def test_run_tiny_end_to_end(capsys, tmp_path, tiny_bert_dir, toy_jsonl):
     assert json.loads((out / "results.json").read_text())["algorithm"] == "fedavg-lora"
 
 
+@pytest.mark.integration
 def test_console_script_exits_2_without_traceback(tmp_path):
     env = {**os.environ, "FEDSPLICE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-m", "fedsplice.app.cli", "validate", "--set", "server.roundz=1"],

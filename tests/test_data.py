@@ -1,5 +1,5 @@
 """Data sets: parsers on tiny synthetic files (fast, no network), the split, users' files,
-checksums and the parsed cache; `slow` tests load the real packages (fetched once)."""
+checksums and the parsed cache; `real_weights` tests load the real packages (fetched once)."""
 
 import json
 from pathlib import Path
@@ -315,7 +315,7 @@ def _check_real(name, totals, seed=0):
     return ds
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 def test_real_fortunes():
     # Measured (fortunes 1:1.99.1-7.3): 6,237 distinct entries ≤ 600 chars (13 entries found
     # in two topic files are dropped); train 5,857 / test 380 (20 per class).
@@ -327,7 +327,7 @@ def test_real_fortunes():
     assert DATASETS["fortunes"].is_fetched()
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 def test_real_brown():
     # Measured: 14,531 paragraphs with ≥ 10 words; train 14,231 / test 300.
     ds = _check_real("brown", [2162, 966, 606, 353, 1078, 1178, 1387, 793, 1369, 862, 990, 266,
@@ -337,7 +337,7 @@ def test_real_brown():
     assert not any("``" in t or "/nn" in t for t in ds.train_texts)
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 def test_real_spamassassin():
     # Measured: 4,150 ham + 1,896 spam messages; after dropping exact duplicates 4,108 / 1,776.
     ds = _check_real("spamassassin", [4108, 1776])

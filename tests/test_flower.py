@@ -76,6 +76,7 @@ def runs(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path_factory):
 
 
 @pytest.mark.parametrize("algo", ["pfadapter", "lora"])
+@pytest.mark.integration
 def test_flower_metrics_equal_the_simulation(runs, algo):
     r = runs[algo]
     sim, fl = _records(r["sim"]), _records(r["flower"])
@@ -94,6 +95,7 @@ def test_flower_metrics_equal_the_simulation(runs, algo):
     assert "kind = \"flower\"" in (r["flower"] / "config.toml").read_text()
 
 
+@pytest.mark.integration
 def test_pfadapter_uploads_half_of_fedavg_lora(runs):
     payload = {}
     for algo, r in runs.items():
@@ -107,6 +109,7 @@ def test_pfadapter_uploads_half_of_fedavg_lora(runs):
 
 
 @pytest.mark.parametrize("algo", ["pfadapter", "lora"])
+@pytest.mark.integration
 def test_flower_bytes_are_the_payload_plus_a_stated_envelope(runs, algo):
     """Per client upload: Flower bytes = the simulation's safetensors payload + envelope. The
     envelope per tensor (npy header, Array + ArrayChunk objects and their 64-hex ids) replaces
@@ -127,6 +130,7 @@ def test_flower_bytes_are_the_payload_plus_a_stated_envelope(runs, algo):
 
 
 @pytest.mark.parametrize("algo", ["pfadapter", "lora"])
+@pytest.mark.integration
 def test_wire_audit_of_the_real_messages(runs, algo):
     r = runs[algo]
     exp = build(r["cfg"])
@@ -161,6 +165,7 @@ def test_wire_audit_of_the_real_messages(runs, algo):
     assert not (r["flower"] / "client_state").exists() or not any((r["flower"] / "client_state").iterdir())
 
 
+@pytest.mark.integration
 def test_no_process_outlives_the_runs(runs):
     for r in runs.values():
         assert _ours_alive(r["flower"] / "flower") == []
@@ -196,6 +201,7 @@ def faulty_run(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path_factory):
     return cfg, out, res, facts
 
 
+@pytest.mark.integration
 def test_an_unregistered_supernode_is_refused(faulty_run):
     cfg, out, res, facts = faulty_run
     rc, log = facts["intruders"]["intruder"]
@@ -206,6 +212,7 @@ def test_an_unregistered_supernode_is_refused(faulty_run):
     assert res["flower"]["supernodes"] == SUPERNODES
 
 
+@pytest.mark.integration
 def test_a_killed_supernode_does_not_stop_the_run(faulty_run, runs):
     cfg, out, res, facts = faulty_run
     recs = _records(out)
@@ -444,6 +451,7 @@ def _write_cfg(cfg, path: Path) -> Path:
     return path
 
 
+@pytest.mark.integration
 def test_ctrl_c_tears_everything_down(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
     import subprocess
     import sys
@@ -466,6 +474,7 @@ def test_ctrl_c_tears_everything_down(cfg_factory, tiny_bert_dir, toy_jsonl, tmp
     assert _ours_alive(out / "flower") == []
 
 
+@pytest.mark.integration
 def test_a_failed_run_tears_everything_down(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl)
 

@@ -188,6 +188,7 @@ def _snapshots(out: Path, rnd: int) -> list[Path]:
     return list((out / "flower" / "nodes").glob(f"node-*/state/run-*/rounds/round-{rnd:06d}"))
 
 
+@pytest.mark.integration
 def test_flower_up_stopped_then_fedsplice_resume_equals_an_uninterrupted_run(cfg_factory, tiny_bert_dir, toy_jsonl,
                                                                              tmp_path):
     """`fedsplice flower up`, Ctrl-C once the nodes trained round 3 (checkpoint: round 2), then

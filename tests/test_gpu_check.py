@@ -52,6 +52,7 @@ STAGE_ROWS = {"preflight": 2, "parity": 3, "precision": 3, "quant": 2, "checkpoi
               "memory": 1, "workers": 1}
 
 
+@pytest.mark.integration
 def test_small_cpu_mode_runs_every_stage_and_writes_the_tables(tmp_path):
     """All eight stages on this CPU with tiny shapes: every row PASSes (bitsandbytes runs on a CPU
     at the pinned version, so quant and memory run too); the markdown is printed and written, and
@@ -85,6 +86,7 @@ def test_small_cpu_mode_runs_every_stage_and_writes_the_tables(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+@pytest.mark.integration
 def test_missing_cuda_exits_2_with_one_line(tmp_path, device):
     p = _run(["--device", device], tmp_path)
     assert p.returncode == 2
@@ -92,11 +94,13 @@ def test_missing_cuda_exits_2_with_one_line(tmp_path, device):
     assert p.stdout == ""
 
 
+@pytest.mark.integration
 def test_unknown_device_exits_2(tmp_path):
     p = _run(["--device", "tpu"], tmp_path)
     assert p.returncode == 2 and p.stderr.strip() == "gpu_check: --device 'tpu': use cuda, cuda:N or cpu"
 
 
+@pytest.mark.integration
 def test_unknown_stage_exits_2_naming_the_stages(tmp_path):
     p = _run(["--device", "cpu", "--only", "parity,speed"], tmp_path)
     assert p.returncode == 2 and "unknown stage(s) ['speed']; use some of preflight, parity" in p.stderr

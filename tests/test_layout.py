@@ -16,6 +16,7 @@ MAX_FILE, MAX_FUNC = 400, 60
 WHY = "Longer than"
 
 
+@pytest.mark.integration
 def test_import_contracts_hold():
     """.importlinter: layers, config a leaf, core pure, runtimes on federation's public API, no cycles."""
     lint = Path(sys.executable).parent / "lint-imports"
@@ -23,6 +24,15 @@ def test_import_contracts_hold():
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "BROKEN" not in r.stdout and r.stdout.count("KEPT") >= 7
+
+
+@pytest.mark.integration
+def test_ruff_is_clean_on_src():
+    """ruff (pyproject's [tool.ruff]: pycodestyle, pyflakes, bugbear; 120 columns) finds nothing in src/."""
+    ruff = Path(sys.executable).parent / "ruff"
+    r = subprocess.run([str(ruff), "check", "--no-cache", "src"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def _sizes():
@@ -53,6 +63,7 @@ def test_functions_are_short_or_say_why():
     ("from fedsplice.federation import build\n", "config is a leaf"),
     ("import transformers\n", "core imports only torch and numpy"),
 ])
+@pytest.mark.integration
 def test_the_contracts_can_fail(tmp_path, bad, rule):
     """The linter really reads our tree: an upward import in a copy of it breaks a contract."""
     import shutil

@@ -110,7 +110,7 @@ def test_clip_fedpurel_on_user_images_with_a_missing_modality_scenario(tmp_path,
     assert sc["totals"]["missing_clients"] == 2  # round(0.5 x 4)
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 @pytest.mark.parametrize("config", ["pfadapter-easyvqa.toml", "fedavg-lora-easyvqa.toml"])
 def test_easyvqa_configs_run_on_smollm2_and_are_labelled_random(tmp_path, config, capsys):
     small = set_args(ZOO_SMALL, data__test_per_class=3, data__local_test_size=6, client__batch_size=8)
@@ -126,7 +126,7 @@ def test_easyvqa_configs_run_on_smollm2_and_are_labelled_random(tmp_path, config
     assert r["cold_start"]["epochs"] == [0, 1]
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 def test_fedpurel_clip_config_on_fashion_mnist(tmp_path):
     small = set_args(ZOO_SMALL, method__personal_rounds=1, data__n_max=40)
     assert main(["run", str(ROOT / "configs" / "fedpurel-lora-fmnist.toml"), "--out", str(tmp_path / "r"),

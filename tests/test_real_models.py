@@ -29,7 +29,7 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 def test_minilm_pfadapter_halves_upload_and_keeps_zero_shot(tmp_path):
     pf = _run("pfadapter-minilm.toml", tmp_path / "pf")
     fa = _run("fedavg-lora-minilm.toml", tmp_path / "fa")
@@ -61,7 +61,7 @@ def test_minilm_pfadapter_halves_upload_and_keeps_zero_shot(tmp_path):
     assert len(lines) == 2  # round 0 (before training) and round 1
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 def test_smollm2_pfadapter_runs_with_grouped_query_attention(tmp_path):
     r = _run("pfadapter-smollm2.toml", tmp_path / "lm", client__max_steps=1, client__batch_size=4,
              data__test_per_class=2, data__local_test_size=4, data__holdout_clients=0,
@@ -84,7 +84,7 @@ LT_KEYS = {"accuracy", "many", "medium", "few", "balancedness", "balancedness_0.
            "tkl", "head_bias"}
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 @pytest.mark.parametrize("config", ["fedpurel-lora-fortunes.toml", "fedpurel-prompt-fortunes.toml",
                                     "promptfl-fortunes.toml", "cliplora-fortunes.toml",
                                     "fedsa-lora-fortunes.toml", "zeroshot-fortunes.toml"])

@@ -35,7 +35,7 @@ regression = _load_script()
 STEMS = sorted(set(regression.stems()) | {p.name for p in GOLDEN.iterdir() if p.is_dir()})
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 @pytest.mark.parametrize("stem", STEMS)
 def test_config_matches_golden(stem):
     if stem not in regression.stems():
@@ -109,6 +109,7 @@ def test_tolerance_per_config():
     assert regression.tolerance("pfadapter-smollm2")[0] == regression.FLOAT_TOL  # text: as tight as MiniLM
 
 
+@pytest.mark.integration
 def test_the_avx2_kernels_are_really_used():
     # the check under "avx2" means something only if torch's dispatch follows the variable
     code = "import torch; print(torch.backends.cpu.get_cpu_capability())"

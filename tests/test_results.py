@@ -83,6 +83,7 @@ def suite(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
     return path
 
 
+@pytest.mark.integration
 def test_suite_page_claims_and_resume(suite, tmp_path, monkeypatch):
     doc = tmp_path / "docs" / "results.md"
     R.run_suite(suite, tmp_path / "out", doc, quiet=True, command="make results")
@@ -249,6 +250,7 @@ def test_suite_bad_input(suite, tmp_path, edit, field, capsys):
     assert not (tmp_path / "o").exists() and not (tmp_path / "d.md").exists()
 
 
+@pytest.mark.integration
 def test_compare_jobs_matches_serial(suite, tmp_path):
     runs = R.plan_suite(R.load_suite(suite), tmp_path / "serial", seeds=1)
     serial = C.run_all(runs, quiet=True)
@@ -259,6 +261,7 @@ def test_compare_jobs_matches_serial(suite, tmp_path):
         C.run_all(runs, jobs=0)
 
 
+@pytest.mark.integration
 def test_suite_tunes_on_a_validation_split(suite, tmp_path):
     """`tune`: each value runs on the validation split; the best validation GM is used in the
     measured runs and shown with every score."""
@@ -350,6 +353,7 @@ def test_setting_text_is_read_from_the_configs():
     assert f"budget: {a.server.rounds} rounds × {a.client.local_epochs} local epoch(s), batch {a.client.batch_size}" in text
 
 
+@pytest.mark.integration
 def test_records_restore_a_suite_and_stale_runs_run_again(suite, tmp_path, monkeypatch):
     """--records: a fresh OUT is rebuilt from the records without running anything; a run whose
     config or goldens hash differs is stale, moved aside (not deleted) to run again."""

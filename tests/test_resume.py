@@ -138,6 +138,7 @@ def _kill_after_round(args, run: Path, k: int, log: Path) -> None:
 # ----------------------------------------------------------------------------- SIGKILL tests
 
 
+@pytest.mark.integration
 def test_sigkill_at_a_random_round_then_resume(setups, tmp_path):
     toml, ref = setups["memory"]
     rnd = random.Random(SEED)
@@ -151,6 +152,7 @@ def test_sigkill_at_a_random_round_then_resume(setups, tmp_path):
         assert_same_outputs(run, ref, why)
 
 
+@pytest.mark.integration
 def test_sigkill_inside_a_checkpoint_write(setups, tmp_path):
     toml, ref = setups["memory"]
     k = random.Random(SEED + 1).randrange(2, ROUNDS)
@@ -177,6 +179,7 @@ def test_sigkill_inside_a_checkpoint_write(setups, tmp_path):
     assert_same_outputs(run, ref, why)
 
 
+@pytest.mark.integration
 def test_sigkill_twice_with_a_disk_store(setups, tmp_path):
     """Kill the run, resume it in a new process, kill that one too, resume again."""
     toml, ref = setups["disk"]

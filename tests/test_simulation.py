@@ -373,3 +373,23 @@ def test_overwrite_with_disk_store_is_a_fresh_run(cfg, tmp_path):
     second = run_experiment(c, out, overwrite=True, quiet=True)
     first.pop("time_s"), second.pop("time_s")
     assert first == second
+
+
+def test_every_runtime_and_store_implements_the_spine_protocols(tmp_path):
+    """The round loop's `Transport` and the clients' `Store` (fedsplice.federation): each runtime,
+    the progress wrapper and both stores have the methods, and a store round-trips a state."""
+    from fedsplice.app.progress import RunProgress
+    from fedsplice.federation import DiskStore, Store, Transport
+    from fedsplice.federation.store import MemoryStore
+    from fedsplice.runtimes.flower.transport import FlowerTransport
+    from fedsplice.runtimes.workers import Workers
+
+    for cls in (simulation.InProcess, Workers, FlowerTransport, RunProgress):
+        assert issubclass(cls, Transport), cls
+    assert not issubclass(MemoryStore, Transport) and not issubclass(simulation.InProcess, Store)
+    state = {"param/x": torch.arange(3.0)}
+    for store in (MemoryStore(), DiskStore(tmp_path / "s")):
+        assert isinstance(store, Store)
+        assert store.get(7) is None
+        store.put(7, state)
+        assert store.clients() == [7] and torch.equal(store.get(7)["param/x"], state["param/x"])

@@ -22,6 +22,8 @@ from fedsplice.federation import build, make_store, wire
 from fedsplice.federation import checkpoint as ckpt
 from fedsplice.runtimes.workers import WorkerError, Workers
 
+pytestmark = pytest.mark.integration  # worker processes
+
 # clients drop out and straggle past the deadline; a round needs 2 replies, so some are retried
 FAULTS = dict(server__rounds=3, server__clients_per_round=3, server__min_replies=2, server__round_deadline_s=1.0,
               faults__dropout=0.3, faults__straggler=0.3, faults__straggler_delay_s=60.0,

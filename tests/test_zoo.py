@@ -134,7 +134,7 @@ def test_describe_models_offline(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- real weights
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 def test_minilm_loads_and_embeds():
     from transformers import AutoModel, AutoTokenizer
 
@@ -154,7 +154,7 @@ def test_minilm_loads_and_embeds():
     assert any(r["fetched"] for r in zoo.describe_models() if r["name"] == "minilm")
 
 
-@pytest.mark.slow
+@pytest.mark.real_weights
 def test_smollm2_converted_checkpoint(record_property):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -25,8 +25,8 @@ _LAZY = ("load_config", "run", "resume", "load_result", "compare", "register_alg
 
 __all__ = ["__version__", *_LAZY]
 
-if TYPE_CHECKING:  # static checkers and IDEs see the real signatures
-    from fedsplice.app.api import (AssetError, CompareRow, ConfigError, FedspliceError, RunResult, compare,
+if TYPE_CHECKING:  # static checkers and IDEs see the real signatures (__getattr__ re-exports them)
+    from fedsplice.app.api import (AssetError,  # noqa: F401 CompareRow, ConfigError, FedspliceError, RunResult, compare,
                                    list_algorithms, load_config, load_result, register_algorithm, resume, run)
 
 

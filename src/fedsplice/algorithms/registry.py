@@ -31,8 +31,8 @@ from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
 ENTRY_POINT_GROUP = "fedsplice.algorithms"
-ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp": FEDOTP, "fedpgp": FEDPGP, "pfadapter": PFADAPTER,
-                                    "pfedlora": PFEDLORA, **LORA_BASELINES,
+ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp": FEDOTP, "fedpgp": FEDPGP,
+                                    "pfadapter": PFADAPTER, "pfedlora": PFEDLORA, **LORA_BASELINES,
                                     **REFERENCES}  # references last: the sanity rows of a table
 _BUILTIN = frozenset(ALGORITHMS)  # before any register_algorithm: users' own are not checked for peft "full"
 
@@ -68,7 +68,8 @@ def _as_algorithm(obj, where: str) -> Algorithm:
             raw = eval(raw, getattr(inspect.unwrap(obj), "__globals__", {}))  # noqa: S307 - the user's own module
     except Exception as e:  # noqa: BLE001 - any failure to read the signature is a config error
         raise ConfigError(f"algorithm: cannot read {where}'s first parameter ({type(e).__name__}: {e}); annotate "
-                          f"it with the [method] dataclass, e.g. def build(p: MyParams, infos, shapes, scalings)") from None
+                          f"it with the [method] dataclass, e.g. def build(p: MyParams, infos, shapes, "
+                          f"scalings)") from None
     params = NoParams if raw is inspect.Parameter.empty else raw
     if not dataclasses.is_dataclass(params):
         raise ConfigError(f"algorithm: {where}'s first parameter must be annotated with a dataclass, got {params!r}")

@@ -88,7 +88,8 @@ def paired(results: dict[str, list[dict]], a: str, b: str, metric: str) -> np.nd
     if metric == "PM acc":
         ca = [(r.get("pm") or {}).get("client_accuracy") for r in results[a]]
         cb = [(r.get("pm") or {}).get("client_accuracy") for r in results[b]]
-        if all(x is not None and y is not None and len(x) == len(y) for x, y in zip(ca, cb)) and len({len(x) for x in ca}) == 1:
+        if (all(x is not None and y is not None and len(x) == len(y) for x, y in zip(ca, cb))
+                and len({len(x) for x in ca}) == 1):
             return np.array(ca, dtype=float) - np.array(cb, dtype=float)
     return per_seed(results, a, metric) - per_seed(results, b, metric)
 
@@ -158,7 +159,8 @@ def assess(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> Verd
     if kind == "ratio":
         q = float(np.mean(per_seed(results, claim["a"], metric)) / np.mean(per_seed(results, claim["b"], metric)))
         ok = claim["low"] <= q <= claim["high"]
-        return Verdict("held" if ok else "did not hold", f"{metric}: ratio {q:.3f} (claimed {claim['low']}–{claim['high']})")
+        return Verdict("held" if ok else "did not hold",
+                       f"{metric}: ratio {q:.3f} (claimed {claim['low']}–{claim['high']})")
     if (why := gate(claim, results, rows)) is not None:
         return Verdict(NO_SIGNAL, why)
     if kind in ("best", "lowest"):

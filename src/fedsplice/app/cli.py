@@ -1,4 +1,5 @@
-"""`fedsplice run | resume | compare | report | results | validate | list`. User errors print one line and exit 2, never a traceback."""
+"""`fedsplice run | resume | compare | report | results | validate | list`. User errors print one
+line and exit 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def cmd_compare(args) -> None:
     rows = compare(args.configs, args.seeds, args.set, out, quiet=args.quiet, jobs=args.jobs)
     if not args.quiet:
         console.print((out / "table.md").read_text())
-        console.print(f"{len(rows)} methods x {args.seeds} seeds: {out / 'table.md'}, {out / 'table.csv'}, plots in {out}")
+        console.print(f"{len(rows)} methods x {args.seeds} seeds: {out / 'table.md'}, {out / 'table.csv'}, "
+                      f"plots in {out}")
 
 
 def cmd_report(args) -> None:

@@ -39,7 +39,8 @@ def plan(configs: list[Path], seeds: int, overrides: list[str], out: Path) -> li
     return plan_entries([(stem, Path(c), list(overrides)) for c, stem in zip(configs, stems)], seeds, out)
 
 
-def plan_entries(entries: list[tuple[str, Path, list[str]]], seeds: int, out: Path) -> list[tuple[str, int, object, Path]]:
+def plan_entries(entries: list[tuple[str, Path, list[str]]], seeds: int,
+                 out: Path) -> list[tuple[str, int, object, Path]]:
     """Like `plan`, for (label, config path, overrides) entries: one config file can appear
     under several labels with different overrides (the variants of a results suite)."""
     from fedsplice.federation.validate import load_config
@@ -195,7 +196,7 @@ def reference_rows(runs, results) -> list[dict]:
         return []
     labels = list(dict.fromkeys(label for label, *_ in runs))
     by_seed: dict[int, list] = {}
-    for (label, seed, *_), res in zip(runs, results):
+    for (_label, seed, *_), res in zip(runs, results):
         by_seed.setdefault(seed, []).append(res["references"])
     shared = all(all(r == refs[0] for r in refs) for refs in by_seed.values())
     out = []
@@ -233,7 +234,8 @@ def write_tables(rows: list[dict], out: Path) -> None:
     atomic_write_text(out / "table.md", "\n".join(md) + note)
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["method", "algorithm", "n_seeds", "random_weights"] + [f"{c} {s}" for c in cols for s in ("mean", "std")])
+    w.writerow(["method", "algorithm", "n_seeds", "random_weights"]
+               + [f"{c} {s}" for c in cols for s in ("mean", "std")])
     for r in rows:
         w.writerow([r["method"], r["algorithm"], r["n_seeds"], "; ".join(r.get("random_weights", []))]
                    + [x for c in cols for x in (r[c] if r[c] is not None else ("", ""))])

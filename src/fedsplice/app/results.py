@@ -219,7 +219,8 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
                "| method | " + " | ".join(f"epoch {e}" for e in epochs) + " |", "|---|" + "---|" * len(epochs)]
         md += [f"| {lab(n)} | " + " | ".join(fmt(per_seed(results, n, f"cold-start e{e}"), "acc") for e in epochs)
                + " |" for n in rows]
-        md += ["", f"![cold start]({rel}/{tb['id']}/{_cold_plot(tb, suite, results, d / 'cold_start.png', epochs)})", ""]
+        plot = _cold_plot(tb, suite, results, d / 'cold_start.png', epochs)
+        md += ["", f"![cold start]({rel}/{tb['id']}/{plot})", ""]
     if tb.get("plots"):
         shown = [(lab(r[0]), *r[1:]) for r in sub]  # plot legends show the labels
         pngs = C.write_plots(shown, d)
@@ -273,7 +274,8 @@ def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
         f"{meta['runs']} runs ({meta['executed']} run by this invocation, {meta['runs'] - meta['executed']} "
         f"found finished in {meta['out']}); this invocation took {meta['wall_min']:.1f} min with {meta['jobs']} "
         f"run(s) at once on {meta['machine']}. The runs' own times add up to {meta['compute_min']:.0f} min "
-        f"(about {meta['compute_min'] / meta['jobs']:.0f} min from scratch at {meta['jobs']} at once). Every number below is read from the runs' results.json, "
+        f"(about {meta['compute_min'] / meta['jobs']:.0f} min from scratch at {meta['jobs']} at once). "
+        f"Every number below is read from the runs' results.json, "
         f"and the same command regenerates this page. " + provenance_line(meta), "",
         "**Substitute setting, not the papers' setting.** No image model weights or the papers' data sets "
         "can be obtained offline here, so both papers are reproduced on text classification with the "

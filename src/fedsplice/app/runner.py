@@ -141,7 +141,7 @@ def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, tra
     if isinstance(track.inner, Workers):  # it also ticks as each client's reply arrives
         track.inner.progress = track.client_done
     if exp.recipe.trains:
-        final = run_rounds(exp, store, on_round, transport=track,
+        final = run_rounds(exp, on_round, transport=track,
                            start=loaded.state if loaded is not None else None, on_state=on_state)
     else:
         final = evaluate_only(exp, track, on_round)
@@ -161,7 +161,8 @@ def _say_data(data: dict, quiet: bool, echo) -> None:
         if echo is not None:
             echo(line)
         if not quiet:
-            console.print(line, soft_wrap=True, markup=False, style="bold yellow" if line.startswith("warning") else None)
+            console.print(line, soft_wrap=True, markup=False,
+                          style="bold yellow" if line.startswith("warning") else None)
 
 
 @contextmanager

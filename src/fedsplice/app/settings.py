@@ -71,7 +71,8 @@ ASPECTS = [
                           + (f"(α={_g(c.data.alpha)})" if c.data.partition == "dirichlet" else "")
                           + (f", {c.data.holdout_clients} held out" if c.data.holdout_clients else "")
                           + f", {c.server.clients_per_round} a round"),
-    ("budget", lambda c: f"{c.server.rounds} rounds × {c.client.local_epochs} local epoch(s), batch {c.client.batch_size}"
+    ("budget", lambda c: f"{c.server.rounds} rounds × {c.client.local_epochs} local epoch(s), "
+                         f"batch {c.client.batch_size}"
                          + (f", at most {c.client.max_steps} steps" if c.client.max_steps else "")),
     ("client optimizer", _client_opt),
     ("server", _server),

@@ -144,8 +144,11 @@ def _zero_shot_warning(cfg: ExperimentConfig, zs: dict, counts: list[int], major
                     f"set (AUC {zs['auc']:.3f}): {_prompt_hint(cfg)}"]
         at, said = zs["auc"] <= 0.5 + 2 * se, f"AUC {zs['auc']:.3f}"  # Hanley & McNeil's null SE
     else:
-        at, said = zs["accuracy"] <= majority, f"accuracy {zs['accuracy']:.3f}, not above the majority class's {majority:.3f}"
-    return [f"warning: zero-shot (round 0) is at chance on the global test set ({said}): {_prompt_hint(cfg)}"] if at else []
+        at = zs["accuracy"] <= majority
+        said = f"accuracy {zs['accuracy']:.3f}, not above the majority class's {majority:.3f}"
+    if not at:
+        return []
+    return [f"warning: zero-shot (round 0) is at chance on the global test set ({said}): {_prompt_hint(cfg)}"]
 
 
 def _prompt_hint(cfg: ExperimentConfig) -> str:

@@ -32,7 +32,8 @@ def check_tune(path: Path, name: str, tune: dict, columns: set[str]) -> None:
         if not (isinstance(g, dict) and g and all(isinstance(v, list) and v for v in g.values())
                 and len(combos(tune)) >= 2):
             raise ConfigError(f"{path}: experiment {name!r}: tune.grid must map keys to lists of values, with at "
-                              f"least 2 combinations (e.g. grid = {{\"server.lr\" = [0.01, 0.1], \"server.tau\" = [0.001]}})")
+                              f"least 2 combinations (e.g. grid = "
+                              f"{{\"server.lr\" = [0.01, 0.1], \"server.tau\" = [0.001]}})")
     else:
         for k in ("key", "values"):
             if k not in tune:
@@ -110,7 +111,7 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
         best = max(order, key=lambda c: (scores[c] if not np.isnan(scores[c]) else -np.inf, -order.index(c)))
         e["set"] = [*e.get("set", []), *_sets(t, best)]
         chosen[name] = {"keys": keys(t), "metric": metric, "scores": scores, "chosen": best}
-    for name, e in suite.experiments.items():  # tune_from: the values chosen for other experiments,
+    for e in suite.experiments.values():  # tune_from: the values chosen for other experiments,
         own = set(keys(e["tune"])) if "tune" in e else set()  # but never over its own; the last source wins
         for src in sources(e):
             c = chosen[src]

@@ -242,7 +242,8 @@ class RuntimeConfig:
             check_device_name("runtime.device" if i == 0 else f"runtime.devices[{i - 1}]", d)
         check_positive("runtime.num_supernodes", self.num_supernodes)
         if self.checkpoint_every < 0:
-            raise ConfigError(f"runtime.checkpoint_every must be >= 0 (0 = no checkpoints), got {self.checkpoint_every}")
+            raise ConfigError(f"runtime.checkpoint_every must be >= 0 (0 = no checkpoints), "
+                              f"got {self.checkpoint_every}")
         check_positive("runtime.keep_checkpoints", self.keep_checkpoints)
         if self.cache_budget_mb < 0:
             raise ConfigError(f"runtime.cache_budget_mb must be >= 0 (0 = no prefix cache), got {self.cache_budget_mb}")

@@ -50,7 +50,9 @@ class ModelConfig:
     # embeddings are computed once and cached; True recomputes them every step.
     class_side_adapters: bool = False
     logit_scale: float = 20.0  # s in s·cos(E(x), T(c)); ~20 fits MiniLM far better than CLIP's 100
-    max_length: int = 128  # tokens per input (a causal LM's prompt is cut from the left: the template's end stays); batches pad to their longest member only
+    # tokens per input (a causal LM's prompt is cut from the left: the template's end stays);
+    # batches pad to their longest member only
+    max_length: int = 128
     # the frozen base weights' dtype (bf16 / fp16 halve their memory); trainable tensors stay fp32
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # QLoRA: the frozen base loaded quantized by bitsandbytes (transformers' BitsAndBytesConfig,

@@ -111,7 +111,8 @@ class Orthogonality:
     def __call__(self, params: dict[str, torch.Tensor], ctx: dict | None = None) -> torch.Tensor:
         total = None
         for i, (form, grp, _) in enumerate(self._groups):
-            a_g, b_g, a_p, b_p = (torch.stack([params[getattr(pr, f)] for pr in grp]) for f in ("a_g", "b_g", "a_p", "b_p"))
+            a_g, b_g, a_p, b_p = (torch.stack([params[getattr(pr, f)] for pr in grp])
+                                  for f in ("a_g", "b_g", "a_p", "b_p"))
             scale = self._scale(i, a_g)
             t = lambda x: x.transpose(1, 2)  # noqa: E731
             if self.on == "A":

@@ -297,7 +297,8 @@ def small_test_warnings(ds: TextDataset, given: bool = False) -> list[str]:
     small = [c for c in range(ds.num_classes) if counts[c] < MIN_TEST_PER_CLASS]
     if not small:
         return []
-    names = ", ".join(f"{ds.class_names[c]!r} {int(counts[c])}" for c in small[:5]) + (", ..." if len(small) > 5 else "")
+    names = (", ".join(f"{ds.class_names[c]!r} {int(counts[c])}" for c in small[:5])
+             + (", ..." if len(small) > 5 else ""))
     fix = "add test rows to your split" if given else "raise data.test_per_class"
     return [f"the global test set has fewer than {MIN_TEST_PER_CLASS} samples in {len(small)} of "
             f"{ds.num_classes} classes ({names}), so GM moves in steps of 10+ points per class; {fix}"]

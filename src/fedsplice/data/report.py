@@ -73,7 +73,8 @@ def summary_lines(rep: dict) -> list[str]:
     te = rep["global_test_per_class"]
     n = len(rep["class_names"])
     lines = [f"data: {rep['source']}; {n} class{'' if n == 1 else 'es'}", f"  split: {rep['split']}"]
-    test = f"global test {rep['global_test_size']}" + (f" ({min(te)}-{max(te)} per class)" if rep["global_test_size"] else "")
+    test = (f"global test {rep['global_test_size']}"
+            + (f" ({min(te)}-{max(te)} per class)" if rep["global_test_size"] else ""))
     if rep["train_size"] is None:  # per-site data, on the server
         lines.append(f"  {test}")
     else:

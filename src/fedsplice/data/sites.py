@@ -39,8 +39,9 @@ def load_site(spec: str, labels: list[str], *, seed: int = 0, local_test_size: i
         if n_test == 0:
             raise ConfigError(f"{path}: {len(flat)} row(s) leave no local test set; a site needs at least 2 rows")
         perm = rng.permutation(len(flat))
-        parsed["texts"], parsed["test_texts"] = ([[x for x, c in (flat[i] for i in part) if c == k] for k in range(len(labels))]
-                                                 for part in (perm[n_test:], perm[:n_test]))
+        parsed["texts"], parsed["test_texts"] = (
+            [[x for x, c in (flat[i] for i in part) if c == k] for k in range(len(labels))]
+            for part in (perm[n_test:], perm[:n_test]))
         parsed["split"] = f"carved at the site: {n_test} random rows as its local test (data.local_test_size)"
     tr_x, tr_y, te_x, te_y = split_given(parsed["texts"], parsed["test_texts"], rng, max_per_class)
     ds = TextDataset(name=SITES, class_names=rename_classes(list(labels), class_names), train_texts=tr_x,

@@ -17,8 +17,9 @@ from fedsplice.core import wire
 from fedsplice.core.robust import check_update
 from fedsplice.federation.evaluation import movement, references
 from fedsplice.federation.experiment import Client, Experiment, build
-from fedsplice.federation.rounds import Reply, cold_start, evaluate_only, gm_and_pm, personalization, run_rounds
-from fedsplice.federation.store import DiskStore, make_store
+from fedsplice.federation.rounds import (Reply, Transport, cold_start, evaluate_only, gm_and_pm, personalization,
+                                         run_rounds)
+from fedsplice.federation.store import DiskStore, Store, make_store
 from fedsplice.federation.tasks import TASKS, accepts
 from fedsplice.federation.tasks import fit as fit_client
 from fedsplice.federation.tasks import run_task as client_task
@@ -26,9 +27,10 @@ from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation.validate import load_config
 from fedsplice.federation.validate import validate as validate_config
 
-__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Reply", "SITES", "TASKS", "accepts", "build", "check_update",
-           "client_task", "cold_start", "config_from_text", "evaluate_only", "fit_client", "gm_and_pm",
-           "load_config", "make_store", "movement", "personalization", "references", "rng", "run_rounds", "validate_config", "wire"]
+__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Reply", "SITES", "Store", "TASKS", "Transport", "accepts",
+           "build", "check_update", "client_task", "cold_start", "config_from_text", "evaluate_only", "fit_client",
+           "gm_and_pm", "load_config", "make_store", "movement", "personalization", "references", "rng", "run_rounds",
+           "validate_config", "wire"]
 
 
 def config_from_text(text: str) -> ExperimentConfig:

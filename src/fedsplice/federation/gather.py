@@ -46,7 +46,8 @@ def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params,
         seen: set[int] = set()
 
         def event(cid, kind: str, reason: str) -> None:
-            events.append({"client": cid, "event": kind, "reason": reason, "attempt": attempt})
+            # called within this iteration only, so `attempt` is this attempt's number
+            events.append({"client": cid, "event": kind, "reason": reason, "attempt": attempt})  # noqa: B023
 
         for r in replies:
             cid = getattr(r, "cid", None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -37,6 +37,16 @@ class Reply:
     down_bytes: int
     error: str = ""  # the client failed (dropout, crash, lost connection): why; no update
     late: bool = False  # the reply came after the round deadline; it is not aggregated
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What a runtime provides to the round loop (module docstring): it moves client tasks and
+    their results, and does no math. InProcess, Workers and FlowerTransport implement it."""
+
+    def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]: ...
+
+    def run(self, task: str, cids: list[int], down: bytes) -> dict[int, dict]: ...
 
 
 def initial_global(exp) -> dict:
@@ -93,7 +103,7 @@ def round_record(rnd: int, got, ok: bool, t0: float) -> dict:
     return record
 
 
-def run_rounds(exp, store, on_round: Callable[[dict], None], *, transport, start: RoundState | None = None,
+def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, start: RoundState | None = None,
                on_state: Callable[[RoundState], None] | None = None) -> dict:
     """The one round loop. Calls on_round(record) after every round, then on_state(state) with
     the server's state at the end of that round (the runner checkpoints it); `start` continues

@@ -8,12 +8,25 @@ flat as the number of clients grows (one safetensors file per client, written at
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fedsplice.data.assets import atomic_write_bytes
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Each client's PRIVATE state between its tasks, by client id: MemoryStore, DiskStore (also
+    a SuperNode's), or a user's own (a database, an object store)."""
+
+    def get(self, cid: int) -> dict[str, torch.Tensor] | None: ...
+
+    def put(self, cid: int, state: dict[str, torch.Tensor]) -> None: ...
+
+    def clients(self) -> list[int]: ...
 
 
 class MemoryStore:

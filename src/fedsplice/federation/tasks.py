@@ -39,7 +39,8 @@ from fedsplice.federation.evaluation import prior_logits, score
 from fedsplice.federation.metrics import classification_metrics
 from fedsplice.federation.train import local_train, planned_steps
 
-TASKS = ("evaluate", "personalize", "cold_start", "evaluate_global")  # the tasks `run_task` serves (fit has its own reply)
+# the tasks `run_task` serves (fit has its own reply)
+TASKS = ("evaluate", "personalize", "cold_start", "evaluate_global")
 
 
 def split_state(exp, st: dict | None) -> tuple[dict, dict]:
@@ -149,7 +150,8 @@ def check_pooled(cfg) -> None:
     federation has (a deployment, a server step, codecs, failing or rejected clients)."""
     s, f = cfg.server, cfg.faults
     for wrong, need in ((cfg.runtime.kind != "simulation", "runtime.kind = 'simulation'"),
-                        (s.optimizer != "fedavg" or s.lr not in (0.0, 1.0), "server.optimizer = 'fedavg' (server.lr 0)"),
+                        (s.optimizer != "fedavg" or s.lr not in (0.0, 1.0),
+                         "server.optimizer = 'fedavg' (server.lr 0)"),
                         (s.min_replies != 1, "server.min_replies = 1"),
                         (s.update_norm_bound > 0, "server.update_norm_bound = 0"),
                         (cfg.client.upload != "fp32", "client.upload = 'fp32'"),
@@ -219,7 +221,8 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     # else client.optimizer_state says whether PRIVATE tensors keep theirs
     keep = (exp.global_names + exp.private_names if r.pooled
             else exp.private_names if exp.cfg.client.optimizer_state == "keep_private" else [])
-    new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd, ctx=train_context(exp, cid, received, round=rnd, **grab),
+    new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd,
+                                  ctx=train_context(exp, cid, received, round=rnd, **grab),
                                   objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
                                   keep_opt=keep, opt_state=opt_state,
                                   client_cfg=round_config(exp, cid, rnd))
@@ -272,7 +275,8 @@ def train_branch(exp, cid: int, global_params: dict, branch: dict, rounds: range
     ccfg = dataclasses.replace(exp.cfg.client, momentum=0.0, weight_decay=0.0, schedule="constant")
     opt: dict = {}
     for r in rounds:
-        opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r, torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
+        opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r,
+                              torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
                               ctx=train_context(exp, cid, global_params, global_logits=l_g), client_cfg=ccfg,
                               objective=exp.recipe.personalize.objective, keep_opt=set(branch), opt_state=opt)
     return clone(exp.model.trainable())
@@ -310,7 +314,8 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
     for e in range(exp.cfg.eval.cold_start_epochs + 1):
         if e > 0:
             opt_state, _ = train_client(
-                exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e, ctx=train_context(exp, cid, global_params, **grab),
+                exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e,
+                ctx=train_context(exp, cid, global_params, **grab),
                 objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
                 keep_opt=set(exp.model.trainable()), opt_state=opt_state, epochs=1)
         accs.append(classification_metrics(labels, predict_local_test(exp, cid), len(exp.data.class_names))["accuracy"])

@@ -61,7 +61,8 @@ class PromptLearner(nn.Module):
         self.register_buffer("tail_ids", ids, persistent=False)
         self.register_buffer("mask", mask, persistent=False)
 
-    def inputs(self, word_embeddings: nn.Embedding, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(self, word_embeddings: nn.Embedding,
+               delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs_embeds [C, L, d], attention_mask [C, L]) for the C class sequences; `delta`
         (n × d, FedPGP's U·V) is added to the context."""
         c = self.tail_ids.shape[0]

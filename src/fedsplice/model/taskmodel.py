@@ -50,8 +50,9 @@ class TaskModel(nn.Module):
         # autocast dtype of every forward (and the backward under it); trainable tensors stay fp32
         self.amp_dtype = run_precision(cfg, self.device)
         if cfg.model.dtype != "fp32" and self.amp_dtype != DTYPES[cfg.model.dtype]:
-            raise ConfigError(f"model.dtype = {cfg.model.dtype!r} runs the fp32 adapters beside a {cfg.model.dtype} base "
-                              f"under autocast: set runtime.precision = {cfg.model.dtype!r} (it resolved to "
+            raise ConfigError(f"model.dtype = {cfg.model.dtype!r} runs the fp32 adapters beside a "
+                              f"{cfg.model.dtype} base under autocast: set runtime.precision = "
+                              f"{cfg.model.dtype!r} (it resolved to "
                               f"{str(self.amp_dtype).removeprefix('torch.')})")
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # libraries that allocate on "the current device" follow
@@ -125,9 +126,11 @@ class TaskModel(nn.Module):
                                       self.cache_on and not trains_text, self._pixels) if self.is_clip else None)
         self._inputs = InputSide(self._text, pc.type, self.adapter, features, clip_inputs)
         if pc.ot_gamma > 0:  # FedOTP: the frozen input tower's token features, per input
-            self._inputs.token_cache = FrozenCache({"kind": "tokens"}, rc.cache_budget_mb << 20, device=self.device) if rc.cache else None
+            self._inputs.token_cache = (FrozenCache({"kind": "tokens"}, rc.cache_budget_mb << 20, device=self.device)
+                                        if rc.cache else None)
         # vlm: the frozen vision tower's tokens, per image (keyed by its pixels: vision.image_key)
-        self._vis = FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20, device=self.device) if rc.cache and self.task == "vlm" else None
+        self._vis = (FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20, device=self.device)
+                     if rc.cache and self.task == "vlm" else None)
         self._scorer = self._build_scorer()
         self._unpad = rc.unpad
         self._set_unpad(self.training)

@@ -83,4 +83,4 @@ def run_rounds(exp, store, on_round: Callable[[dict], None], **kwargs) -> dict:
     """`fedsplice.federation.run_rounds` on this runtime (a notebook's or a test's shortcut)."""
     if kwargs.get("transport") is None:
         kwargs["transport"] = InProcess(exp, store, kwargs.pop("progress", None))
-    return federation_run_rounds(exp, store, on_round, **kwargs)
+    return federation_run_rounds(exp, on_round, **kwargs)

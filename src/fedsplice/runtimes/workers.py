@@ -184,7 +184,8 @@ class WorkerStore:
         self.workers = workers
 
     def get(self, cid: int) -> dict | None:
-        (head, blobs), = self.workers.ask(cid % self.workers.n, {"op": "get", "cid": cid}, (), f"the state of client {cid}")
+        (head, blobs), = self.workers.ask(cid % self.workers.n, {"op": "get", "cid": cid}, (),
+                                          f"the state of client {cid}")
         return wire.decode(blobs[0]) if blobs else None
 
     def put(self, cid: int, state: dict) -> None:

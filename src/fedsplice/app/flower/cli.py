@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
     a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     a.add_argument("--app-dir", required=True, help="the folder to write (pyproject.toml)")
     a.add_argument("--out", required=True, help="the run directory, on the SuperLink's host")
-    a.add_argument("--min-nodes", type=int, default=None, help="SuperNodes to wait for (default runtime.num_supernodes)")
+    a.add_argument("--min-nodes", type=int, default=None,
+                   help="SuperNodes to wait for (default runtime.num_supernodes)")
     a.set_defaults(fn=cmd_app)
 
     c = fs.add_parser("certs", help="a CA + SuperLink certificate and SuperNode key pairs (cryptography)")

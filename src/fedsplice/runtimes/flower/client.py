@@ -51,7 +51,8 @@ from flwr.clientapp import ClientApp
 
 from fedsplice.errors import ConfigError
 from fedsplice.version import __version__
-from fedsplice.federation import SITES, DiskStore, accepts, build, client_task, config_from_text, fit_client, validate_config, wire
+from fedsplice.federation import (SITES, DiskStore, accepts, build, client_task, config_from_text, fit_client,
+                                  validate_config, wire)
 from fedsplice.runtimes.flower.faults import classified
 from fedsplice.runtimes.flower.records import from_record, to_record, wire_scalar
 from fedsplice.runtimes.flower.transport import (CONFIG_KEY, GLOBAL_KEY, RESULT_KEY, ROLLBACK_ERROR, ROLLBACK_FIELD,

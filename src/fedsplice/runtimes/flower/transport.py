@@ -20,9 +20,10 @@ the nodes to roll that state back to the end of the checkpoint's round (`rollbac
 Faults never raise here: a node that does not answer before `server.round_deadline_s` gives
 `late` replies; a Flower error reply for a fault (node unavailable, a crashed or out-of-memory
 ClientApp, an I/O or network error) or a node that is gone gives replies with `error` set; an
-ArrayRecord that cannot be read, or data that differs from the server's partition, too. The round loop then counts, retries or skips as it does for
-the simulation. Every such event is also logged to events.jsonl with the node id. A node that
-missed a deadline or was reported unavailable is not asked again in this run.
+ArrayRecord that cannot be read, or data that differs from the server's partition, too. The
+round loop then counts, retries or skips as it does for the simulation. Every such event is
+also logged to events.jsonl with the node id. A node that missed a deadline or was reported
+unavailable is not asked again in this run.
 
 Every message sent and received is weighed (records.weigh) and audited: wire.jsonl gets the
 names in every ArrayRecord and a byte scan of the serialized message for every PRIVATE name.
