@@ -50,9 +50,11 @@ _STAGES = {"fit": "train", "evaluate": "evaluate", "personalize": "personalize",
 class RunProgress:
     """One run's progress in client tasks (fit, evaluate, personalize, cold start: all count, so the
     ETA covers evaluation too), as a rich bar on a terminal, as lines when stderr is a file, and
-    as events for `progress(event)` (compare). It wraps the run's transport, so every stage names
-    itself ("round 3/10 train", "round 3/10 evaluate", "cold start") on any runtime: InProcess
-    ticks as each client ends (`client_done`), other runtimes when a call returns.
+    as events for `progress(event)` (compare). It is a `Transport` that passes every call to the
+    run's (`inner`) and watches it, so every stage names itself ("round 3/10 train", "round 3/10
+    evaluate", "cold start") on any runtime; a runtime ticks through the `progress` attribute
+    every transport has (`client_done`) as each client task ends where it can tell (InProcess,
+    Workers), and the rest of a call's tasks count when the call returns (Flower).
 
     An event: kind ("stage" when one starts, "round" when a round is logged, with its `record`;
     "tick" when nothing was said for TICK_S), stage, phase, round, rounds, done, total,
@@ -163,12 +165,6 @@ class RunProgress:
         out = self.inner.run(task, cids, down)
         self._advance(len(cids) - self._in_call)
         return out
-
-    def __getattr__(self, name):  # anything else the runtime offers
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
 
 def _planned_tasks(cfg: ExperimentConfig, exp, start: int) -> dict[str, int]:

@@ -136,10 +136,8 @@ def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, tra
                 console.print(f"  client {e['client']} {e['event']}: {e['reason']}")
         track.round_done(record)
 
-    track.inner = (make_transport(exp, store) if make_transport
-                   else InProcess(exp, store, progress=track.client_done))
-    if isinstance(track.inner, Workers):  # it also ticks as each client's reply arrives
-        track.inner.progress = track.client_done
+    track.inner = make_transport(exp, store) if make_transport else InProcess(exp, store)
+    track.inner.progress = track.client_done  # a runtime that can tell ticks as each client task ends
     if exp.recipe.trains:
         final = run_rounds(exp, on_round, transport=track,
                            start=loaded.state if loaded is not None else None, on_state=on_state)

@@ -42,7 +42,9 @@ class Reply:
 @runtime_checkable
 class Transport(Protocol):
     """What a runtime provides to the round loop (module docstring): it moves client tasks and
-    their results, and does no math. InProcess, Workers and FlowerTransport implement it."""
+    their results, and does no math. InProcess, Workers and FlowerTransport implement it. Each
+    also has a `progress` attribute, None or a callable(task name) it calls as each client task
+    ends where it can tell (the run's progress display sets it)."""
 
     def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]: ...
 

@@ -128,6 +128,7 @@ class FlowerTransport:
         self.per_site = exp.cfg.data.dataset == SITES
         self.fingerprints = {} if self.per_site else {c: client_fingerprint(exp, c) for c in exp.train_ids}
         self.round = 0  # the last round trained; an evaluation is of the model after it
+        self.progress = None  # the Transport attribute: replies come per node, so calls count on return
         self._reference: dict = {}  # the GLOBAL tensors sent in the current round
         self._sent: dict[int, int] = {}  # node -> bytes of the message just sent to it
         # Flower-measured bytes vs the simulation's safetensors payload of the same tensors
