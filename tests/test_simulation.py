@@ -393,3 +393,20 @@ def test_every_runtime_and_store_implements_the_spine_protocols(tmp_path):
         assert store.get(7) is None
         store.put(7, state)
         assert store.clients() == [7] and torch.equal(store.get(7)["param/x"], state["param/x"])
+
+
+def test_client_state_round_trips_the_store_format():
+    """ClientState <-> the store's tensor dict: each slot under its prefix, in slot order; an
+    unknown key is refused with the slots named."""
+    from fedsplice.federation.state import ClientState
+
+    t = {k: torch.full((2,), float(i)) for i, k in enumerate("abcdef")}
+    st = ClientState(params={"lora.A": t["a"]}, opt={"lora.A/exp_avg": t["b"]}, ef={"lora.B": t["c"]},
+                     grab={"pos": t["d"]}, branch={"lora.A": t["e"]})
+    flat = st.to_store()
+    assert list(flat) == ["param/lora.A", "opt/lora.A/exp_avg", "ef/lora.B", "grab/pos", "branch/lora.A"]
+    back = ClientState.from_store(flat)
+    assert back == st and ClientState.from_store(None) is None
+    assert ClientState.from_store({}) == ClientState()
+    with pytest.raises(ValueError, match="'momentum/x' is in no slot"):
+        ClientState.from_store({**flat, "momentum/x": t["f"]})

@@ -11,6 +11,7 @@ import torch
 
 from fedsplice.core.tkl import tkl
 from fedsplice.federation.metrics import classification_metrics, longtail_metrics, per_class_counts, summarize_clients
+from fedsplice.federation.state import ClientState
 
 
 def prior_logits(exp, cids: list[int], n: int) -> np.ndarray:
@@ -141,9 +142,8 @@ def movement(exp, global_params: dict, store) -> dict:
     GLOBAL (the final aggregate), PRIVATE and the residual branch (mean over the training clients
     whose state `store` holds; None where it holds none, as on Flower, whose clients keep theirs)."""
     out = {"global": _distance(global_params, exp.init_params, exp.global_names) if exp.global_names else None}
-    states = [s for s in (store.get(c) for c in exp.train_ids) if s is not None]
-    for key, prefix in (("private", "param/"), ("branch", "branch/")):
-        tensors = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)} for s in states]
-        per = [_distance(t, exp.init_params, t) for t in tensors if t]
+    states = [s for s in (ClientState.from_store(store.get(c)) for c in exp.train_ids) if s is not None]
+    for key, slot in (("private", "params"), ("branch", "branch")):
+        per = [_distance(t, exp.init_params, t) for t in (getattr(s, slot) for s in states) if t]
         out[key] = sum(per) / len(per) if per else None
     return out

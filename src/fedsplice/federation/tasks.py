@@ -37,19 +37,18 @@ from fedsplice.data.partition import Client
 from fedsplice.errors import ConfigError
 from fedsplice.federation.evaluation import prior_logits, score
 from fedsplice.federation.metrics import classification_metrics
+from fedsplice.federation.state import ClientState
 from fedsplice.federation.train import local_train, planned_steps
 
 # the tasks `run_task` serves (fit has its own reply)
 TASKS = ("evaluate", "personalize", "cold_start", "evaluate_global")
 
 
-def split_state(exp, st: dict | None) -> tuple[dict, dict]:
+def split_state(exp, state: ClientState | None) -> tuple[dict, dict]:
     """(PRIVATE tensors, their optimizer state) from a client's stored state (None: fresh)."""
-    if st is None:
+    if state is None:
         return {n: exp.init_params[n].clone() for n in exp.private_names}, {}
-    params = {k[len("param/"):]: v for k, v in st.items() if k.startswith("param/")}
-    opt = {k[len("opt/"):]: v for k, v in st.items() if k.startswith("opt/")}
-    return params, opt
+    return state.params, state.opt
 
 
 def train_context(exp, cid: int, received: dict, **extra) -> dict:
@@ -63,12 +62,12 @@ def train_context(exp, cid: int, received: dict, **extra) -> dict:
     return ctx
 
 
-def grab_balancer(exp, stored: dict | None, global_params: dict):
+def grab_balancer(exp, stored: dict | None, global_params: dict):  # stored: ClientState.grab
     """Fed-GraB (client.grab), PRIVATE: the PID controllers of the tail classes open: every class
     (grab_prior = "all", the official code), or those the Direct Prior Analyzer calls tail from the
     global model's class prior (GLOBAL + fresh PRIVATE tensors, its mean softmax on a
     content-free input "", no data); the balancer's state (accumulated
-    gradients, errors, PID outputs) comes from the client's store ("grab/...")."""
+    gradients, errors, PID outputs) comes from the client's stored state (its `grab` slot)."""
     cc = exp.cfg.client
     if exp.recipe.objective is not None:  # a user's method without its own check_config
         refuse_grab(exp.cfg, "an objective of its own")
@@ -77,8 +76,8 @@ def grab_balancer(exp, stored: dict | None, global_params: dict):
     else:
         exp.model.load_params({**global_params, **{n: exp.init_params[n] for n in exp.private_names}})
         mask = G.tail_mask(G.prior_from_responses(exp.model.predict([""], 1)), cc.grab_tail_ratio)
-    has = stored is not None and "grab/pos" in stored
-    state = {k: stored[f"grab/{k}"] for k in G.STATE_KEYS} if has else G.fresh_state(len(exp.data.class_names))
+    has = bool(stored) and "pos" in stored
+    state = {k: stored[k] for k in G.STATE_KEYS} if has else G.fresh_state(len(exp.data.class_names))
     params = G.GrabParams(kp=cc.grab_kp, ki=cc.grab_ki, kd=cc.grab_kd, pos_scale=cc.grab_pos_scale,
                           neg_scale=cc.grab_neg_scale, out_limit=cc.grab_out_limit, tail_ratio=cc.grab_tail_ratio,
                           loss=cc.grab_loss)
@@ -208,9 +207,9 @@ def predict_local_test(exp, cid: int) -> np.ndarray:
 def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     """One client's round: decode the GLOBAL tensors, train, keep PRIVATE state, encode the upload."""
     received = wire.decode(down)
-    stored = store.get(cid)  # read once: PRIVATE tensors, optimizer state, error-feedback residual
+    stored = ClientState.from_store(store.get(cid))  # read once: every slot of the client's state
     priv, opt_state = split_state(exp, stored)
-    grab = {"grab": grab_balancer(exp, stored, received)} if exp.cfg.client.grab else {}
+    grab = {"grab": grab_balancer(exp, stored and stored.grab, received)} if exp.cfg.client.grab else {}
     r = exp.recipe
     branch = {}
     if r.personalize and r.personalize.persistent:  # the official code's branch, one round a round
@@ -228,13 +227,10 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
                                   client_cfg=round_config(exp, cid, rnd))
     params = clone(exp.model.trainable())  # on the CPU: the wire and the store never hold device tensors
     codec = exp.cfg.client.upload
-    residual = {k[3:]: v for k, v in (stored or {}).items() if k.startswith("ef/")} if codec == "int8" else {}
+    residual = dict(stored.ef) if stored is not None and codec == "int8" else {}
     up, residual = wire.compress({n: params[n] for n in exp.global_names}, received, codec, residual)
-    store.put(cid, {**{f"param/{n}": params[n] for n in exp.private_names},
-                    **{f"opt/{k}": v for k, v in new_opt.items()},
-                    **{f"ef/{k}": v for k, v in residual.items()},  # error feedback: never sent
-                    **{f"grab/{k}": v for k, v in (grab["grab"].state.items() if grab else ())},
-                    **{f"branch/{k}": v for k, v in branch.items()}})
+    store.put(cid, ClientState(params={n: params[n] for n in exp.private_names}, opt=new_opt, ef=residual,
+                               grab=dict(grab["grab"].state) if grab else {}, branch=branch).to_store())
     return up, stats
 
 
@@ -246,7 +242,7 @@ def evaluate(exp, store, cid: int, global_params: dict) -> dict:
     if exp.recipe.prior:
         logits = prior_logits(exp, [cid] if exp.recipe.prior == "local" else exp.train_ids, len(idx))
         return score(exp, exp.data.test_labels[idx], logits, idx)
-    stored = store.get(cid)
+    stored = ClientState.from_store(store.get(cid))
     priv, _ = split_state(exp, stored)
     exp.model.load_params({**global_params, **priv})
     logits = predict_local_test(exp, cid)
@@ -282,10 +278,9 @@ def train_branch(exp, cid: int, global_params: dict, branch: dict, rounds: range
     return clone(exp.model.trainable())
 
 
-def stored_branch(exp, stored: dict | None) -> dict:
-    """A client's residual branch from its store ("branch/..."), or a fresh PEFT (init params)."""
-    got = {k[len("branch/"):]: v for k, v in (stored or {}).items() if k.startswith("branch/")}
-    return got or {n: t.clone() for n, t in exp.init_params.items()}
+def stored_branch(exp, stored: ClientState | None) -> dict:
+    """A client's residual branch from its stored state, or a fresh PEFT (init params)."""
+    return (stored.branch if stored is not None else {}) or {n: t.clone() for n, t in exp.init_params.items()}
 
 
 def personalize(exp, store, cid: int, global_params: dict) -> dict:
@@ -296,7 +291,7 @@ def personalize(exp, store, cid: int, global_params: dict) -> dict:
     l_g = global_logits(exp, cid, global_params)
     l_g_test = predict_local_test(exp, cid)
     if stage.persistent:
-        exp.model.load_params(stored_branch(exp, store.get(cid)))
+        exp.model.load_params(stored_branch(exp, ClientState.from_store(store.get(cid))))
     else:  # rounds = 0: l_P stays at its fresh init
         train_branch(exp, cid, global_params, stored_branch(exp, None), range(stage.rounds), l_g)
     logits = l_g_test + predict_local_test(exp, cid)

@@ -1,0 +1,43 @@
+"""`ClientState`: what one client keeps between its tasks, typed.
+
+A `Store` holds it as one name-keyed tensor dict (the store, checkpoint and SuperNode format),
+each slot's tensors under its prefix: "param/<name>", "opt/<name>/<slot>", "ef/<name>",
+"grab/<key>", "branch/<name>". Only this module reads or writes the prefixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class ClientState:
+    params: Tensors = field(default_factory=dict)  # PRIVATE tensors
+    opt: Tensors = field(default_factory=dict)  # their optimizer state ("<name>/<slot>"), if kept
+    ef: Tensors = field(default_factory=dict)  # the int8 upload's error-feedback residual (never sent)
+    grab: Tensors = field(default_factory=dict)  # Fed-GraB's balancer state (client.grab)
+    branch: Tensors = field(default_factory=dict)  # a persistent residual branch (FedPuReL, official code)
+
+    # slot -> prefix in the store's tensor dict, in the order they are written
+    PREFIXES = {"params": "param/", "opt": "opt/", "ef": "ef/", "grab": "grab/", "branch": "branch/"}
+
+    @classmethod
+    def from_store(cls, tensors: Tensors | None) -> "ClientState | None":
+        """The state a store returned (None: the client has none yet)."""
+        if tensors is None:
+            return None
+        slots: dict[str, Tensors] = {f.name: {} for f in fields(cls)}
+        for key, t in tensors.items():
+            slot = next((s for s, p in cls.PREFIXES.items() if key.startswith(p)), None)
+            if slot is None:
+                raise ValueError(f"client state key {key!r} is in no slot ({', '.join(cls.PREFIXES.values())}); "
+                                 f"a store written by another fedsplice version?")
+            slots[slot][key[len(cls.PREFIXES[slot]):]] = t
+        return cls(**slots)
+
+    def to_store(self) -> Tensors:
+        return {f"{p}{k}": t for slot, p in self.PREFIXES.items() for k, t in getattr(self, slot).items()}
