@@ -139,3 +139,23 @@ def test_out_is_a_file(capsys, tmp_path):
 
 def test_negative_seed_is_a_config_error(capsys):
     assert "seed" in _one_error_line(capsys, ["validate", "--set", "seed=-1"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["report", "."], "fedsplice report needs the optional package 'markdown_it': pip install 'fedsplice[report]'"),
+    (["flower", "certs", "--out", "x"],
+     "fedsplice flower certs needs the optional package 'flwr': pip install 'fedsplice[flower]'"),
+    (["run", "--set", "runtime.kind=flower", "--out", "x"],
+     "runtime.kind = 'flower' needs the optional package 'flwr': pip install 'fedsplice[flower]'"),
+])
+def test_a_missing_extra_is_one_line_naming_it(argv, says, monkeypatch, capsys, tmp_path):
+    """Reporting and the Flower supervisor are extras (pyproject): without them, one line, exit 2."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("markdown_it", "flwr") else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"fedsplice: error: {says}"
+    assert not (tmp_path / "x").exists()  # nothing was written

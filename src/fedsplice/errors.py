@@ -11,3 +11,12 @@ class ConfigError(FedspliceError):
 
 class AssetError(FedspliceError):
     """An offline asset (model or data set) is missing, unreachable or fails its checksum."""
+
+
+def need(module: str, extra: str, feature: str) -> None:
+    """A one-line error when `feature` needs optional package `module`, installed by the extra
+    `fedsplice[extra]` (pyproject's optional-dependencies), and this Python lacks it."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise FedspliceError(f"{feature} needs the optional package {module!r}: pip install 'fedsplice[{extra}]'")

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from fedsplice.errors import FedspliceError
+from fedsplice.errors import FedspliceError, need
 
 
 def cmd_run(args) -> None:
@@ -59,6 +59,7 @@ def cmd_compare(args) -> None:
 
 
 def cmd_report(args) -> None:
+    need("markdown_it", "report", "fedsplice report")
     from fedsplice.app.report import ink, screenshot, write_report
 
     page = write_report(Path(args.dir), args.out)

@@ -58,7 +58,16 @@ def add_parser(sub) -> None:
     e.set_defaults(fn=cmd_executor)
 
 
+def need_flower(feature: str) -> None:
+    """Flower and the launcher's process tools are an extra: one line where they are missing."""
+    from fedsplice.errors import need
+
+    for module in ("flwr", "psutil", "cryptography"):
+        need(module, "flower", feature)
+
+
 def run_flower(cfg, out: Path, overwrite: bool = False, quiet: bool = False, **kw) -> dict:
+    need_flower("runtime.kind = 'flower'")
     from fedsplice.app.flower.launcher import up
 
     return up(cfg, out, overwrite=overwrite, quiet=quiet, **kw)
@@ -68,6 +77,8 @@ def resume_flower(out: Path, quiet: bool = False) -> dict:
     """`fedsplice resume OUT` of a Flower run: relaunch the local deployment that ran it (`up`),
     or say how to resubmit it to a remote one."""
     import json
+
+    need_flower("resuming a Flower run")
 
     from fedsplice.errors import ConfigError
     from fedsplice.federation.validate import load_config
@@ -100,6 +111,7 @@ def cmd_up(args) -> None:
     from fedsplice.app.summary import print_table
     from fedsplice.federation.validate import load_config
     from fedsplice.app.rundir import default_out
+    need_flower("fedsplice flower up")
     from fedsplice.app.flower.launcher import parse_devices
 
     devices = None if args.devices is None else parse_devices(args.devices)
@@ -116,6 +128,7 @@ def cmd_app(args) -> None:
     import dataclasses
 
     from fedsplice.federation.validate import load_config
+    need_flower("fedsplice flower app")
     from fedsplice.app.flower.launcher import write_app
 
     cfg = load_config(args.config, args.set)
@@ -127,6 +140,7 @@ def cmd_app(args) -> None:
 
 
 def cmd_certs(args) -> None:
+    need_flower("fedsplice flower certs")
     from fedsplice.runtimes.flower.certs import make_node_key, make_tls
 
     out = Path(args.out)
@@ -138,6 +152,7 @@ def cmd_certs(args) -> None:
 
 
 def cmd_executor(args) -> None:
+    need_flower("fedsplice flower executor")
     from fedsplice.runtimes.flower.executor import run_executor
 
     run_executor(args.runtime_api_address, args.parent_pid)
