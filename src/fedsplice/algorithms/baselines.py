@@ -67,7 +67,7 @@ def full_ft_check(p, cfg) -> None:
 BASELINES: dict[str, Algorithm] = {
     "zeroshot": Algorithm(
         NoParams, lambda p, i, *_: Recipe(S.none_global(i), trains=False),
-        "the frozen model's zero-shot predictions; no training, no traffic"),
+        "the frozen model's zero-shot predictions; no training, no traffic", full_ok=True),
     "promptfl": Algorithm(
         NoParams, all_global,
         "CoOp prompt context shared and averaged (PromptFL)", "https://arxiv.org/abs/2208.11625", needs_peft("prompt")),
@@ -92,18 +92,19 @@ LORA_BASELINES: dict[str, Algorithm] = {
         "LoRA A global, B private (FedSA-LoRA)", "https://arxiv.org/abs/2410.01463"),
     "fedper": Algorithm(
         NoParams, lambda p, i, *_: Recipe(S.head_private(i)),
-        "adapters global, classification head private (FedPer)", "https://arxiv.org/abs/1912.00818", fedper_check),
+        "adapters global, classification head private (FedPer)", "https://arxiv.org/abs/1912.00818", fedper_check,
+        full_ok=True),
     "fedprox": Algorithm(
         FedProxParams, fedprox,
         "federated LoRA with a proximal term mu/2*||theta_g - theta_g0||^2 (FedProx)",
-        "https://arxiv.org/abs/1812.06127"),
+        "https://arxiv.org/abs/1812.06127", full_ok=True),
     "local": Algorithm(
         NoParams, lambda p, i, *_: Recipe(S.none_global(i)),
-        "local-only training, nothing shared (lower bound on communication)"),
+        "local-only training, nothing shared (lower bound on communication)", full_ok=True),
     "full-ft": Algorithm(
         NoParams, all_global,
         "federated full fine-tuning: every backbone weight shared and averaged, no PEFT "
         "(peft.type = 'full'; PFAdapter's Table IV prices it against LoRA)",
         "Liu et al., PFAdapter: Hierarchical LoRA Decomposition for Personalized Federated MLLMs, arXiv:2607.12111",
-        full_ft_check),
+        full_ft_check, full_ok=True),
 }

@@ -55,4 +55,4 @@ def build(p: PFedLoRAParams, infos, *_) -> Recipe:
 
 PFEDLORA = Algorithm(PFedLoRAParams, build, "shared LoRA adapter averaged, private LoRA adapter kept; trained "
                      "alternately, private then shared (pFedLoRA)", "https://arxiv.org/abs/2310.13283",
-                     check_config)
+                     check_config, private_adapter=True)

@@ -72,6 +72,10 @@ class Algorithm:
     # PEFT part it splits, a switch it cannot compose with). Run by `fedsplice validate` and
     # before every build, so a combination error never waits for the first fit.
     check_config: Callable | None = None
+    # What the method makes of two PEFT settings other methods would misread. False: refused in
+    # one line; None (register_algorithm, a `module:build` reference): not checked.
+    full_ok: bool | None = False  # peft.type = "full": every backbone weight trains, no PEFT parts
+    private_adapter: bool | None = False  # peft.private_r: a second LoRA adapter (pFedLoRA's private one)
 
 
 def refuse_grab(cfg, objective: str) -> None:

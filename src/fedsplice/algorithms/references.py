@@ -46,12 +46,13 @@ REFERENCES: dict[str, Algorithm] = {
     "centralized": Algorithm(
         NoParams, centralized,
         "reference: one PEFT (all tensors) trained on the pooled data of all training clients, "
-        "clients_per_round x a client's local steps per round; no aggregation, no traffic"),
+        "clients_per_round x a client's local steps per round; no aggregation, no traffic", full_ok=True),
     "majority": Algorithm(
         NoParams, majority,
-        "reference: predicts the pooled training data's majority class everywhere; no training, no traffic"),
+        "reference: predicts the pooled training data's majority class everywhere; no training, no traffic",
+        full_ok=True),
     "local-prior": Algorithm(
         NoParams, local_prior,
         "reference: PM predicts each client's own majority training class, GM the global one; "
-        "no training, no traffic"),
+        "no training, no traffic", full_ok=True),
 }

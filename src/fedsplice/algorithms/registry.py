@@ -34,7 +34,6 @@ ENTRY_POINT_GROUP = "fedsplice.algorithms"
 ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp": FEDOTP, "fedpgp": FEDPGP,
                                     "pfadapter": PFADAPTER, "pfedlora": PFEDLORA, **LORA_BASELINES,
                                     **REFERENCES}  # references last: the sanity rows of a table
-_BUILTIN = frozenset(ALGORITHMS)  # before any register_algorithm: users' own are not checked for peft "full"
 
 
 def register_algorithm(name: str, params_type: type = NoParams, build: Callable | None = None, *,
@@ -51,7 +50,7 @@ def register_algorithm(name: str, params_type: type = NoParams, build: Callable 
     if not dataclasses.is_dataclass(params_type) or not callable(build):
         raise ConfigError(f"register_algorithm({name!r}): params_type must be a dataclass and build a function")
     ALGORITHMS[name] = Algorithm(params_type, build, description or (build.__doc__ or "").strip().split("\n")[0],
-                                 paper, check_config)
+                                 paper, check_config, full_ok=None, private_adapter=None)
     return ALGORITHMS[name]
 
 
@@ -73,7 +72,8 @@ def _as_algorithm(obj, where: str) -> Algorithm:
     params = NoParams if raw is inspect.Parameter.empty else raw
     if not dataclasses.is_dataclass(params):
         raise ConfigError(f"algorithm: {where}'s first parameter must be annotated with a dataclass, got {params!r}")
-    return Algorithm(params, obj, (getattr(obj, "__doc__", None) or "").strip().split("\n")[0])
+    return Algorithm(params, obj, (getattr(obj, "__doc__", None) or "").strip().split("\n")[0],
+                     full_ok=None, private_adapter=None)
 
 
 def _load_reference(ref: str) -> Algorithm:
@@ -135,7 +135,7 @@ def method_params(cfg):
     the algorithm fits its PEFT parts (check_peft_fits) and the rest of the config (the method's
     own `check_config`): `fedsplice validate` catches every such combination error."""
     algo = get_algorithm(cfg.algorithm)
-    check_peft_fits(cfg)
+    check_peft_fits(cfg, algo)
     try:
         params = from_dict(algo.params, cfg.method, "method")
     except ConfigError as e:
@@ -150,21 +150,16 @@ def method_params(cfg):
     return params
 
 
-# Built-ins that are sound with peft.type = "full" (no LoRA roles or factors, no prompt or adapter,
-# no frozen model needed while training); the others would silently turn into full-ft or worse.
-FULL_OK = ("full-ft", "fedprox", "fedper", "local", "zeroshot", "centralized", "majority", "local-prior")
-
-
-def check_peft_fits(cfg) -> None:
-    """Refuse PEFT parts a built-in algorithm would misread: peft.private_r (pFedLoRA's adapter) and
-    peft.type = "full" outside FULL_OK."""
-    if cfg.peft.private_r and cfg.algorithm in _BUILTIN and cfg.algorithm != "pfedlora":
+def check_peft_fits(cfg, algo: Algorithm) -> None:
+    """Refuse PEFT parts the algorithm says it would misread (Algorithm.full_ok, .private_adapter)."""
+    if cfg.peft.private_r and algo.private_adapter is False:
         raise ConfigError(f"peft.private_r adds pFedLoRA's private LoRA adapter, which algorithm {cfg.algorithm!r} "
                           f"would treat as its own LoRA; set peft.private_r = 0 or algorithm = 'pfedlora'")
-    if cfg.peft.type == "full" and cfg.algorithm in _BUILTIN and cfg.algorithm not in FULL_OK:
+    if cfg.peft.type == "full" and algo.full_ok is False:
+        ok = [n for n, a in ALGORITHMS.items() if a.full_ok]
         raise ConfigError(f"peft.type = 'full' trains the whole backbone, without the LoRA/prompt/adapter parts "
                           f"algorithm {cfg.algorithm!r} splits or freezes; use algorithm = 'full-ft' "
-                          f"(or one of {', '.join(FULL_OK[1:])}), or another peft.type")
+                          f"(or one of {', '.join(n for n in ok if n != 'full-ft')}), or another peft.type")
 
 
 def build_recipe(cfg, infos, shapes, scalings) -> Recipe:
