@@ -63,6 +63,7 @@ def eval_rows(exp, reps: int) -> list[dict]:
 
 def compile_rows(exp, reps: int, steps: int) -> list[dict]:
     from fedsplice.federation import tasks
+    from fedsplice.federation.train import Step
 
     cid = exp.train_ids[0]
     received = {n: exp.init_params[n] for n in exp.global_names}
@@ -72,8 +73,7 @@ def compile_rows(exp, reps: int, steps: int) -> list[dict]:
         exp.model.load_params(dict(exp.init_params))
         t0 = time.perf_counter()
         _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid, received),
-                                   objective=exp.recipe.objective, loss_terms=exp.recipe.loss_terms,
-                                   grad_transform=exp.recipe.grad_transform, client_cfg=cc)
+                                   step=Step.of(exp.recipe), client_cfg=cc)
         return (time.perf_counter() - t0) / st["steps"]
 
     step()  # warm-up

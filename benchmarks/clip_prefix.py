@@ -66,7 +66,7 @@ def main() -> None:
         times[name] = []
         for rep in range(repeats + 1):  # repeat 0 warms up (and fills the cache)
             t0 = time.perf_counter()
-            local_train(m, items, labels, cfg=cc, loss_terms=[], keep_opt=set(), opt_state={},
+            local_train(m, items, labels, cfg=cc, keep_opt=set(), opt_state={},
                         rng=np.random.default_rng(rep), ctx={})
             if rep:
                 times[name].append((time.perf_counter() - t0) / (16 * steps))

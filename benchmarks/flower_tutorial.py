@@ -55,7 +55,7 @@ from fedsplice.federation.experiment import apply_long_tail, build, make_clients
 from fedsplice.federation.metrics import classification_metrics  # noqa: E402
 from fedsplice.federation.tasks import train_context  # noqa: E402
 from fedsplice.core.split import GLOBAL, PRIVATE, names_in  # noqa: E402
-from fedsplice.federation.train import local_train  # noqa: E402
+from fedsplice.federation.train import Step, local_train  # noqa: E402
 
 
 def peak_rss_mb() -> float:
@@ -130,8 +130,8 @@ def make_client_app(cfg: ExperimentConfig) -> ClientApp:
         t1 = time.perf_counter()
         seed_torch(cfg, rnd, cid)  # as federation.tasks.fit: same dropout and data order
         new_opt, stats = local_train(
-            model, texts, d.train_labels[c.train_idx], cfg=cfg.client, loss_terms=recipe.loss_terms,
-            objective=recipe.objective, grad_transform=recipe.grad_transform, ids=c.train_idx,
+            model, texts, d.train_labels[c.train_idx], cfg=cfg.client, step=Step.of(recipe),
+            ids=c.train_idx,
             keep_opt=set(private_names), opt_state=opt_state, rng=rng(cfg, STREAM_CLIENT, rnd, cid), ctx=ctx)
         params = model.trainable()
         # Stateful client, as Flower recommends: PRIVATE state stays in context.state.

@@ -43,7 +43,7 @@ def main() -> None:
     from fedsplice.algorithms.fedpurel import align_objective
     from fedsplice.core.purify import purification
     from fedsplice.core.losses import Orthogonality
-    from fedsplice.federation.train import local_train
+    from fedsplice.federation.train import Step, local_train
 
     base = ROOT / "configs" / "fedavg-lora-minilm.toml"
     exp = build(load_config(base, FP32 + [f"client.max_steps={steps}", "client.batch_size=16"]))
@@ -70,18 +70,17 @@ def main() -> None:
 
     naive = Naive(infos, shapes, scal, ["q", "k"], 0.1)
     variants = {
-        "plain LoRA": dict(loss_terms=[]),
-        "+ ortho (rank-space)": dict(loss_terms=[ortho]),
-        "+ ortho (naive d×d)": dict(loss_terms=[naive]),
-        "+ purification": dict(loss_terms=[], objective=align_objective(True),
-                               grad_transform=purification("tensor")),
+        "plain LoRA": Step(),
+        "+ ortho (rank-space)": Step(loss_terms=(ortho,)),
+        "+ ortho (naive d×d)": Step(loss_terms=(naive,)),
+        "+ purification": Step(objective=align_objective(True), grad_transform=purification("tensor")),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for rep in range(repeats + 1):  # repeat 0 warms up every variant
-        for name, kw in variants.items():
+        for name, step in variants.items():
             t0 = time.perf_counter()
             local_train(m, texts, labels, cfg=exp.cfg.client, keep_opt=set(), opt_state={},
-                        rng=np.random.default_rng(rep), ctx={"zero_shot": zs}, ids=cl.train_idx, **kw)
+                        rng=np.random.default_rng(rep), ctx={"zero_shot": zs}, ids=cl.train_idx, step=step)
             if rep:
                 times[name].append((time.perf_counter() - t0) / steps)
     ref = statistics.median(times["plain LoRA"])

@@ -58,6 +58,7 @@ def child(job: dict) -> None:
 
     from fedsplice.federation import build, make_store
     from fedsplice.federation import tasks
+    from fedsplice.federation.train import Step
     from fedsplice.federation.validate import load_config
     from fedsplice.runtimes.inprocess import run_rounds
 
@@ -94,8 +95,7 @@ def child(job: dict) -> None:
             cc = dataclasses.replace(exp.cfg.client, max_steps=steps, local_epochs=max(exp.cfg.client.local_epochs, 1))
             t0, c0 = time.perf_counter(), time.process_time()
             _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid, received),
-                                       objective=exp.recipe.objective, loss_terms=exp.recipe.loss_terms,
-                                       grad_transform=exp.recipe.grad_transform, client_cfg=cc)
+                                       step=Step.of(exp.recipe), client_cfg=cc)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if rep:
                 step_s[prec].append(dt / st["steps"])

@@ -66,6 +66,7 @@ def rows_per_token(exp, batches: int = 200) -> tuple[float, float]:
 
 def step_time(exp, steps: int) -> float:
     from fedsplice.federation import tasks
+    from fedsplice.federation.train import Step
 
     cid = exp.train_ids[0]
     exp.model.load_params(dict(exp.init_params))
@@ -73,8 +74,7 @@ def step_time(exp, steps: int) -> float:
     t0 = time.perf_counter()
     _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1,
                                ctx=tasks.train_context(exp, cid, {n: exp.init_params[n] for n in exp.global_names}),
-                               objective=exp.recipe.objective, loss_terms=exp.recipe.loss_terms,
-                               grad_transform=exp.recipe.grad_transform, client_cfg=cc)
+                               step=Step.of(exp.recipe), client_cfg=cc)
     return (time.perf_counter() - t0) / st["steps"]
 
 

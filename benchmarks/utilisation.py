@@ -90,6 +90,7 @@ def child(job: dict) -> None:
     import torch
 
     from fedsplice.federation import build, tasks
+    from fedsplice.federation.train import Step
     from fedsplice.federation.validate import load_config
 
     torch.set_num_threads(job["threads"] or torch.get_num_threads())
@@ -107,8 +108,7 @@ def child(job: dict) -> None:
             count.reset()
             t0 = time.perf_counter()
             _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid, init),
-                                       objective=exp.recipe.objective, loss_terms=exp.recipe.loss_terms,
-                                       grad_transform=exp.recipe.grad_transform, client_cfg=cc)
+                                       step=Step.of(exp.recipe), client_cfg=cc)
             if rep:
                 train_s.append(time.perf_counter() - t0)
         train = {"real": count.real, "rows": count.rows,

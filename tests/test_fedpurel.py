@@ -18,7 +18,7 @@ from fedsplice.core import wire
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
 from fedsplice.federation.tasks import train_context
-from fedsplice.federation.train import local_train
+from fedsplice.federation.train import Step, local_train
 
 # ----------------------------------------------------------------------------- temperature
 
@@ -428,8 +428,7 @@ def test_local_train_steps_with_purified_gradient(purel_exp):
     c = exp.clients[CID]
     all_texts = [exp.data.train_texts[i] for i in c.train_idx]
     _, stats = local_train(model, all_texts, exp.data.train_labels[c.train_idx], cfg=exp.cfg.client,
-                           loss_terms=r.loss_terms, objective=r.objective, grad_transform=r.grad_transform,
-                           ids=c.train_idx, keep_opt=set(), opt_state={}, rng=np.random.default_rng(0), ctx=ctx)
+                           step=Step.of(r), ids=c.train_idx, keep_opt=set(), opt_state={}, rng=np.random.default_rng(0), ctx=ctx)
     assert stats["steps"] == 1
     assert stats["purified_steps"] == 1.0
     assert stats["purified_tensors"] == pytest.approx(hits / len(names))
@@ -690,8 +689,7 @@ def test_the_training_loop_reads_the_device_once_a_round_not_once_a_step(purel_e
         init = dict(exp.init_params)
         exp.model.load_params(init)
         _, st = tasks.train_client(exp, CID, rnd=1, torch_round=1, ctx=tasks.train_context(exp, CID, init),
-                                   objective=exp.recipe.objective, loss_terms=exp.recipe.loss_terms,
-                                   grad_transform=exp.recipe.grad_transform, client_cfg=cc)
+                                   step=Step.of(exp.recipe), client_cfg=cc)
         assert st["steps"] == steps and 0.0 <= st["purified_tensors"] <= 1.0
         return len(reads)
 

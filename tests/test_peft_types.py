@@ -261,7 +261,7 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
     assert abs(float(adjusted) - float(plain)) > 1e-3
     # the training loop reports the shifted loss (measured before its one step)
     _, stats = local_train(exp.model, x, exp.data.train_labels[c.train_idx], cfg=exp.cfg.client,
-                           loss_terms=[], keep_opt=set(), opt_state={}, rng=np.random.default_rng(0),
+                           keep_opt=set(), opt_state={}, rng=np.random.default_rng(0),
                            ctx=ctx, ids=c.train_idx)
     assert stats["task_loss"] == pytest.approx(float(by_hand), rel=1e-5)
     # off: no offset in the context at all

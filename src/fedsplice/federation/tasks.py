@@ -38,7 +38,7 @@ from fedsplice.errors import ConfigError
 from fedsplice.federation.evaluation import prior_logits, score
 from fedsplice.federation.metrics import classification_metrics
 from fedsplice.federation.state import ClientState
-from fedsplice.federation.train import local_train, planned_steps
+from fedsplice.federation.train import PLAIN, Step, local_train, planned_steps
 
 # the tasks `run_task` serves (fit has its own reply)
 TASKS = ("evaluate", "personalize", "cold_start", "evaluate_global")
@@ -84,9 +84,8 @@ def grab_balancer(exp, stored: dict | None, global_params: dict):  # stored: Cli
     return G.Balancer(params, state, mask)
 
 
-def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: dict, objective=None, loss_terms=(),
-                 grad_transform=None, keep_opt=frozenset(), opt_state=None, client_cfg=None,
-                 epochs: int | None = None) -> tuple[dict, dict]:
+def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: dict, step: Step = PLAIN,
+                 keep_opt=frozenset(), opt_state=None, client_cfg=None, epochs: int | None = None) -> tuple[dict, dict]:
     """The one client driver: seed, then the one training loop on client `cid`'s training data,
     from the parameters already loaded into the model. `rnd` keys the client's data-order stream,
     `torch_round` its dropout seed (both from `streams`)."""
@@ -94,8 +93,7 @@ def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: dict, object
     streams.seed_torch(exp.cfg, torch_round, cid)
     return local_train(
         exp.model, [d.train_texts[i] for i in c.train_idx], d.train_labels[c.train_idx],
-        cfg=client_cfg or exp.cfg.client, loss_terms=list(loss_terms), objective=objective,
-        grad_transform=grad_transform, ids=c.train_idx, keep_opt=set(keep_opt), opt_state=opt_state or {},
+        cfg=client_cfg or exp.cfg.client, step=step, ids=c.train_idx, keep_opt=set(keep_opt), opt_state=opt_state or {},
         rng=streams.rng(exp.cfg, streams.CLIENT, rnd, cid), ctx=ctx, epochs=epochs)
 
 
@@ -222,7 +220,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
             else exp.private_names if exp.cfg.client.optimizer_state == "keep_private" else [])
     new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd,
                                   ctx=train_context(exp, cid, received, round=rnd, **grab),
-                                  objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
+                                  step=Step.of(r),
                                   keep_opt=keep, opt_state=opt_state,
                                   client_cfg=round_config(exp, cid, rnd))
     params = clone(exp.model.trainable())  # on the CPU: the wire and the store never hold device tensors
@@ -274,7 +272,7 @@ def train_branch(exp, cid: int, global_params: dict, branch: dict, rounds: range
         opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r,
                               torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
                               ctx=train_context(exp, cid, global_params, global_logits=l_g), client_cfg=ccfg,
-                              objective=exp.recipe.personalize.objective, keep_opt=set(branch), opt_state=opt)
+                              step=Step(exp.recipe.personalize.objective), keep_opt=set(branch), opt_state=opt)
     return clone(exp.model.trainable())
 
 
@@ -311,8 +309,7 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
             opt_state, _ = train_client(
                 exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e,
                 ctx=train_context(exp, cid, global_params, **grab),
-                objective=r.objective, loss_terms=r.loss_terms, grad_transform=r.grad_transform,
-                keep_opt=set(exp.model.trainable()), opt_state=opt_state, epochs=1)
+                step=Step.of(r), keep_opt=set(exp.model.trainable()), opt_state=opt_state, epochs=1)
         accs.append(classification_metrics(labels, predict_local_test(exp, cid), len(exp.data.class_names))["accuracy"])
     return {"accuracy": accs}
 

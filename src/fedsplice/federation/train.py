@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -136,24 +138,40 @@ def add_terms(losses: dict, loss_terms, params: dict, ctx: dict, sums: dict, las
     return weighted
 
 
-def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, loss_terms,
-                keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: dict,
-                objective=None, grad_transform=None, ids: np.ndarray | None = None,
-                epochs: int | None = None) -> tuple[dict, dict]:
-    """Train the model's trainable tensors in place on one client's data.
+@dataclass(frozen=True)
+class Step:
+    """What one local step optimizes (a recipe's training parts).
 
     `objective(model, texts, y, ids, ctx) -> {name: loss}` gives the losses of one forward
-    (default: cross-entropy as "task"); parameter-only `loss_terms` are added to "task".
-    Without a `grad_transform` the step follows the gradient of the sum of all losses; with
-    one, the gradient of each loss is taken separately and the transform combines them
-    (`grad_transform(grads: {loss: [tensor per param]}) -> ([tensor per param], stats)`),
-    as FedPuReL's purification does.
+    (None: cross-entropy as "task"); parameter-only `loss_terms` are added to "task". Without a
+    `grad_transform` the step follows the gradient of the sum of all losses; with one, the
+    gradient of each loss is taken separately and the transform combines them
+    (`grad_transform(grads: {loss: [tensor per param]}) -> ([tensor per param], stats)`), as
+    FedPuReL's purification does."""
+
+    objective: Callable | None = None
+    loss_terms: tuple = ()
+    grad_transform: Callable | None = None
+
+    @classmethod
+    def of(cls, recipe) -> "Step":
+        return cls(recipe.objective, tuple(recipe.loss_terms), recipe.grad_transform)
+
+
+PLAIN = Step()  # cross-entropy, no loss terms, the plain gradient
+
+
+def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, step: Step = PLAIN,
+                keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: dict,
+                ids: np.ndarray | None = None, epochs: int | None = None) -> tuple[dict, dict]:
+    """Train the model's trainable tensors in place on one client's data, one `Step` at a time.
 
     Returns the optimizer state of the `keep_opt` names (PRIVATE tensors: their Adam moments
     persist across rounds; GLOBAL tensors start each round fresh, as they are replaced by the
     server's) and training statistics (means over steps).
     """
-    objective = objective or cross_entropy_objective
+    objective = step.objective or cross_entropy_objective
+    loss_terms, grad_transform = step.loss_terms, step.grad_transform
     params = model.trainable()
     names = sorted(params)
     plist = [params[n] for n in names]
