@@ -147,3 +147,23 @@ def test_the_peft_settings_a_method_misreads_are_declared_by_the_method(capsys):
     finally:
         R.ALGORITHMS.pop("mine")
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("sets, label", [
+    ([], "pfadapter"),
+    (["server.optimizer=fedadam"], "pfadapter+fedadam"),
+    (["algorithm=lora"], "fedavg-lora"),
+    (["algorithm=lora", "server.optimizer=fedyogi"], "fedyogi-lora"),
+    (["algorithm=local", "server.optimizer=fedadam"], "local"),
+    (["algorithm=majority", "server.optimizer=fedadam"], "majority"),
+    (["algorithm=fedpurel", "peft.type=prompt", "server.optimizer=fedadam"], "fedpurel+fedadam-prompt"),
+    (["algorithm=fedpurel", "client.logit_adjustment=1.0"], "fedpurel-lora+la"),
+    (["algorithm=lora", "client.grab=true"], "fedavg-lora+grab"),
+])
+def test_labels_come_from_the_methods(sets, label):
+    """display_name: each method's own `label` (lora, fedpurel, the methods without a server step)
+    or `algorithm` (+ the server optimizer), then the +la / +grab switches: the names results use."""
+    from fedsplice.federation.validate import load_config
+
+    method = [] if not any(s.startswith("algorithm=") for s in sets) else ["method={}"]
+    assert R.display_name(load_config(None, sets + method)) == label

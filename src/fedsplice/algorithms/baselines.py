@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe
+from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe, no_server_step
 from fedsplice.core import split as S
 from fedsplice.core.losses import Proximal
 from fedsplice.errors import ConfigError
@@ -67,7 +67,7 @@ def full_ft_check(p, cfg) -> None:
 BASELINES: dict[str, Algorithm] = {
     "zeroshot": Algorithm(
         NoParams, lambda p, i, *_: Recipe(S.none_global(i), trains=False),
-        "the frozen model's zero-shot predictions; no training, no traffic", full_ok=True),
+        "the frozen model's zero-shot predictions; no training, no traffic", full_ok=True, label=no_server_step),
     "promptfl": Algorithm(
         NoParams, all_global,
         "CoOp prompt context shared and averaged (PromptFL)", "https://arxiv.org/abs/2208.11625", needs_peft("prompt")),
@@ -86,7 +86,7 @@ LORA_BASELINES: dict[str, Algorithm] = {
         NoParams, lambda p, i, *_: Recipe(S.all_global(i)),
         "federated LoRA, every adapter tensor shared; the server optimizer names the variant "
         "(fedavg-lora, fedavgm-lora, fedadam-lora, fedyogi-lora, fedadagrad-lora)",
-        "https://arxiv.org/abs/2003.00295"),
+        "https://arxiv.org/abs/2003.00295", label=lambda cfg: f"{cfg.server.optimizer}-lora"),
     "fedsa-lora": Algorithm(
         NoParams, lambda p, i, *_: Recipe(S.by_lora_factor(i)),
         "LoRA A global, B private (FedSA-LoRA)", "https://arxiv.org/abs/2410.01463"),
@@ -100,7 +100,7 @@ LORA_BASELINES: dict[str, Algorithm] = {
         "https://arxiv.org/abs/1812.06127", full_ok=True),
     "local": Algorithm(
         NoParams, lambda p, i, *_: Recipe(S.none_global(i)),
-        "local-only training, nothing shared (lower bound on communication)", full_ok=True),
+        "local-only training, nothing shared (lower bound on communication)", full_ok=True, label=no_server_step),
     "full-ft": Algorithm(
         NoParams, all_global,
         "federated full fine-tuning: every backbone weight shared and averaged, no PEFT "

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fedsplice.algorithms.recipe import Algorithm, PersonalStage, Recipe, refuse_grab
+from fedsplice.algorithms.recipe import Algorithm, PersonalStage, Recipe, default_label, refuse_grab
 from fedsplice.core import split as S
 from fedsplice.core.purify import TIE_TOL, purification
 from fedsplice.core.tkl import tkl
@@ -107,4 +107,5 @@ def build(p: FedPuReLParams, infos, shapes, scalings) -> Recipe:
 FEDPUREL = Algorithm(FedPuReLParams, build,
                      "gradient purification toward zero-shot (TKL) + residual personalization (FedPuReL)",
                      "Fine-Tuning Impairs the Balancedness of Foundation Models in Long-tailed Personalized "
-                     "Federated Learning (FedPuReL; github.com/shihaohou/FedPuReL)", check_config)
+                     "Federated Learning (FedPuReL; github.com/shihaohou/FedPuReL)", check_config,
+                     label=lambda cfg: default_label(cfg) + f"-{cfg.peft.type}")  # fedpurel-lora, -prompt, -adapter

@@ -76,6 +76,21 @@ class Algorithm:
     # one line; None (register_algorithm, a `module:build` reference): not checked.
     full_ok: bool | None = False  # peft.type = "full": every backbone weight trains, no PEFT parts
     private_adapter: bool | None = False  # peft.private_r: a second LoRA adapter (pFedLoRA's private one)
+    # (cfg) -> the method's name in results; None: `algorithm`, "+<optimizer>" when the server
+    # optimizer is not FedAvg (registry.display_name adds the +la / +grab switches)
+    label: Callable | None = None
+
+
+def default_label(cfg) -> str:
+    """`algorithm`, with "+<optimizer>" when the server optimizer is not FedAvg."""
+    opt = cfg.server.optimizer
+    return cfg.algorithm if opt == "fedavg" else f"{cfg.algorithm}+{opt}"
+
+
+def no_server_step(cfg) -> str:
+    """The label of a method without a server step (local, zero-shot, the references): its name,
+    whatever server.optimizer says."""
+    return cfg.algorithm
 
 
 def refuse_grab(cfg, objective: str) -> None:

@@ -26,7 +26,7 @@ model's predictions, are not reported for them.
 
 from __future__ import annotations
 
-from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe
+from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe, no_server_step
 from fedsplice.core import split as S
 
 
@@ -46,13 +46,14 @@ REFERENCES: dict[str, Algorithm] = {
     "centralized": Algorithm(
         NoParams, centralized,
         "reference: one PEFT (all tensors) trained on the pooled data of all training clients, "
-        "clients_per_round x a client's local steps per round; no aggregation, no traffic", full_ok=True),
+        "clients_per_round x a client's local steps per round; no aggregation, no traffic",
+        full_ok=True, label=no_server_step),
     "majority": Algorithm(
         NoParams, majority,
         "reference: predicts the pooled training data's majority class everywhere; no training, no traffic",
-        full_ok=True),
+        full_ok=True, label=no_server_step),
     "local-prior": Algorithm(
         NoParams, local_prior,
         "reference: PM predicts each client's own majority training class, GM the global one; "
-        "no training, no traffic", full_ok=True),
+        "no training, no traffic", full_ok=True, label=no_server_step),
 }

@@ -24,7 +24,7 @@ from fedsplice.algorithms.fedpgp import FEDPGP
 from fedsplice.algorithms.fedpurel import FEDPUREL
 from fedsplice.algorithms.pfadapter import PFADAPTER
 from fedsplice.algorithms.pfedlora import PFEDLORA
-from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe
+from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe, default_label
 from fedsplice.algorithms.references import REFERENCES
 from fedsplice.config import from_dict
 from fedsplice.core import split as S
@@ -173,13 +173,6 @@ def build_recipe(cfg, infos, shapes, scalings) -> Recipe:
 
 def display_name(cfg) -> str:
     """The label in results: fedyogi-lora, pfadapter, pfadapter+fedadam, local…"""
-    opt = cfg.server.optimizer
-    if cfg.algorithm == "lora":
-        name = f"{opt}-lora"
-    elif opt == "fedavg" or cfg.algorithm in ("local", "zeroshot", *REFERENCES):  # no server step
-        name = cfg.algorithm
-    else:
-        name = f"{cfg.algorithm}+{opt}"
-    if cfg.algorithm == "fedpurel":
-        name += f"-{cfg.peft.type}"
+    algo = get_algorithm(cfg.algorithm)
+    name = (algo.label or default_label)(cfg)
     return name + ("+la" if cfg.client.logit_adjustment > 0 else "") + ("+grab" if cfg.client.grab else "")
