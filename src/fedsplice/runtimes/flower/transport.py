@@ -313,10 +313,12 @@ class FlowerTransport:
             down_share = dict(zip(ncids, split_bytes(self._sent.get(node, 0), len(ncids))))
             self.totals["down_bytes"] += sum(down_share.values())
             self.totals["down_payload_bytes"] += len(down) * len(ncids)
+            refused = False  # an error reply or a missed deadline is logged once, by _exchange
             if not err and rep is not None:
                 w, res, err = self._result("train", rnd, node, ncids, rep)
+                refused = bool(err)
             if err:
-                if rep is not None and not late:
+                if refused:
                     self._event("reply_refused", node, ncids, err, rnd)
                 for c in ncids:
                     replies[c] = Reply(c, b"", 0, {}, 0, down_share[c], error="" if late else err, late=late)
