@@ -76,3 +76,32 @@ def test_the_contracts_can_fail(tmp_path, bad, rule):
     r = subprocess.run([str(lint), "--config", str(ROOT / ".importlinter")], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300, env={"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"})
     assert r.returncode != 0 and f"{rule}" in r.stdout and "BROKEN" in r.stdout, r.stdout[-3000:]
+
+
+GENERIC = ("model", "federation", "core", "runtimes", "config", "data")  # no method is named in their code
+METHOD = r"fedotp|fedpgp|pfedlora|fedpurel|pfadapter|promptfolio|fedclip|promptfl|fedsa|fedper|fedprox|fedrep|cliplora"
+
+
+def _method_branches(tree: ast.AST, path: str) -> list[str]:
+    """`x.algorithm == "name"` / `in (...)` comparisons, and identifiers naming a method."""
+    import re
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(s, ast.Attribute) and s.attr == "algorithm"
+                                                 for s in [node.left, *node.comparators]):
+            found.append(f"{path}:{node.lineno}: compares `algorithm` with a name")
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name and re.search(METHOD, name, re.I):
+            found.append(f"{path}:{node.lineno}: identifier {name}")
+    return found
+
+
+def test_generic_layers_hold_no_method_branches():
+    """Methods own their parts (docs/extending.md): the generic layers never branch on an algorithm's
+    name nor name one in code (error messages may name a method for the user)."""
+    found = [f for p, tree, _ in _sizes() if p.relative_to(SRC).parts[0] in GENERIC
+             for f in _method_branches(tree, str(p.relative_to(ROOT)))]
+    assert not found, found
+    bad = ast.parse('if cfg.algorithm == "fedotp":\n    fedotp_head = 1\n')  # the scan sees both kinds
+    assert len(_method_branches(bad, "x.py")) == 2
