@@ -35,6 +35,14 @@ def test_ruff_is_clean_on_src():
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
+@pytest.mark.integration
+def test_mypy_is_clean_on_the_checked_modules():
+    """mypy on pyproject's [tool.mypy] packages and modules (the math, the methods, the spine)."""
+    mypy = Path(sys.executable).parent / "mypy"
+    r = subprocess.run([str(mypy), "--no-incremental"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "Success" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+
+
 def _sizes():
     for p in sorted(SRC.rglob("*.py")):
         tree = ast.parse(p.read_text())

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fedsplice.algorithms.recipe import Algorithm, Recipe
 from fedsplice.config import check_roles
@@ -39,7 +40,7 @@ class PFAdapterParams:
 
 def build(p: PFAdapterParams, infos, shapes, scalings) -> Recipe:
     split = S.by_roles(infos, p.global_roles) if p.selective_aggregation else S.all_global(infos)
-    terms = []
+    terms: list[Callable] = []
     if p.ortho_lambda > 0:
         terms.append(Orthogonality(infos, shapes, scalings, p.global_roles, p.ortho_lambda, p.ortho_on))
     return Recipe(split, terms)

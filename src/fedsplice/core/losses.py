@@ -65,7 +65,7 @@ class Orthogonality:
         self.pairs: list[OrthoPair] = []
         blocks: dict[str, dict[str, dict[str, str]]] = {}
         for name, info in infos.items():
-            if info.kind == "lora" and info.role is not None:
+            if info.kind == "lora" and info.role is not None and info.layer is not None and info.factor is not None:
                 blocks.setdefault(info.layer, {}).setdefault(info.role, {})[info.factor] = name
         g_roles = set(global_roles)
         for layer in sorted(blocks):

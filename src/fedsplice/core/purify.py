@@ -54,10 +54,10 @@ def purification(granularity: str = "tensor", tie_tol: float = TIE_TOL):
         if granularity == "flat":
             flat_t = torch.cat([g.reshape(-1) for g in gt])
             flat_a = torch.cat([g.reshape(-1) for g in ga])
-            out, hit = project(flat_t, flat_a, tie_tol)
+            flat, hit = project(flat_t, flat_a, tie_tol)
             parts, i = [], 0
             for g in gt:
-                parts.append(out[i:i + g.numel()].view_as(g))
+                parts.append(flat[i:i + g.numel()].view_as(g))
                 i += g.numel()
             hit = hit.to(flat_t.dtype)
             return parts, {"purified_steps": hit, "purified_tensors": hit, **geometry(gt, ga, parts, tie_tol)}

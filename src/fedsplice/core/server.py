@@ -119,11 +119,11 @@ def _check(field: str, value, ok: bool, allowed: str) -> None:
 
 
 def _check_lr(lr) -> None:
-    _check("lr", lr, isinstance(lr, Real) and lr > 0, "> 0")
+    _check("lr", lr, isinstance(lr, Real) and float(lr) > 0, "> 0")
 
 
 def _check_beta(field: str, b) -> None:
-    _check(field, b, isinstance(b, Real) and 0 <= b < 1, "in [0, 1)")
+    _check(field, b, isinstance(b, Real) and 0 <= float(b) < 1, "in [0, 1)")
 
 
 def _check_update_inputs(pseudo_grad: Params, params: Params) -> None:

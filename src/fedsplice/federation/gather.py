@@ -5,10 +5,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from fedsplice.core import wire
 from fedsplice.core.robust import check_stats, check_update, check_weight
 from fedsplice.core.server import Params
+
+
+class Upload(Protocol):
+    """What gather reads of a reply (federation.rounds.Reply, which imports this module)."""
+
+    cid: int
+    payload: bytes
+    num_examples: int
+    stats: dict
+    error: str
+    late: bool
 
 
 @dataclass
@@ -16,7 +28,7 @@ class Gathered:
     """What the server kept from one round: the accepted uploads (decoded, in client-id order,
     so the aggregate does not depend on arrival order) and an event per client that failed."""
 
-    accepted: list[tuple[object, Params]]  # (reply, decoded GLOBAL tensors)
+    accepted: list[tuple[Upload, Params]]  # (reply, decoded GLOBAL tensors)
     events: list[dict]  # {"client", "event": dropped|late|rejected, "reason", "attempt"}
     up_bytes: int
     down_bytes: int
@@ -35,7 +47,7 @@ def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params,
     reason), be `late` (after the deadline), or fail validation (rejected: never asked again
     this round). Nothing here raises on a client's behalf.
     """
-    accepted: dict[int, tuple[object, Params]] = {}
+    accepted: dict[int, tuple[Upload, Params]] = {}
     refused: set[int] = set()
     events: list[dict] = []
     up = dn = 0
@@ -63,6 +75,7 @@ def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params,
             if getattr(r, "late", False):
                 event(cid, "late", "replied after the round deadline")
                 continue
+            reason: str | None
             try:
                 tensors = wire.decode_update(r.payload, reference)
             except Exception as e:  # a hostile payload must not stop the round

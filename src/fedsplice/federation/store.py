@@ -30,7 +30,7 @@ class Store(Protocol):
 
 
 class MemoryStore:
-    def __init__(self):
+    def __init__(self) -> None:
         self._d: dict[int, dict[str, torch.Tensor]] = {}
 
     def get(self, cid: int) -> dict[str, torch.Tensor] | None:

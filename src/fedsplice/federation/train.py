@@ -98,7 +98,7 @@ def term_diagnostics(task, terms: dict, plist: list, names: list[str], split: di
     question: does λo·Lo move anything next to the task loss?), and the unweighted term value."""
     def norms(loss) -> dict:
         gs = torch.autograd.grad(loss, plist, retain_graph=True, allow_unused=True)
-        sq = {"global": [], "private": []}
+        sq: dict[str, list] = {"global": [], "private": []}
         for n, g in zip(names, gs):
             if g is not None:
                 sq["private" if split.get(n) == "private" else "global"].append((g.detach() ** 2).sum())
@@ -184,7 +184,8 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
     ctx = to_device(ctx, dev)
     y_all = torch.as_tensor(labels, dtype=torch.long).to(dev)
     ids = np.arange(len(texts)) if ids is None else np.asarray(ids)
-    steps, sums, diag = 0, {}, {}
+    sums: dict[str, list] = {}
+    steps, diag = 0, {}
     last = planned_steps(len(texts), cfg, epochs) - 1 if cfg.diagnostics else -1  # -1: no step is measured
     model.train()
     for _ in range(epochs or cfg.local_epochs):
