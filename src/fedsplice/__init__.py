@@ -26,8 +26,9 @@ _LAZY = ("load_config", "run", "resume", "load_result", "compare", "register_alg
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real signatures (__getattr__ re-exports them)
-    from fedsplice.app.api import (AssetError,  # noqa: F401 CompareRow, ConfigError, FedspliceError, RunResult, compare,
-                                   list_algorithms, load_config, load_result, register_algorithm, resume, run)
+    from fedsplice.app.api import (AssetError, CompareRow, ConfigError,  # noqa: F401  re-exported lazily (__getattr__)
+                                   FedspliceError, RunResult, compare, list_algorithms, load_config, load_result,
+                                   register_algorithm, resume, run)
 
 
 def __getattr__(name: str):

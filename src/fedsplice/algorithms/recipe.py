@@ -8,7 +8,7 @@ runs every recipe with the same client tasks and the same round loop (docs/desig
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -101,6 +101,6 @@ def refuse_grab(cfg, objective: str) -> None:
                           f"on {objective}; set client.grab = false")
 
 
-def clone(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def clone(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached CPU copies: the currency of the store and the wire, wherever the model runs."""
     return {k: v.detach().to("cpu", copy=True) for k, v in params.items()}

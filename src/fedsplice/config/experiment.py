@@ -42,7 +42,7 @@ class ExperimentConfig:
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
-                sub.check()
+                sub.check()  # type: ignore[union-attr]  # every section has its own checks
         trainable = self.data.num_clients - self.data.holdout_clients
         if self.data.class_prompts and self.peft.type == "prompt":
             raise ConfigError("data.class_prompts (an ensemble of fixed templates) cannot be used with "

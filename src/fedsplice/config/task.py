@@ -227,8 +227,9 @@ class DataConfig:
     def check(self) -> None:
         # the files of a user's data set exist; a built-in name is checked against the registry
         # by fedsplice.federation.validate
-        if user_data(self.dataset):
-            check_user_path("data.dataset", *user_data(self.dataset))
+        given = user_data(self.dataset)
+        if given:
+            check_user_path("data.dataset", *given)
         self._check_sites()
         tkind, tpath = user_data(self.test) or ("", "")
         if self.test and not tkind:

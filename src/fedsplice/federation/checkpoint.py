@@ -183,7 +183,7 @@ class Checkpointer:
             put("rng.safetensors", st_save({"torch": torch.get_rng_state()}))
             put("metrics.jsonl", ("\n".join(metrics_lines) + "\n").encode())
             cids = self._save_clients(tmp / "clients", state.round, store, files)
-            np_state = np.random.get_state()
+            np_state: tuple = np.random.get_state()  # type: ignore[assignment]  # legacy=True: a tuple
             meta = {
                 "format": FORMAT,
                 "round": state.round,

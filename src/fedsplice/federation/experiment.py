@@ -7,6 +7,7 @@ the same seed see the same partition, the same local test sets and the same samp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,7 +163,8 @@ def zero_shot_caches(exp: Experiment) -> dict:
     """Frozen work computed once: zero-shot logits of the test set (for TKL and head bias) and,
     when the recipe aligns to them (FedPuReL), of the training set. None for a prior recipe
     (majority, local-prior): it never runs the model."""
-    bs, out = exp.cfg.eval.batch_size, {}
+    bs = exp.cfg.eval.batch_size
+    out: dict[str, Any] = {}
     if not exp.recipe.prior:
         with exp.model.zero_shot():
             out["zero_shot_test"] = exp.model.predict(exp.data.test_texts, bs) if exp.data.test_texts else None

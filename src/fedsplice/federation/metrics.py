@@ -79,7 +79,7 @@ def longtail_metrics(correct, total, zs_correct, train_counts, *, many: int, few
     has = total > 0
     acc = np.where(has, np.asarray(correct) / np.maximum(total, 1), 0.0)
     zs = np.where(has, np.asarray(zs_correct) / np.maximum(total, 1), 0.0)
-    out = {}
+    out: dict[str, float | int | None] = {}
     for name, mask in shot_groups(train_counts, many, few).items():
         m = mask & has
         n_group = int(total[m].sum())

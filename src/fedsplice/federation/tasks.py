@@ -76,8 +76,8 @@ def grab_balancer(exp, stored: dict | None, global_params: dict):  # stored: Cli
     else:
         exp.model.load_params({**global_params, **{n: exp.init_params[n] for n in exp.private_names}})
         mask = G.tail_mask(G.prior_from_responses(exp.model.predict([""], 1)), cc.grab_tail_ratio)
-    has = bool(stored) and "pos" in stored
-    state = {k: stored[k] for k in G.STATE_KEYS} if has else G.fresh_state(len(exp.data.class_names))
+    state = ({k: stored[k] for k in G.STATE_KEYS} if stored is not None and "pos" in stored
+             else G.fresh_state(len(exp.data.class_names)))
     params = G.GrabParams(kp=cc.grab_kp, ki=cc.grab_ki, kd=cc.grab_kd, pos_scale=cc.grab_pos_scale,
                           neg_scale=cc.grab_neg_scale, out_limit=cc.grab_out_limit, tail_ratio=cc.grab_tail_ratio,
                           loss=cc.grab_loss)
@@ -122,7 +122,9 @@ def train_phases(exp, cid: int, **kw) -> tuple[dict, dict]:
     if not phases:
         return train_client(exp, cid, **kw)
     params, split = exp.model.trainable(), exp.recipe.split
-    opt, stats, per = {}, {}, {}
+    opt: dict = {}
+    stats: dict = {}
+    per: dict = {}
     state = kw.pop("opt_state", None) or {}
     budgets = phase_budgets(exp, cid, kw.pop("client_cfg", None) or exp.cfg.client)
     try:
@@ -207,7 +209,8 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     received = wire.decode(down)
     stored = ClientState.from_store(store.get(cid))  # read once: every slot of the client's state
     priv, opt_state = split_state(exp, stored)
-    grab = {"grab": grab_balancer(exp, stored and stored.grab, received)} if exp.cfg.client.grab else {}
+    grab = ({"grab": grab_balancer(exp, stored.grab if stored is not None else None, received)}
+            if exp.cfg.client.grab else {})
     r = exp.recipe
     branch = {}
     if r.personalize and r.personalize.persistent:  # the official code's branch, one round a round
@@ -303,7 +306,8 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
     grab = {"grab": grab_balancer(exp, None, global_params)} if exp.cfg.client.grab else {}
     exp.model.load_params({**global_params, **fresh})
     labels, r = exp.data.test_labels[exp.clients[cid].test_idx], exp.recipe
-    accs, opt_state = [], {}
+    accs: list[float] = []
+    opt_state: dict = {}
     for e in range(exp.cfg.eval.cold_start_epochs + 1):
         if e > 0:
             opt_state, _ = train_client(

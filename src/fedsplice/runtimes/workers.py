@@ -210,7 +210,8 @@ class Workers:
         cfg = exp.cfg
         self.exp, self.progress, self.n = exp, progress, cfg.runtime.workers
         self.faults = FaultPlan(cfg)
-        self._procs, self._conns = [], []
+        self._procs: list = []
+        self._conns: list = []
         shared = store if isinstance(store, DiskStore) else None
         try:
             self._start(cfg, str(shared.root) if shared is not None else "")

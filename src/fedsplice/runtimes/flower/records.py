@@ -63,7 +63,7 @@ def decode(rec: ArrayRecord, like: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def from_record(rec: ArrayRecord, like: dict[str, torch.Tensor], *,
-                private: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+                private: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The tensors of `rec`, which must be exactly `like`'s names, shapes and (wire) dtypes,
     finite, and free of PRIVATE names; else RecordError (the SuperNode's check of what the
     server sent)."""
