@@ -2,6 +2,7 @@
 head's scores and gradient path, the split (only the global prompt travels), an end-to-end tiny
 run and bad parameters."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,13 +12,14 @@ import torch
 
 from fedsplice.core import wire
 from fedsplice.core.ot import ot_scores, partial_plan
+from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.runtimes.inprocess import run_rounds
 
 CLASSES = ["sports", "science", "music"]
-OTP = dict(algorithm='"fedotp"', peft__type='"prompt"', peft__ot_gamma=0.8)
+OTP = dict(algorithm='"fedotp"', peft__type='"prompt"', method="{gamma = 0.8}")
 
 
 def test_plan_hand_solved_case():
@@ -105,11 +107,14 @@ def test_split_and_what_travels(tiny_cfg, capture_uploads):
 
 
 @pytest.mark.parametrize("sets,match", [
-    (["peft.ot_gamma=1.5"], "peft.ot_gamma = 1.5"),
-    (["peft.ot_eps=0"], "peft.ot_eps must be > 0"),
-    (["peft.ot_gamma=0"], "peft.ot_gamma = γ"),
+    (["method.gamma=1.5"], "method.gamma = 1.5: the mass in"),
+    (["method.eps=0"], "method.eps must be > 0"),
+    (["method.gamma=0"], "method.gamma = 0.0"),
     (["peft.type=\"lora\""], "set peft.type = 'prompt'"),
-    (["peft.portfolio=0.2"], "set at most one of them above 0"),
+    (["peft.portfolio=0.2"], "adds prompt parts of its own: set both to 0"),
+    (["model.task=\"encoder_head\""], "set model.task = 'dual_encoder'"),
+    # the settings that moved from [peft] into FedOTP's own table: the one line names the new place
+    (["peft.ot_gamma=0.5"], "peft.ot_gamma is now `gamma` in the [method] table of algorithm 'fedotp'"),
 ])
 def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses):
     cli_refuses(tiny_cfg(**OTP), sets, match)
@@ -124,8 +129,8 @@ def test_clip_matches_image_patches(tmp_path):
     from fedsplice.data.samples import Sample
 
     clip_dir = str(zoo.tiny_clip(tmp_path / "clip"))
-    cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, logit_scale=100.0),
-                           peft=PeftConfig(type="prompt", ot_gamma=0.8), data=DataConfig(class_prompt="a photo of a {label}."))
+    cfg = ExperimentConfig(algorithm="fedotp", model=ModelConfig(name=clip_dir, logit_scale=100.0),
+                           peft=PeftConfig(type="prompt"), data=DataConfig(class_prompt="a photo of a {label}."))
     cfg.check()
     m = TaskModel(cfg, ["circle", "square", "triangle"])
     m.eval()
@@ -154,3 +159,56 @@ def test_reading_the_stopping_test_every_few_iterations_gives_the_same_plan(iter
     assert not torch.equal(partial_plan(cost, cap, 0.8, 0.1, iters=stops - 1, thresh=0.0, chunk=1), ref)
     for chunk in (3, 10, 1000):
         assert torch.equal(partial_plan(cost, cap, 0.8, 0.1, iters=iters, thresh=thresh, chunk=chunk), ref), chunk
+
+
+# ----------------------------------------------------------------------------- a method's own prompt parts
+
+
+def test_a_users_method_adds_prompt_modules_without_editing_fedsplice(tiny_cfg):
+    """PromptParts, the mechanism FedOTP uses: a method registered here adds a second prompt
+    ("mine"), composes the class side from both and keeps "mine" PRIVATE; nothing in fedsplice
+    names it. The model registers the module, the split sees its kind, a run trains both."""
+    import torch.nn.functional as F
+
+    from fedsplice.algorithms import NoParams, PromptParts, Recipe, register_algorithm
+    from fedsplice.algorithms import registry as R
+    from fedsplice.core import split as S
+
+    parts = PromptParts(modules=lambda make, width, gen: {"mine": make()},
+                        class_embeddings=lambda enc, m: F.normalize(enc(m["prompt"]) + enc(m["mine"]), dim=-1))
+    register_algorithm("twoprompt", NoParams, lambda p, infos, *_: Recipe(
+        {n: S.PRIVATE if i.kind == "mine" else S.GLOBAL for n, i in infos.items()}), prompt_parts=lambda p: parts)
+    try:
+        exp = build(tiny_cfg(algorithm='"twoprompt"', peft__type='"prompt"', server__rounds=2))
+        assert exp.global_names == ["prompt.ctx"] and exp.private_names == ["mine.ctx"]
+        m = exp.model
+        with torch.no_grad():
+            want = F.normalize(m._classes.from_prompt(m.prompt) + m._classes.from_prompt(m.mine), dim=-1)
+            assert torch.allclose(m.class_embeddings(), want, atol=1e-6)
+        store = MemoryStore()
+        final = run_rounds(exp, store, lambda r: None)
+        assert not torch.equal(final["global_params"]["prompt.ctx"], exp.init_params["prompt.ctx"])
+        mine = [store.get(c)["param/mine.ctx"] for c in store.clients()]
+        assert mine and any(not torch.equal(t, exp.init_params["mine.ctx"]) for t in mine)
+        # a module name the model already uses is refused in one line
+        clash = dataclasses.replace(parts, modules=lambda make, width, gen: {"adapter": make()})
+        R.ALGORITHMS["twoprompt"] = dataclasses.replace(R.ALGORITHMS["twoprompt"], prompt_parts=lambda p: clash)
+        with pytest.raises(ConfigError, match="PromptParts.modules names 'adapter', an attribute the model already"):
+            TaskModel(tiny_cfg(algorithm='"twoprompt"', peft__type='"prompt"'), CLASSES)
+    finally:
+        R.ALGORITHMS.pop("twoprompt")
+
+
+def test_a_run_saved_before_the_move_reads_with_its_settings_in_method():
+    """FedOTP's settings moved from [peft] into its [method] table: a saved run's config reads as
+    the current one (results records and checkpoints stay reusable); other methods drop them."""
+    from fedsplice.config import saved_as_current
+
+    old = {"algorithm": "fedotp", "method": {}, "peft": {"type": "prompt", "ot_gamma": 0.8, "ot_eps": 0.1,
+                                                         "ot_iters": 100}}
+    got = saved_as_current(old)
+    assert got["method"] == {"gamma": 0.8, "eps": 0.1, "iters": 100} and "ot_gamma" not in got["peft"]
+    assert old["peft"]["ot_gamma"] == 0.8  # the caller's table is left as it was
+    other = saved_as_current({"algorithm": "promptfl", "peft": {"type": "prompt", "ot_gamma": 0.0, "ot_eps": 0.1,
+                                                                 "ot_iters": 100}})
+    assert other["method"] == {} and "ot_eps" not in other["peft"]

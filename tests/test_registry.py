@@ -82,8 +82,8 @@ def test_a_broken_entry_point_is_named_not_raised(monkeypatch):
 # ----------------------------------------------------------------------------- one validation pass
 
 COMBINATIONS = [  # config, --set, the error's start: each one used to wait for the first fit
-    ("fedotp-fortunes", ["peft.ot_gamma=0"], "algorithm 'fedotp' matches a global and a local prompt"),
-    ("fedotp-fortunes", ["model.task=encoder_head"], "peft.ot_gamma (FedOTP) matches an input's token features"),
+    ("fedotp-fortunes", ["peft.type=adapter"], "algorithm 'fedotp' matches a global and a local prompt"),
+    ("fedotp-fortunes", ["model.task=encoder_head"], "algorithm 'fedotp' matches an input's token features"),
     ("fedpurel-lora-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpurel'"),
     ("fedpgp-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpgp'"),
     ("fedpgp-fortunes", ["peft.prompt_lowrank=0"], "algorithm 'fedpgp' adds a private low-rank correction"),

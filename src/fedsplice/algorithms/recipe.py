@@ -38,6 +38,28 @@ class PersonalStage:
     persistent: bool = False
 
 
+@dataclass(frozen=True)
+class PromptParts:
+    """What a method adds to a CoOp prompt model (peft.type = "prompt"); the model builds it from
+    these callables (nothing here imports fedsplice.model). Its tensors' kind (ParamInfo.kind,
+    what a split is written in) is the name of the module holding them.
+
+    modules(make_prompt, width, gen) -> {name: module}: more trainable modules, registered on the
+      model under these names after its own "prompt"; `make_prompt()` draws another CoOp context
+      like it, `width` is the embedding width, `gen` the model's seeded generator.
+    class_embeddings(from_prompt, modules) -> the class side: [C, D] for the model's cosine
+      scorer, or [K, C, D] for a `token_scorer`; `from_prompt(prompt, delta=None)` encodes a
+      context (plus a [n_ctx, width] delta) into normalized class embeddings, and `modules`
+      holds "prompt" and the method's own.
+    token_scorer(tokens [B, M, D], mask [B, M], class_emb) -> scores [B, C] (before the logit
+      scale): scoring from the frozen input tower's token features instead of its pooled one (the
+      zero-shot model still scores by cosine)."""
+
+    modules: Callable
+    class_embeddings: Callable
+    token_scorer: Callable | None = None
+
+
 @dataclass
 class Recipe:
     split: dict[str, str]  # trainable name -> GLOBAL or PRIVATE (fedsplice.core.split)
@@ -79,6 +101,8 @@ class Algorithm:
     # (cfg) -> the method's name in results; None: `algorithm`, "+<optimizer>" when the server
     # optimizer is not FedAvg (registry.display_name adds the +la / +grab switches)
     label: Callable | None = None
+    # (params) -> PromptParts: the modules, class side and scorer a prompt method adds to the model
+    prompt_parts: Callable | None = None
 
 
 def default_label(cfg) -> str:

@@ -98,12 +98,6 @@ class PeftConfig:
     # FedPGP (Cui et al. 2024): rank r of a low-rank correction U·V (n_ctx × r, r × d, both
     # ~ N(0, 0.02²)) added to the prompt context; 0 = none. Its official scripts use 8
     prompt_lowrank: int = 0
-    # FedOTP (Li et al. 2024): a private local prompt beside the global one, both matched to an
-    # input's token features by entropic partial optimal transport (fedsplice.core.ot) moving mass
-    # ot_gamma (0 = off; the official scripts' 0.8), entropy ot_eps, at most ot_iters iterations
-    ot_gamma: float = 0.0
-    ot_eps: float = 0.1
-    ot_iters: int = 100
     # FedCLIP feature adapter on the input embedding
     adapter_hidden: int = 0  # 0: the embedding width
     # random: torch's Linear init (FedCLIP's official code); zero: uniform attention, round 0 = zero-shot
@@ -135,14 +129,9 @@ class PeftConfig:
         if self.prompt_lowrank < 0 or (self.prompt_lowrank and self.type != "prompt"):
             raise ConfigError(f"peft.prompt_lowrank = {self.prompt_lowrank}: a rank >= 1 corrects a prompt "
                               f"context (set peft.type = 'prompt'), 0 turns it off")
-        if not 0.0 <= self.ot_gamma <= 1.0 or (self.ot_gamma and self.type != "prompt"):
-            raise ConfigError(f"peft.ot_gamma = {self.ot_gamma}: the mass in (0, 1] that optimal transport moves "
-                              f"between an input's tokens and two prompts (set peft.type = 'prompt'); 0 turns it off")
-        if self.ot_eps <= 0 or self.ot_iters < 1:
-            raise ConfigError(f"peft.ot_eps must be > 0 and peft.ot_iters >= 1, got {self.ot_eps} and {self.ot_iters}")
-        if sum(x > 0 for x in (self.prompt_lowrank, self.portfolio, self.ot_gamma)) > 1:
-            raise ConfigError("peft.prompt_lowrank (FedPGP), peft.portfolio (PromptFolio) and peft.ot_gamma (FedOTP) "
-                              "are three ways to personalize the prompt; set at most one of them above 0")
+        if self.prompt_lowrank > 0 and self.portfolio > 0:
+            raise ConfigError("peft.prompt_lowrank (FedPGP) and peft.portfolio (PromptFolio) are two ways to "
+                              "personalize the prompt; set at most one of them above 0")
         if self.type == "full" and (self.layers or self.tower or self.dropout > 0):
             # full fine-tuning trains every layer of every tower, and runs the backbone without
             # dropout as LoRA runs its frozen base: these LoRA placements would be silently ignored

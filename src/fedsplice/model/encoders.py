@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,18 +71,20 @@ class ClassSide:
     def __init__(self, text: TextEncoder, class_names: list[str], templates: list[str], peft_type: str,
                  trains_text: bool, cache_on: bool, prompt: PromptLearner | None = None,
                  prompt_local: PromptLearner | None = None, portfolio: float = 0.0,
-                 prompt_lowrank: LowRankDelta | None = None, prompt_ot: PromptLearner | None = None):
+                 prompt_lowrank: LowRankDelta | None = None):
         self.text, self.class_names, self.templates = text, class_names, templates
         self.peft_type, self.trains_text, self.cache_on = peft_type, trains_text, cache_on
         self.prompt, self.prompt_local, self.portfolio = prompt, prompt_local, portfolio
-        self.prompt_lowrank, self.prompt_ot = prompt_lowrank, prompt_ot
+        self.prompt_lowrank = prompt_lowrank
+        # () -> class embeddings: a method's own class side from its prompt modules (PromptParts)
+        self.compose: Callable[[], torch.Tensor] | None = None
         self.frozen_emb: torch.Tensor | None = None
 
     def embeddings(self, zero_shot: bool) -> torch.Tensor:
         if zero_shot or self.peft_type == "adapter":
             return self.frozen()
-        if self.peft_type == "prompt" and self.prompt_ot is not None:  # FedOTP: [2, C, D], global then local
-            return torch.stack([self.from_prompt(self.prompt), self.from_prompt(self.prompt_ot)])
+        if self.peft_type == "prompt" and self.compose is not None:
+            return self.compose()
         if self.peft_type == "prompt":
             e = self.from_prompt(self.prompt, self.prompt_lowrank() if self.prompt_lowrank is not None else None)
             if self.prompt_local is not None:  # PromptFolio: a portfolio of global and local features
@@ -135,7 +139,7 @@ class InputSide:
                  features: FrozenCache | None = None, clip_inputs: ClipInputs | None = None):
         self.text, self.peft_type, self.adapter = text, peft_type, adapter
         self.features, self.clip_inputs = features, clip_inputs
-        self.token_cache: FrozenCache | None = None  # FedOTP's token features (TaskModel sets it)
+        self.token_cache: FrozenCache | None = None  # token features for a method's token scorer
 
     @staticmethod
     def clip(text: TextEncoder, processor, image_prefix: ClipImagePrefix | None, captions_frozen: bool,
@@ -156,7 +160,8 @@ class InputSide:
 
     @torch.no_grad()
     def tokens(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """FedOTP's local features, L2-normalized per token and padded: ([B, M, D], mask [B, M]).
+        """Token features for a method's token scorer, L2-normalized per token and padded:
+        ([B, M, D], mask [B, M]).
         A text: the frozen encoder's last hidden state of every token its mean-pooled embedding
         averages; an image (CLIP): its projected patch tokens. Cached per input."""
         def compute(missing: list[str]) -> list[torch.Tensor]:
@@ -167,7 +172,8 @@ class InputSide:
         if self.clip_inputs is not None:
             rows = self.clip_inputs.patch_tokens(items, self.token_cache)
         elif any(isinstance(s, Sample) for s in items):
-            raise ConfigError("peft.ot_gamma (FedOTP): this data set holds images; use a CLIP dual encoder")
+            raise ConfigError("algorithm: its token scorer reads an image's patch tokens from a CLIP model, and "
+                              "model.name is a text encoder; use a CLIP dual encoder for images")
         else:
             rows = self.token_cache.rows(items, compute) if self.token_cache is not None else compute(items)
         longest = max(len(r) for r in rows)

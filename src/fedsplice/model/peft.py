@@ -71,27 +71,33 @@ def adapters_off(backbone: nn.Module, peft_type: str):
 
 
 def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class_names: list[str],
-                  pc: PeftConfig, gen: torch.Generator, positions: int | None):
+                  pc: PeftConfig, gen: torch.Generator, positions: int | None, parts=None):
     """{module name: module}: "prompt", the CoOp context; "prompt_local", PromptFolio's local one
-    (portfolio > 0); "prompt_lowrank", FedPGP's U·V (prompt_lowrank > 0); "prompt_ot", FedOTP's
-    local prompt (ot_gamma > 0). Each is drawn after the ones before it, from one generator."""
+    (portfolio > 0); "prompt_lowrank", FedPGP's U·V (prompt_lowrank > 0); then the modules of the
+    method's `parts` (fedsplice.algorithms.PromptParts). Each is drawn after the ones before it,
+    from one generator."""
     def make():
         return PromptLearner(tokenizer, word_embeddings, template, class_names, pc.n_ctx, pc.class_specific, gen,
                               pc.prompt_init)
 
     prompt = make()
-    parts = {"prompt": prompt}
+    out: dict[str, nn.Module] = {"prompt": prompt}
     if pc.portfolio > 0:
-        parts["prompt_local"] = make()
+        out["prompt_local"] = make()
     if pc.prompt_lowrank:
-        parts["prompt_lowrank"] = LowRankDelta(prompt.n_ctx, word_embeddings.weight.shape[1], pc.prompt_lowrank, gen)
-    if pc.ot_gamma > 0:
-        parts["prompt_ot"] = make()
+        out["prompt_lowrank"] = LowRankDelta(prompt.n_ctx, word_embeddings.weight.shape[1], pc.prompt_lowrank, gen)
+    if parts is not None:
+        out.update({k: v for k, v in parts.modules(make, word_embeddings.weight.shape[1], gen).items()
+                    if k not in out or _clash(k)})
     if positions and prompt.mask.shape[1] > positions:
         raise ConfigError(f"peft.n_ctx: the longest class sequence has {prompt.mask.shape[1]} "
                           f"tokens, CLIP's text tower takes {positions}; lower peft.n_ctx or shorten "
                           f"data.class_prompt / the class names")
-    return parts
+    return out
+
+
+def _clash(name: str):
+    raise ConfigError(f"algorithm: its PromptParts.modules names a module {name!r} the model already has; rename it")
 
 
 def build_adapter(hidden: int, pc: PeftConfig, gen: torch.Generator) -> FeatureAdapter:

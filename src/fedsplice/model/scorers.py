@@ -10,11 +10,12 @@ class logits [B, C]. Each is called as scorer(items, class_emb, zero_shot).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsplice.core.ot import ot_scores
 from fedsplice.data.samples import Sample
 from fedsplice.errors import ConfigError
 from fedsplice.model.cache import FrozenCache
@@ -41,22 +42,20 @@ class DualEncoderScorer:
         return cosine_logits(self.logit_scale, self.inputs(items, zero_shot), ce)
 
 
-class OTScorer:
-    """FedOTP: each class scores Σ T·cos between the input's token features and its global and
-    local prompt features, T the entropic partial transport plan (fedsplice.core.ot). The
-    zero-shot model scores as the dual encoder does (pooled features, the template prompts)."""
+class TokenScorer:
+    """A method's own scorer on the input's token features (PromptParts.token_scorer: FedOTP's
+    optimal transport): s·score(tokens, mask, class side). The zero-shot model scores as the dual
+    encoder does (pooled features, the template prompts)."""
 
-    def __init__(self, inputs: InputSide, classes: ClassSide, logit_scale: float, gamma: float, eps: float,
-                 iters: int):
-        self.inputs, self.classes, self.logit_scale = inputs, classes, logit_scale
-        self.gamma, self.eps, self.iters = gamma, eps, iters
+    def __init__(self, inputs: InputSide, classes: ClassSide, logit_scale: float, score: Callable):
+        self.inputs, self.classes, self.logit_scale, self.score = inputs, classes, logit_scale, score
 
     def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
         ce = self.classes.embeddings(zero_shot) if class_emb is None else class_emb
         if zero_shot:
             return cosine_logits(self.logit_scale, self.inputs(items, zero_shot), ce)
         tokens, mask = self.inputs.tokens(list(items))
-        return self.logit_scale * ot_scores(tokens, mask, ce, self.gamma, self.eps, self.iters)
+        return self.logit_scale * self.score(tokens, mask, ce)
 
 
 class EncoderHeadScorer:

@@ -9,7 +9,8 @@ It composes parts with one job each:
   scorers   one per task: dual_encoder, encoder_head, causal_lm, vlm (model.scorers)
 
 The trainable modules are attributes of this module (backbone, prompt, prompt_local, adapter,
-head, projector; the frozen vision tower too), so parameter names — the keys on the wire and in
+head, projector, the modules a method adds through its `PromptParts`; the frozen vision tower
+too), so parameter names — the keys on the wire and in
 checkpoints — are those attribute paths. The other parts are plain objects holding references.
 """
 
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from fedsplice.algorithms import prompt_parts
 from fedsplice.config import ExperimentConfig
 from fedsplice.core import streams
 from fedsplice.core.split import ParamInfo
@@ -31,7 +33,7 @@ from fedsplice.model.device import DTYPES, autocast, resolve_device
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
 from fedsplice.model.loading import Backbone, load_backbone, run_precision
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
-from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, OTScorer,
+from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, TokenScorer,
                                      VLMScorer)
 from fedsplice.model.unpad import CPU_OVERHEAD
 from fedsplice.model.vision import Projector, load_vision_tower
@@ -60,6 +62,7 @@ class TaskModel(nn.Module):
         bb = load_backbone(cfg, self.device)
         self.tokenizer, self.rmap, self.is_clip = bb.tokenizer, bb.rmap, bb.is_clip
         self.image_processor, self.vision, self.projector = bb.image_processor, None, None
+        self._parts = prompt_parts(cfg)  # what the method adds to a prompt model (None: nothing)
         self._build_trainables(cfg, bb)
         self._zero_shot = False
         self.cache_on = cfg.runtime.cache
@@ -75,16 +78,21 @@ class TaskModel(nn.Module):
         of trainable()) and drawing their inits in a fixed order from one seeded generator."""
         pc = cfg.peft
         gen = torch.Generator().manual_seed(cfg.seed)
-        self.prompt = self.prompt_local = self.prompt_lowrank = self.prompt_ot = self.adapter = self.head = None
+        self.prompt = self.prompt_local = self.prompt_lowrank = self.adapter = self.head = None
         if pc.type == "lora":
             self.backbone = peft.inject_lora(bb.model, self.rmap, pc, cfg.seed, bb.model_type)
         else:
             self.backbone = peft.unfreeze(bb.model) if pc.type == "full" else bb.model
         if pc.type == "prompt":
             we = bb.model.text_model.embeddings.token_embedding if self.is_clip else bb.model.get_input_embeddings()
-            for name, module in peft.build_prompts(self.tokenizer, we, self.class_prompt, self.class_names, pc, gen,
-                                                   bb.text_positions).items():
+            built = peft.build_prompts(self.tokenizer, we, self.class_prompt, self.class_names, pc, gen,
+                                       bb.text_positions, self._parts)
+            for name, module in built.items():
+                if name not in ("prompt", "prompt_local", "prompt_lowrank") and hasattr(self, name):
+                    raise ConfigError(f"algorithm {cfg.algorithm!r}: its PromptParts.modules names {name!r}, "
+                                      f"an attribute the model already has; rename it")
                 setattr(self, name, module)
+            self._method_modules = {n: m for n, m in built.items() if n not in ("prompt_local", "prompt_lowrank")}
         if pc.type == "adapter":
             self.adapter = peft.build_adapter(bb.hidden, pc, gen)
         if self.task == "encoder_head":
@@ -114,7 +122,10 @@ class TaskModel(nn.Module):
             self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
         self._classes = ClassSide(self._text, self.class_names, [self.class_prompt, *cfg.data.class_prompts],
                                   pc.type, trains_text, self.cache_on, self.prompt, self.prompt_local, pc.portfolio,
-                                  self.prompt_lowrank, self.prompt_ot)
+                                  self.prompt_lowrank)
+        if self._parts is not None:  # the method composes the class side from its prompt modules
+            self._classes.compose = lambda: self._parts.class_embeddings(self._classes.from_prompt,
+                                                                         self._method_modules)
         lm_task = self.task in ("causal_lm", "vlm")
         # prompt/adapter: the input side is frozen whole, so its pooled features are cached
         features = (FrozenCache({"kind": "features"}, 1 << 62, device=self.device)
@@ -125,7 +136,7 @@ class TaskModel(nn.Module):
         clip_inputs = (InputSide.clip(self._text, self.image_processor, self._img_prefix,
                                       self.cache_on and not trains_text, self._pixels) if self.is_clip else None)
         self._inputs = InputSide(self._text, pc.type, self.adapter, features, clip_inputs)
-        if pc.ot_gamma > 0:  # FedOTP: the frozen input tower's token features, per input
+        if self._token_scorer() is not None:  # the frozen input tower's token features, per input
             self._inputs.token_cache = (FrozenCache({"kind": "tokens"}, rc.cache_budget_mb << 20, device=self.device)
                                         if rc.cache else None)
         # vlm: the frozen vision tower's tokens, per image (keyed by its pixels: vision.image_key)
@@ -135,10 +146,12 @@ class TaskModel(nn.Module):
         self._unpad = rc.unpad
         self._set_unpad(self.training)
 
+    def _token_scorer(self):
+        return self._parts.token_scorer if self._parts is not None and self.task == "dual_encoder" else None
+
     def _build_scorer(self):
-        if self.task == "dual_encoder" and self.pcfg.ot_gamma > 0:
-            pc = self.pcfg
-            return OTScorer(self._inputs, self._classes, self.mcfg.logit_scale, pc.ot_gamma, pc.ot_eps, pc.ot_iters)
+        if self._token_scorer() is not None:
+            return TokenScorer(self._inputs, self._classes, self.mcfg.logit_scale, self._token_scorer())
         if self.task == "dual_encoder":
             return DualEncoderScorer(self._inputs, self._classes, self.mcfg.logit_scale)
         if self.task == "encoder_head":
