@@ -111,7 +111,7 @@ def test_split_and_what_travels(tiny_cfg, capture_uploads):
     (["method.eps=0"], "method.eps must be > 0"),
     (["method.gamma=0"], "method.gamma = 0.0"),
     (["peft.type=\"lora\""], "set peft.type = 'prompt'"),
-    (["peft.portfolio=0.2"], "adds prompt parts of its own: set both to 0"),
+    (["peft.portfolio=0.2"], "adds prompt parts of its own: set peft.portfolio = 0"),
     (["model.task=\"encoder_head\""], "set model.task = 'dual_encoder'"),
     # the settings that moved from [peft] into FedOTP's own table: the one line names the new place
     (["peft.ot_gamma=0.5"], "peft.ot_gamma is now `gamma` in the [method] table of algorithm 'fedotp'"),
@@ -174,7 +174,7 @@ def test_a_users_method_adds_prompt_modules_without_editing_fedsplice(tiny_cfg):
     from fedsplice.algorithms import registry as R
     from fedsplice.core import split as S
 
-    parts = PromptParts(modules=lambda make, width, gen: {"mine": make()},
+    parts = PromptParts(modules=lambda make, prompt, gen: {"mine": make()},
                         class_embeddings=lambda enc, m: F.normalize(enc(m["prompt"]) + enc(m["mine"]), dim=-1))
     register_algorithm("twoprompt", NoParams, lambda p, infos, *_: Recipe(
         {n: S.PRIVATE if i.kind == "mine" else S.GLOBAL for n, i in infos.items()}), prompt_parts=lambda p: parts)
@@ -191,7 +191,7 @@ def test_a_users_method_adds_prompt_modules_without_editing_fedsplice(tiny_cfg):
         mine = [store.get(c)["param/mine.ctx"] for c in store.clients()]
         assert mine and any(not torch.equal(t, exp.init_params["mine.ctx"]) for t in mine)
         # a module name the model already uses is refused in one line
-        clash = dataclasses.replace(parts, modules=lambda make, width, gen: {"adapter": make()})
+        clash = dataclasses.replace(parts, modules=lambda make, prompt, gen: {"adapter": make()})
         R.ALGORITHMS["twoprompt"] = dataclasses.replace(R.ALGORITHMS["twoprompt"], prompt_parts=lambda p: clash)
         with pytest.raises(ConfigError, match="PromptParts.modules names 'adapter', an attribute the model already"):
             TaskModel(tiny_cfg(algorithm='"twoprompt"', peft__type='"prompt"'), CLASSES)
@@ -210,5 +210,7 @@ def test_a_run_saved_before_the_move_reads_with_its_settings_in_method():
     assert got["method"] == {"gamma": 0.8, "eps": 0.1, "iters": 100} and "ot_gamma" not in got["peft"]
     assert old["peft"]["ot_gamma"] == 0.8  # the caller's table is left as it was
     other = saved_as_current({"algorithm": "promptfl", "peft": {"type": "prompt", "ot_gamma": 0.0, "ot_eps": 0.1,
-                                                                 "ot_iters": 100}})
-    assert other["method"] == {} and "ot_eps" not in other["peft"]
+                                                                 "ot_iters": 100, "prompt_lowrank": 0}})
+    assert other["method"] == {} and "ot_eps" not in other["peft"] and "prompt_lowrank" not in other["peft"]
+    pgp = saved_as_current({"algorithm": "fedpgp", "method": {"mu": 0.5}, "peft": {"prompt_lowrank": 8}})
+    assert pgp["method"] == {"mu": 0.5, "rank": 8}

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedsplice.algorithms.fedpgp import views
 from fedsplice.core import wire
 from fedsplice.core.losses import prompt_contrastive
 from fedsplice.federation.experiment import build
@@ -15,7 +16,7 @@ from fedsplice.model.taskmodel import TaskModel
 from fedsplice.runtimes.inprocess import run_rounds
 
 CLASSES = ["sports", "science", "music"]
-PGP = dict(algorithm='"fedpgp"', peft__type='"prompt"', peft__prompt_lowrank=2)
+PGP = dict(algorithm='"fedpgp"', peft__type='"prompt"', method="{rank = 2}")
 
 
 def test_contrastive_loss_matches_hand_values():
@@ -40,12 +41,12 @@ def test_lowrank_prompt_views(tiny_cfg):
     assert m.prompt_lowrank.U.shape == (n, 2) and m.prompt_lowrank.V.shape == (2, d)
     assert 0.01 < float(m.prompt_lowrank.U.detach().std()) < 0.03  # ~ N(0, 0.02²)
     with torch.no_grad():
-        v = m.prompt_views()
+        v = views(m)
         assert torch.allclose(v["personal"], m.class_embeddings())  # the client's prompt is p_G + U·V
         with m.zero_shot():
             assert torch.allclose(v["template"], m.class_embeddings())  # the hand-crafted class prompt
         m.prompt_lowrank.U.zero_()  # U·V = 0: the personal view is the global prompt's
-        v0 = m.prompt_views()
+        v0 = views(m)
         assert torch.allclose(v0["personal"], v0["global"]) and torch.allclose(v0["global"], v["global"])
         assert not torch.allclose(v["personal"], v["global"])
 
@@ -58,7 +59,7 @@ def test_split_objective_and_what_travels(tiny_cfg, capture_uploads):
     texts, y = ["a goal in the last minute", "the cell divides"], torch.tensor([0, 1])
     out = exp.recipe.objective(exp.model, texts, y, np.arange(2), {})
     with torch.no_grad():
-        v = exp.model.prompt_views()
+        v = views(exp.model)
         ce = F.cross_entropy(exp.model(texts, v["personal"]), y)
         con = 0.5 * prompt_contrastive(v["template"], v["global"], v["personal"], 0.5)
     assert float(out["task"].detach()) == pytest.approx(float(ce), abs=1e-5)
@@ -77,9 +78,11 @@ def test_split_objective_and_what_travels(tiny_cfg, capture_uploads):
 @pytest.mark.parametrize("sets,match", [
     (["method.mu=-1"], "method.mu must be >= 0"),
     (["method.tau=0"], "method.tau must be > 0"),
-    (["peft.prompt_lowrank=0"], "peft.prompt_lowrank = r"),
-    (["peft.type=\"lora\""], "peft.prompt_lowrank = 2: a rank >= 1 corrects a prompt"),
-    (["peft.portfolio=0.2"], "set at most one of them above 0"),
+    (["method.rank=0"], "method.rank must be >= 1"),
+    (["peft.type=\"lora\""], "algorithm 'fedpgp' adds a private low-rank correction to a prompt: set peft.type"),
+    (["peft.portfolio=0.2"], "algorithm 'fedpgp' adds prompt parts of its own: set peft.portfolio = 0"),
+    # the rank moved from [peft] into FedPGP's own table: the one line names the new place
+    (["peft.prompt_lowrank=4"], "peft.prompt_lowrank is now `rank` in the [method] table of algorithm 'fedpgp'"),
 ])
 def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses):
     cli_refuses(tiny_cfg(**PGP), sets, match)

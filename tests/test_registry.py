@@ -86,7 +86,7 @@ COMBINATIONS = [  # config, --set, the error's start: each one used to wait for 
     ("fedotp-fortunes", ["model.task=encoder_head"], "algorithm 'fedotp' matches an input's token features"),
     ("fedpurel-lora-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpurel'"),
     ("fedpgp-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpgp'"),
-    ("fedpgp-fortunes", ["peft.prompt_lowrank=0"], "algorithm 'fedpgp' adds a private low-rank correction"),
+    ("fedpgp-fortunes", ["peft.type=adapter"], "algorithm 'fedpgp' adds a private low-rank correction"),
     ("pfedlora-fortunes", ["peft.private_r=0"], "algorithm 'pfedlora' trains a shared and a private LoRA adapter"),
     ("promptfolio-fortunes", ["peft.portfolio=0"], "algorithm 'promptfolio' mixes a global and a local prompt"),
     ("fedclip-fortunes", ["peft.type=prompt"], "algorithm 'fedclip' federates one adapter (peft.type = 'adapter')"),

@@ -53,7 +53,7 @@ def _class_side(from_prompt, modules) -> torch.Tensor:
 
 
 def prompt_parts(p: FedOTPParams) -> PromptParts:
-    return PromptParts(modules=lambda make_prompt, width, gen: {"prompt_ot": make_prompt()},
+    return PromptParts(modules=lambda make_prompt, prompt, gen: {"prompt_ot": make_prompt()},
                        class_embeddings=_class_side,
                        token_scorer=partial(ot_scores, gamma=p.gamma, eps=p.eps, iters=p.iters))
 

@@ -2,8 +2,9 @@
 Learning", ICML 2024, https://arxiv.org/abs/2405.09771; official code TianyuCuiOvO/FedPGP).
 
 - Parameters: the CoOp context p_G (peft.type = "prompt") is GLOBAL and averaged; a low-rank
-  correction U·V (peft.prompt_lowrank = r) is PRIVATE. The client's prompt is p_G + U·V, used
-  for its loss and its predictions (PM); GM is p_G with the fresh U·V, ~N(0, 0.02²) factors.
+  correction U·V of rank method.rank, `prompt_lowrank` (this method adds it to the model: its
+  `PromptParts`), is PRIVATE. The client's prompt is p_G + U·V, used for its loss and its
+  predictions (PM); GM is p_G with the fresh U·V, ~N(0, 0.02²) factors.
 - Loss: CE on the personalized prompt's logits + μ·L_con, the prompt-wise contrastive loss
   (`fedsplice.core.losses.prompt_contrastive`): p_G's class features are pulled toward the
   frozen hand-crafted ones and pushed from p_G + U·V's. p_G, U and V train jointly.
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
+from torch import nn
 
-from fedsplice.algorithms.recipe import Algorithm, Recipe, refuse_grab
+from fedsplice.algorithms.recipe import Algorithm, PromptParts, Recipe, refuse_grab
 from fedsplice.core import split as S
 from fedsplice.core.losses import prompt_contrastive
 from fedsplice.errors import ConfigError
@@ -23,19 +26,49 @@ from fedsplice.errors import ConfigError
 
 @dataclass
 class FedPGPParams:
+    rank: int = 8  # r of U·V (every official script; the argparse default is 4)
     mu: float = 0.5  # weight of L_con (every official script; its argparse default is 1)
     tau: float = 0.5  # temperature of L_con (official code)
 
     def check(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"method.rank must be >= 1 (the rank of the private correction U·V), got {self.rank}")
         if self.mu < 0:
             raise ConfigError(f"method.mu must be >= 0 (the contrastive loss's weight), got {self.mu}")
         if self.tau <= 0:
             raise ConfigError(f"method.tau must be > 0 (the contrastive loss's temperature), got {self.tau}")
 
 
+class LowRankDelta(nn.Module):
+    """U [n_ctx, r] and V [r, d], both ~ N(0, 0.02²) from the seeded generator (official code);
+    the client's context is ctx + U·V."""
+
+    def __init__(self, n_ctx: int, dim: int, rank: int, generator: torch.Generator):
+        super().__init__()
+        self.U = nn.Parameter(torch.randn(n_ctx, rank, generator=generator) * 0.02)
+        self.V = nn.Parameter(torch.randn(rank, dim, generator=generator) * 0.02)
+
+    def forward(self) -> torch.Tensor:
+        return self.U @ self.V
+
+
+def prompt_parts(p: FedPGPParams) -> PromptParts:
+    def modules(make_prompt, prompt, gen):
+        return {"prompt_lowrank": LowRankDelta(prompt.n_ctx, prompt.ctx.shape[-1], p.rank, gen)}
+
+    return PromptParts(modules=modules, class_embeddings=lambda encode, m: encode(m["prompt"], m["prompt_lowrank"]()))
+
+
+def views(model) -> dict[str, torch.Tensor]:
+    """The three class-feature views [C, D]: "personal" (ctx + U·V), "global" (ctx) and
+    "template" (the frozen model on the class prompt's words)."""
+    return {"personal": model.encode_prompt(model.prompt, model.prompt_lowrank()),
+            "global": model.encode_prompt(model.prompt), "template": model.template_class_embeddings()}
+
+
 def objective(mu: float, tau: float):
     def fedpgp_objective(model, texts, y, ids, ctx) -> dict:
-        v = model.prompt_views()
+        v = views(model)
         logits = model(texts, v["personal"]) + ctx.get("logit_offset", 0.0)
         out = {"task": F.cross_entropy(logits, y)}
         if mu > 0:
@@ -46,9 +79,9 @@ def objective(mu: float, tau: float):
 
 
 def check_config(p: FedPGPParams, cfg) -> None:
-    if cfg.peft.type != "prompt" or not cfg.peft.prompt_lowrank:
+    if cfg.peft.type != "prompt":
         raise ConfigError("algorithm 'fedpgp' adds a private low-rank correction to a prompt: set "
-                          "peft.type = 'prompt' and peft.prompt_lowrank = r (e.g. 8)")
+                          "peft.type = 'prompt'")
     refuse_grab(cfg, "cross-entropy plus its prompt-wise contrastive loss")
 
 
@@ -58,4 +91,5 @@ def build(p: FedPGPParams, infos, *_) -> Recipe:
 
 
 FEDPGP = Algorithm(FedPGPParams, build, "global prompt shared, low-rank prompt correction U·V private, "
-                   "prompt-wise contrastive loss (FedPGP)", "https://arxiv.org/abs/2405.09771", check_config)
+                   "prompt-wise contrastive loss (FedPGP)", "https://arxiv.org/abs/2405.09771", check_config,
+                   prompt_parts=prompt_parts)

@@ -44,9 +44,10 @@ class PromptParts:
     these callables (nothing here imports fedsplice.model). Its tensors' kind (ParamInfo.kind,
     what a split is written in) is the name of the module holding them.
 
-    modules(make_prompt, width, gen) -> {name: module}: more trainable modules, registered on the
-      model under these names after its own "prompt"; `make_prompt()` draws another CoOp context
-      like it, `width` is the embedding width, `gen` the model's seeded generator.
+    modules(make_prompt, prompt, gen) -> {name: module}: more trainable modules, registered on
+      the model under these names after its own `prompt` (a CoOp learner: `prompt.ctx` is
+      [n_ctx, width], or [C, n_ctx, width] class-specific); `make_prompt()` draws another context
+      like it, `gen` is the model's seeded generator.
     class_embeddings(from_prompt, modules) -> the class side: [C, D] for the model's cosine
       scorer, or [K, C, D] for a `token_scorer`; `from_prompt(prompt, delta=None)` encodes a
       context (plus a [n_ctx, width] delta) into normalized class embeddings, and `modules`

@@ -95,9 +95,6 @@ class PeftConfig:
     n_ctx: int = 0  # 0: 4 with random init (the FedPuReL paper's prompt length), the words' count with template
     class_specific: bool = False  # one context per class instead of one shared
     portfolio: float = 0.0  # PromptFolio θ: mix a private local prompt's class features with weight θ
-    # FedPGP (Cui et al. 2024): rank r of a low-rank correction U·V (n_ctx × r, r × d, both
-    # ~ N(0, 0.02²)) added to the prompt context; 0 = none. Its official scripts use 8
-    prompt_lowrank: int = 0
     # FedCLIP feature adapter on the input embedding
     adapter_hidden: int = 0  # 0: the embedding width
     # random: torch's Linear init (FedCLIP's official code); zero: uniform attention, round 0 = zero-shot
@@ -126,12 +123,6 @@ class PeftConfig:
         if self.private_r < 0 or (self.private_r and self.type != "lora"):
             raise ConfigError(f"peft.private_r = {self.private_r}: a rank >= 1 adds a private LoRA adapter "
                               f"(set peft.type = 'lora'), 0 turns it off")
-        if self.prompt_lowrank < 0 or (self.prompt_lowrank and self.type != "prompt"):
-            raise ConfigError(f"peft.prompt_lowrank = {self.prompt_lowrank}: a rank >= 1 corrects a prompt "
-                              f"context (set peft.type = 'prompt'), 0 turns it off")
-        if self.prompt_lowrank > 0 and self.portfolio > 0:
-            raise ConfigError("peft.prompt_lowrank (FedPGP) and peft.portfolio (PromptFolio) are two ways to "
-                              "personalize the prompt; set at most one of them above 0")
         if self.type == "full" and (self.layers or self.tower or self.dropout > 0):
             # full fine-tuning trains every layer of every tower, and runs the backbone without
             # dropout as LoRA runs its frozen base: these LoRA placements would be silently ignored

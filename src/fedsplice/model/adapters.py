@@ -72,19 +72,6 @@ class PromptLearner(nn.Module):
         return torch.cat([head, ctx, word_embeddings(self.tail_ids)], dim=1), self.mask
 
 
-class LowRankDelta(nn.Module):
-    """FedPGP's personalization of a prompt (Cui et al. 2024; its official code): U [n, r] and
-    V [r, d], both ~ N(0, 0.02²) from the seeded generator; the client's context is ctx + U·V."""
-
-    def __init__(self, n_ctx: int, dim: int, rank: int, generator: torch.Generator):
-        super().__init__()
-        self.U = nn.Parameter(torch.randn(n_ctx, rank, generator=generator) * 0.02)
-        self.V = nn.Parameter(torch.randn(rank, dim, generator=generator) * 0.02)
-
-    def forward(self) -> torch.Tensor:
-        return self.U @ self.V
-
-
 class FeatureAdapter(nn.Module):
     """FedCLIP's attention adapter (Lu et al. 2023; its official code): f' = softmax(W2·tanh(W1·f)) ⊙ f.
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from fedsplice.data.samples import Sample
 from fedsplice.errors import ConfigError
-from fedsplice.model.adapters import FeatureAdapter, LowRankDelta, PromptLearner
+from fedsplice.model.adapters import FeatureAdapter, PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.peft import adapters_off
 from fedsplice.model.prefix import TextPrefix
@@ -70,12 +70,10 @@ class ClassSide:
 
     def __init__(self, text: TextEncoder, class_names: list[str], templates: list[str], peft_type: str,
                  trains_text: bool, cache_on: bool, prompt: PromptLearner | None = None,
-                 prompt_local: PromptLearner | None = None, portfolio: float = 0.0,
-                 prompt_lowrank: LowRankDelta | None = None):
+                 prompt_local: PromptLearner | None = None, portfolio: float = 0.0):
         self.text, self.class_names, self.templates = text, class_names, templates
         self.peft_type, self.trains_text, self.cache_on = peft_type, trains_text, cache_on
         self.prompt, self.prompt_local, self.portfolio = prompt, prompt_local, portfolio
-        self.prompt_lowrank = prompt_lowrank
         # () -> class embeddings: a method's own class side from its prompt modules (PromptParts)
         self.compose: Callable[[], torch.Tensor] | None = None
         self.frozen_emb: torch.Tensor | None = None
@@ -86,7 +84,7 @@ class ClassSide:
         if self.peft_type == "prompt" and self.compose is not None:
             return self.compose()
         if self.peft_type == "prompt":
-            e = self.from_prompt(self.prompt, self.prompt_lowrank() if self.prompt_lowrank is not None else None)
+            e = self.from_prompt(self.prompt)
             if self.prompt_local is not None:  # PromptFolio: a portfolio of global and local features
                 th = self.portfolio
                 e = F.normalize((1 - th) * e + th * self.from_prompt(self.prompt_local), dim=-1)
@@ -94,13 +92,6 @@ class ClassSide:
         if not self.trains_text:
             return self.frozen()
         return self.from_templates()
-
-    def views(self) -> dict[str, torch.Tensor]:
-        if self.prompt is None or self.prompt_lowrank is None:
-            raise ConfigError("the personal / global / template prompt views need peft.type = 'prompt' "
-                              "and peft.prompt_lowrank >= 1 (FedPGP)")
-        return {"personal": self.from_prompt(self.prompt, self.prompt_lowrank()),
-                "global": self.from_prompt(self.prompt), "template": self.frozen()}
 
     def from_templates(self) -> torch.Tensor:
         """Normalized class embeddings; a prompt ensemble averages its templates' (CLIP)."""

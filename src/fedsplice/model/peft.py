@@ -23,7 +23,7 @@ from torch import nn
 from fedsplice.config import PeftConfig
 from fedsplice.core.split import ParamInfo
 from fedsplice.errors import ConfigError
-from fedsplice.model.adapters import FeatureAdapter, LowRankDelta, PromptLearner
+from fedsplice.model.adapters import FeatureAdapter, PromptLearner
 from fedsplice.model.loading import target_regex
 
 LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
@@ -73,9 +73,8 @@ def adapters_off(backbone: nn.Module, peft_type: str):
 def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class_names: list[str],
                   pc: PeftConfig, gen: torch.Generator, positions: int | None, parts=None):
     """{module name: module}: "prompt", the CoOp context; "prompt_local", PromptFolio's local one
-    (portfolio > 0); "prompt_lowrank", FedPGP's U·V (prompt_lowrank > 0); then the modules of the
-    method's `parts` (fedsplice.algorithms.PromptParts). Each is drawn after the ones before it,
-    from one generator."""
+    (portfolio > 0); then the modules of the method's `parts` (fedsplice.algorithms.PromptParts).
+    Each is drawn after the ones before it, from one generator."""
     def make():
         return PromptLearner(tokenizer, word_embeddings, template, class_names, pc.n_ctx, pc.class_specific, gen,
                               pc.prompt_init)
@@ -84,10 +83,8 @@ def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class
     out: dict[str, nn.Module] = {"prompt": prompt}
     if pc.portfolio > 0:
         out["prompt_local"] = make()
-    if pc.prompt_lowrank:
-        out["prompt_lowrank"] = LowRankDelta(prompt.n_ctx, word_embeddings.weight.shape[1], pc.prompt_lowrank, gen)
     if parts is not None:
-        out.update({k: v for k, v in parts.modules(make, word_embeddings.weight.shape[1], gen).items()
+        out.update({k: v for k, v in parts.modules(make, prompt, gen).items()
                     if k not in out or _clash(k)})
     if positions and prompt.mask.shape[1] > positions:
         raise ConfigError(f"peft.n_ctx: the longest class sequence has {prompt.mask.shape[1]} "

@@ -78,7 +78,7 @@ class TaskModel(nn.Module):
         of trainable()) and drawing their inits in a fixed order from one seeded generator."""
         pc = cfg.peft
         gen = torch.Generator().manual_seed(cfg.seed)
-        self.prompt = self.prompt_local = self.prompt_lowrank = self.adapter = self.head = None
+        self.prompt = self.prompt_local = self.adapter = self.head = None
         if pc.type == "lora":
             self.backbone = peft.inject_lora(bb.model, self.rmap, pc, cfg.seed, bb.model_type)
         else:
@@ -88,11 +88,11 @@ class TaskModel(nn.Module):
             built = peft.build_prompts(self.tokenizer, we, self.class_prompt, self.class_names, pc, gen,
                                        bb.text_positions, self._parts)
             for name, module in built.items():
-                if name not in ("prompt", "prompt_local", "prompt_lowrank") and hasattr(self, name):
+                if name not in ("prompt", "prompt_local") and hasattr(self, name):
                     raise ConfigError(f"algorithm {cfg.algorithm!r}: its PromptParts.modules names {name!r}, "
                                       f"an attribute the model already has; rename it")
                 setattr(self, name, module)
-            self._method_modules = {n: m for n, m in built.items() if n not in ("prompt_local", "prompt_lowrank")}
+            self._method_modules = {n: m for n, m in built.items() if n != "prompt_local"}
         if pc.type == "adapter":
             self.adapter = peft.build_adapter(bb.hidden, pc, gen)
         if self.task == "encoder_head":
@@ -121,8 +121,7 @@ class TaskModel(nn.Module):
         trains_text = cfg.model.class_side_adapters or pc.type == "full" or (
             self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
         self._classes = ClassSide(self._text, self.class_names, [self.class_prompt, *cfg.data.class_prompts],
-                                  pc.type, trains_text, self.cache_on, self.prompt, self.prompt_local, pc.portfolio,
-                                  self.prompt_lowrank)
+                                  pc.type, trains_text, self.cache_on, self.prompt, self.prompt_local, pc.portfolio)
         if self._parts is not None:  # the method composes the class side from its prompt modules
             self._classes.compose = lambda: self._parts.class_embeddings(self._classes.from_prompt,
                                                                          self._method_modules)
@@ -238,10 +237,14 @@ class TaskModel(nn.Module):
     def class_embeddings(self) -> torch.Tensor:
         return self._classes.embeddings(self._zero_shot)
 
-    def prompt_views(self) -> dict[str, torch.Tensor]:
-        """FedPGP's three class-feature views [C, D]: "personal" (ctx + U·V), "global" (ctx) and
-        "template" (the frozen model on the class prompt's words)."""
-        return self._classes.views()
+    def encode_prompt(self, learner: nn.Module, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalized class embeddings [C, D] of a CoOp context (plus a [n_ctx, width] delta): for
+        a method's objective that scores several views of its prompts."""
+        return self._classes.from_prompt(learner, delta)
+
+    def template_class_embeddings(self) -> torch.Tensor:
+        """The frozen model's class embeddings [C, D] from the class prompt's words (zero-shot)."""
+        return self._classes.frozen()
 
     def forward(self, texts: list, class_emb: torch.Tensor | None = None) -> torch.Tensor:
         return self._scorer(texts, class_emb, self._zero_shot)
