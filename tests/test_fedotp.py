@@ -111,7 +111,7 @@ def test_split_and_what_travels(tiny_cfg, capture_uploads):
     (["method.eps=0"], "method.eps must be > 0"),
     (["method.gamma=0"], "method.gamma = 0.0"),
     (["peft.type=\"lora\""], "set peft.type = 'prompt'"),
-    (["peft.portfolio=0.2"], "adds prompt parts of its own: set peft.portfolio = 0"),
+    (["peft.portfolio=0.2"], "peft.portfolio is now `theta` in the [method] table of algorithm 'promptfolio'"),
     (["model.task=\"encoder_head\""], "set model.task = 'dual_encoder'"),
     # the settings that moved from [peft] into FedOTP's own table: the one line names the new place
     (["peft.ot_gamma=0.5"], "peft.ot_gamma is now `gamma` in the [method] table of algorithm 'fedotp'"),
@@ -214,3 +214,21 @@ def test_a_run_saved_before_the_move_reads_with_its_settings_in_method():
     assert other["method"] == {} and "ot_eps" not in other["peft"] and "prompt_lowrank" not in other["peft"]
     pgp = saved_as_current({"algorithm": "fedpgp", "method": {"mu": 0.5}, "peft": {"prompt_lowrank": 8}})
     assert pgp["method"] == {"mu": 0.5, "rank": 8}
+
+
+def test_every_prompt_method_owns_its_modules_and_settings():
+    """FedOTP, FedPGP and PromptFolio declare their prompt parts; [peft] has none of their
+    settings, and the model's code names none of their modules (tests/test_layout.py scans for
+    method names; this checks the module names the scan cannot know)."""
+    import inspect
+
+    from fedsplice.algorithms import get_algorithm
+    from fedsplice.config import PeftConfig
+    from fedsplice.model import encoders, peft, scorers, taskmodel
+
+    kinds = {"fedotp": "prompt_ot", "fedpgp": "prompt_lowrank", "promptfolio": "prompt_local"}
+    assert all(get_algorithm(a).prompt_parts is not None for a in kinds)
+    fields = {f.name for f in dataclasses.fields(PeftConfig)}
+    assert not fields & {"ot_gamma", "ot_eps", "ot_iters", "prompt_lowrank", "portfolio"}
+    code = "".join(inspect.getsource(m) for m in (encoders, peft, scorers, taskmodel))
+    assert [k for k in kinds.values() if k in code] == []

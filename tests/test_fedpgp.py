@@ -80,7 +80,6 @@ def test_split_objective_and_what_travels(tiny_cfg, capture_uploads):
     (["method.tau=0"], "method.tau must be > 0"),
     (["method.rank=0"], "method.rank must be >= 1"),
     (["peft.type=\"lora\""], "algorithm 'fedpgp' adds a private low-rank correction to a prompt: set peft.type"),
-    (["peft.portfolio=0.2"], "algorithm 'fedpgp' adds prompt parts of its own: set peft.portfolio = 0"),
     # the rank moved from [peft] into FedPGP's own table: the one line names the new place
     (["peft.prompt_lowrank=4"], "peft.prompt_lowrank is now `rank` in the [method] table of algorithm 'fedpgp'"),
 ])

@@ -173,7 +173,7 @@ def test_the_state_is_private_and_persists_across_rounds(cfg):
 
 @pytest.mark.parametrize("over", [
     dict(algorithm='"lora"'),
-    dict(algorithm='"promptfolio"', peft__type='"prompt"', peft__n_ctx=0, peft__portfolio=0.2),
+    dict(algorithm='"promptfolio"', peft__type='"prompt"', peft__n_ctx=0, method="{theta = 0.2}"),
 ])
 def test_grab_runs_end_to_end(over, cfg):
     from fedsplice.runtimes.inprocess import run_rounds

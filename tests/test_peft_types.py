@@ -56,7 +56,7 @@ PEFTS = {
     "prompt": dict(algorithm='"promptfl"', peft__type='"prompt"', peft__prompt_init='"template"'),
     "prompt-class-specific": dict(algorithm='"promptfl"', peft__type='"prompt"', peft__class_specific=True,
                                   peft__prompt_init='"template"'),
-    "promptfolio": dict(algorithm='"promptfolio"', peft__type='"prompt"', peft__portfolio=0.2,
+    "promptfolio": dict(algorithm='"promptfolio"', peft__type='"prompt"', method="{theta = 0.2}",
                         peft__prompt_init='"template"'),
     "adapter": dict(algorithm='"fedclip"', peft__type='"adapter"', peft__adapter_init='"zero"'),
     "adapter-narrow": dict(algorithm='"fedclip"', peft__type='"adapter"', peft__adapter_hidden=8,
@@ -175,11 +175,10 @@ def test_promptfolio_split(cfg):
     (dict(algorithm='"fedclip"', peft__type='"prompt"'), "adapter"),
     (dict(algorithm='"promptfl"'), "prompt"),
     (dict(algorithm='"promptfl"', peft__type='"adapter"'), "prompt"),
-    (dict(algorithm='"promptfolio"', peft__type='"prompt"'), "portfolio"),
-    (dict(algorithm='"promptfolio"'), "portfolio"),
+    (dict(algorithm='"promptfolio"'), "prompt"),
 ])
 def test_baselines_refuse_wrong_peft_type(kw, needs, cfg):
-    match = "peft.portfolio" if needs == "portfolio" else f"peft.type = '{needs}'"
+    match = f"peft.type = '{needs}'"
     with pytest.raises(ConfigError, match=match):
         build(cfg(**kw))
 
@@ -267,3 +266,11 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
     # off: no offset in the context at all
     exp0 = build(cfg(algorithm='"lora"'))
     assert "logit_offset" not in train_context(exp0, cid, {})
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["method.theta=1.0"], "method.theta must be in (0, 1)"),
+    (["peft.portfolio=0.3"], "peft.portfolio is now `theta` in the [method] table of algorithm 'promptfolio'"),
+])
+def test_promptfolio_settings_are_its_own(sets, match, cfg, cli_refuses):
+    cli_refuses(cfg(**PEFTS["promptfolio"]), sets, match)

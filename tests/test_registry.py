@@ -88,7 +88,7 @@ COMBINATIONS = [  # config, --set, the error's start: each one used to wait for 
     ("fedpgp-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpgp'"),
     ("fedpgp-fortunes", ["peft.type=adapter"], "algorithm 'fedpgp' adds a private low-rank correction"),
     ("pfedlora-fortunes", ["peft.private_r=0"], "algorithm 'pfedlora' trains a shared and a private LoRA adapter"),
-    ("promptfolio-fortunes", ["peft.portfolio=0"], "algorithm 'promptfolio' mixes a global and a local prompt"),
+    ("promptfolio-fortunes", ["peft.type=adapter"], "algorithm 'promptfolio' mixes a global and a local prompt"),
     ("fedclip-fortunes", ["peft.type=prompt"], "algorithm 'fedclip' federates one adapter (peft.type = 'adapter')"),
     ("promptfl-fortunes", ["peft.type=adapter"], "algorithm 'promptfl' federates one prompt (peft.type = 'prompt')"),
     ("fedavg-lora-minilm", ["algorithm=fedper"], "algorithm 'fedper' keeps a classification head private"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedsplice.algorithms.promptfolio import PROMPTFOLIO
 from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe, no_server_step
 from fedsplice.core import split as S
 from fedsplice.core.losses import Proximal
@@ -44,19 +45,9 @@ def needs_peft(peft: str):
     return check_config
 
 
-def promptfolio_check(p, cfg) -> None:
-    if cfg.peft.type != "prompt" or not cfg.peft.portfolio:
-        raise ConfigError("algorithm 'promptfolio' mixes a global and a local prompt: set "
-                          "peft.type = 'prompt' and peft.portfolio = θ (e.g. 0.2)")
-
-
 def fedper_check(p, cfg) -> None:
     if cfg.model.task != "encoder_head":
         raise ConfigError("algorithm 'fedper' keeps a classification head private: set model.task = 'encoder_head'")
-
-
-def promptfolio(p, infos, *_) -> Recipe:
-    return Recipe({n: S.PRIVATE if i.kind == "prompt_local" else S.GLOBAL for n, i in infos.items()})
 
 
 def full_ft_check(p, cfg) -> None:
@@ -71,10 +62,7 @@ BASELINES: dict[str, Algorithm] = {
     "promptfl": Algorithm(
         NoParams, all_global,
         "CoOp prompt context shared and averaged (PromptFL)", "https://arxiv.org/abs/2208.11625", needs_peft("prompt")),
-    "promptfolio": Algorithm(
-        NoParams, promptfolio,
-        "global prompt shared, local prompt private, class features mixed by peft.portfolio (PromptFolio)",
-        "https://arxiv.org/abs/2409.19600", promptfolio_check),
+    "promptfolio": PROMPTFOLIO,
     "fedclip": Algorithm(
         NoParams, all_global,
         "attention feature adapter shared and averaged (FedCLIP)", "https://arxiv.org/abs/2302.13485",

@@ -164,9 +164,6 @@ def check_peft_fits(cfg, algo: Algorithm) -> None:
     if cfg.peft.private_r and algo.private_adapter is False:
         raise ConfigError(f"peft.private_r adds pFedLoRA's private LoRA adapter, which algorithm {cfg.algorithm!r} "
                           f"would treat as its own LoRA; set peft.private_r = 0 or algorithm = 'pfedlora'")
-    if algo.prompt_parts is not None and cfg.peft.type == "prompt" and cfg.peft.portfolio:
-        raise ConfigError(f"peft.portfolio personalizes the prompt another way (PromptFolio); algorithm "
-                          f"{cfg.algorithm!r} adds prompt parts of its own: set peft.portfolio = 0")
     if cfg.peft.type == "full" and algo.full_ok is False:
         ok = [n for n, a in ALGORITHMS.items() if a.full_ok]
         raise ConfigError(f"peft.type = 'full' trains the whole backbone, without the LoRA/prompt/adapter parts "

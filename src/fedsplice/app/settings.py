@@ -8,8 +8,10 @@ differ, the most common value is stated and the others are listed with their exp
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
+from fedsplice.algorithms import method_params
 from fedsplice.algorithms.fedpurel import FedPuReLParams
 from fedsplice.config import ExperimentConfig
 
@@ -24,7 +26,7 @@ def _peft(c: ExperimentConfig) -> str:
         s = f"LoRA r={p.r} α={_g(p.alpha)} on {','.join(p.roles)}" + (" (rsLoRA)" if p.use_rslora else "")
         return s + (f", private r={p.private_r}" if p.private_r else "")
     if p.type == "prompt":
-        return f"{p.n_ctx or 4} {p.prompt_init} context tokens" + (f", θ={_g(p.portfolio)}" if p.portfolio else "")
+        return f"{p.n_ctx or 4} {p.prompt_init} context tokens"
     return p.type
 
 
@@ -54,6 +56,12 @@ def _server(c: ExperimentConfig) -> str:
     return f"{s.optimizer} η {_g(s.lr) if s.lr else 'default'}{extra}"
 
 
+def _method(c: ExperimentConfig) -> str | None:
+    """The algorithm's resolved [method] table (its defaults filled in), e.g. "promptfolio theta=0.2"."""
+    params = dataclasses.asdict(method_params(c))
+    return f"{c.algorithm} " + ", ".join(f"{k}={_g(v)}" for k, v in params.items()) if params else None
+
+
 def _phase2(c: ExperimentConfig) -> str | None:
     if c.algorithm != "fedpurel":
         return None
@@ -76,6 +84,7 @@ ASPECTS = [
                          + (f", at most {c.client.max_steps} steps" if c.client.max_steps else "")),
     ("client optimizer", _client_opt),
     ("server", _server),
+    ("method settings", _method),
     ("FedPuReL phase 2", _phase2),
     ("evaluation", lambda c: f"every {c.eval.every} rounds; GM on {c.data.test_per_class} test samples a class, "
                              f"PM on {c.data.local_test_size} local test samples a client"),

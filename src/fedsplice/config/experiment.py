@@ -131,7 +131,8 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
 # Settings that moved into a method's own [method] table (a method owns its settings,
 # docs/extending.md): (section, key) -> (the algorithm, its [method] key).
 MOVED_TO_METHOD = {("peft", "ot_gamma"): ("fedotp", "gamma"), ("peft", "ot_eps"): ("fedotp", "eps"),
-                   ("peft", "ot_iters"): ("fedotp", "iters"), ("peft", "prompt_lowrank"): ("fedpgp", "rank")}
+                   ("peft", "ot_iters"): ("fedotp", "iters"), ("peft", "prompt_lowrank"): ("fedpgp", "rank"),
+                   ("peft", "portfolio"): ("promptfolio", "theta")}
 
 
 def moved_to_method(table: dict, saved: bool) -> dict:

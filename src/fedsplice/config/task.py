@@ -94,7 +94,6 @@ class PeftConfig:
     prompt_init: Literal["random", "template"] = "random"
     n_ctx: int = 0  # 0: 4 with random init (the FedPuReL paper's prompt length), the words' count with template
     class_specific: bool = False  # one context per class instead of one shared
-    portfolio: float = 0.0  # PromptFolio θ: mix a private local prompt's class features with weight θ
     # FedCLIP feature adapter on the input embedding
     adapter_hidden: int = 0  # 0: the embedding width
     # random: torch's Linear init (FedCLIP's official code); zero: uniform attention, round 0 = zero-shot
@@ -112,14 +111,10 @@ class PeftConfig:
             raise ConfigError(f"peft.layers must be non-negative layer indices, got {self.layers}")
         if self.n_ctx < 0 or self.adapter_hidden < 0:
             raise ConfigError("peft.n_ctx and peft.adapter_hidden must be >= 0 (0 = automatic)")
-        if not 0.0 <= self.portfolio < 1.0:
-            raise ConfigError(f"peft.portfolio must be in [0, 1), got {self.portfolio}")
         if self.adapter_init not in ("random", "zero"):
             raise ConfigError(f"peft.adapter_init must be 'random' or 'zero', got {self.adapter_init!r}")
         if self.prompt_init not in ("random", "template"):
             raise ConfigError(f"peft.prompt_init must be 'random' or 'template', got {self.prompt_init!r}")
-        if self.portfolio > 0 and self.type != "prompt":
-            raise ConfigError("peft.portfolio mixes prompt contexts: set peft.type = 'prompt'")
         if self.private_r < 0 or (self.private_r and self.type != "lora"):
             raise ConfigError(f"peft.private_r = {self.private_r}: a rank >= 1 adds a private LoRA adapter "
                               f"(set peft.type = 'lora'), 0 turns it off")

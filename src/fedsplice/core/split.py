@@ -24,7 +24,8 @@ class ParamInfo:
     layer: str | None  # a key shared by the LoRA tensors of one attention block
     # what the tensor belongs to: "lora", "lora_private" (pFedLoRA's second adapter), or the
     # module a non-LoRA tensor lives in, named by its first path part: "head", "prompt",
-    # "prompt_local", "adapter", "projector", "backbone" (full fine-tuning), ... (model/peft.py)
+    # "adapter", "projector", "backbone" (full fine-tuning), or a module a method adds
+    # (PromptParts: "prompt_local", "prompt_lowrank", "prompt_ot") (model/peft.py)
     kind: str
 
 

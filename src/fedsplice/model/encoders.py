@@ -69,11 +69,10 @@ class ClassSide:
     with LoRA in its text tower): the class side changes as LoRA trains, so it is recomputed."""
 
     def __init__(self, text: TextEncoder, class_names: list[str], templates: list[str], peft_type: str,
-                 trains_text: bool, cache_on: bool, prompt: PromptLearner | None = None,
-                 prompt_local: PromptLearner | None = None, portfolio: float = 0.0):
+                 trains_text: bool, cache_on: bool, prompt: PromptLearner | None = None):
         self.text, self.class_names, self.templates = text, class_names, templates
         self.peft_type, self.trains_text, self.cache_on = peft_type, trains_text, cache_on
-        self.prompt, self.prompt_local, self.portfolio = prompt, prompt_local, portfolio
+        self.prompt = prompt
         # () -> class embeddings: a method's own class side from its prompt modules (PromptParts)
         self.compose: Callable[[], torch.Tensor] | None = None
         self.frozen_emb: torch.Tensor | None = None
@@ -84,11 +83,7 @@ class ClassSide:
         if self.peft_type == "prompt" and self.compose is not None:
             return self.compose()
         if self.peft_type == "prompt":
-            e = self.from_prompt(self.prompt)
-            if self.prompt_local is not None:  # PromptFolio: a portfolio of global and local features
-                th = self.portfolio
-                e = F.normalize((1 - th) * e + th * self.from_prompt(self.prompt_local), dim=-1)
-            return e
+            return self.from_prompt(self.prompt)
         if not self.trains_text:
             return self.frozen()
         return self.from_templates()

@@ -72,17 +72,14 @@ def adapters_off(backbone: nn.Module, peft_type: str):
 
 def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class_names: list[str],
                   pc: PeftConfig, gen: torch.Generator, positions: int | None, parts=None):
-    """{module name: module}: "prompt", the CoOp context; "prompt_local", PromptFolio's local one
-    (portfolio > 0); then the modules of the method's `parts` (fedsplice.algorithms.PromptParts).
-    Each is drawn after the ones before it, from one generator."""
+    """{module name: module}: "prompt", the CoOp context, then the modules of the method's `parts`
+    (fedsplice.algorithms.PromptParts). Each is drawn after the ones before it, from one generator."""
     def make():
         return PromptLearner(tokenizer, word_embeddings, template, class_names, pc.n_ctx, pc.class_specific, gen,
                               pc.prompt_init)
 
     prompt = make()
     out: dict[str, nn.Module] = {"prompt": prompt}
-    if pc.portfolio > 0:
-        out["prompt_local"] = make()
     if parts is not None:
         out.update({k: v for k, v in parts.modules(make, prompt, gen).items()
                     if k not in out or _clash(k)})
@@ -122,7 +119,7 @@ def param_infos(names, rmap: dict[str, str]) -> dict[str, ParamInfo]:
             m = LAYER.match(module)
             kind = "lora_private" if f".lora_{factor}.private." in name else "lora"  # pFedLoRA's second adapter
             infos[name] = ParamInfo(role, factor, m.group(1) if m else module, kind)
-        else:  # head, prompt, prompt_local, adapter, projector, backbone ("full"): named by their module
+        else:  # head, prompt, adapter, projector, backbone ("full"), a method's modules: named by their module
             infos[name] = ParamInfo(None, None, None, name.split(".")[0])
     return infos
 

@@ -8,10 +8,10 @@ It composes parts with one job each:
   encoders  the text, class and input sides of a dual encoder (model.encoders)
   scorers   one per task: dual_encoder, encoder_head, causal_lm, vlm (model.scorers)
 
-The trainable modules are attributes of this module (backbone, prompt, prompt_local, adapter,
-head, projector, the modules a method adds through its `PromptParts`; the frozen vision tower
-too), so parameter names — the keys on the wire and in
-checkpoints — are those attribute paths. The other parts are plain objects holding references.
+The trainable modules are attributes of this module (backbone, prompt, adapter, head,
+projector, the modules a method adds through its `PromptParts`; the frozen vision tower too), so
+parameter names — the keys on the wire and in checkpoints — are those attribute paths. The other
+parts are plain objects holding references.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class TaskModel(nn.Module):
         of trainable()) and drawing their inits in a fixed order from one seeded generator."""
         pc = cfg.peft
         gen = torch.Generator().manual_seed(cfg.seed)
-        self.prompt = self.prompt_local = self.adapter = self.head = None
+        self.prompt = self.adapter = self.head = None
         if pc.type == "lora":
             self.backbone = peft.inject_lora(bb.model, self.rmap, pc, cfg.seed, bb.model_type)
         else:
@@ -88,11 +88,11 @@ class TaskModel(nn.Module):
             built = peft.build_prompts(self.tokenizer, we, self.class_prompt, self.class_names, pc, gen,
                                        bb.text_positions, self._parts)
             for name, module in built.items():
-                if name not in ("prompt", "prompt_local") and hasattr(self, name):
+                if name != "prompt" and hasattr(self, name):
                     raise ConfigError(f"algorithm {cfg.algorithm!r}: its PromptParts.modules names {name!r}, "
                                       f"an attribute the model already has; rename it")
                 setattr(self, name, module)
-            self._method_modules = {n: m for n, m in built.items() if n != "prompt_local"}
+            self._method_modules = built
         if pc.type == "adapter":
             self.adapter = peft.build_adapter(bb.hidden, pc, gen)
         if self.task == "encoder_head":
@@ -121,7 +121,7 @@ class TaskModel(nn.Module):
         trains_text = cfg.model.class_side_adapters or pc.type == "full" or (
             self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
         self._classes = ClassSide(self._text, self.class_names, [self.class_prompt, *cfg.data.class_prompts],
-                                  pc.type, trains_text, self.cache_on, self.prompt, self.prompt_local, pc.portfolio)
+                                  pc.type, trains_text, self.cache_on, self.prompt)
         if self._parts is not None:  # the method composes the class side from its prompt modules
             self._classes.compose = lambda: self._parts.class_embeddings(self._classes.from_prompt,
                                                                          self._method_modules)
