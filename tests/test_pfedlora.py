@@ -11,7 +11,7 @@ from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
 from fedsplice.runtimes.inprocess import run_rounds
 
-PFL = dict(algorithm='"pfedlora"', peft__private_r=4, method="{private_epochs = 1, global_epochs = 2}")
+PFL = dict(algorithm='"pfedlora"', method="{private_r = 4, private_epochs = 1, global_epochs = 2}")
 
 
 def test_private_adapter_split_and_forward(tiny_cfg):
@@ -124,9 +124,10 @@ def test_same_bytes_as_federated_lora(tiny_cfg):
 
 @pytest.mark.parametrize("sets,match", [
     (["method.private_epochs=0"], "method.private_epochs and method.global_epochs must be >= 1"),
-    (["peft.private_r=0"], "peft.private_r = r"),
-    (["algorithm=\"lora\"", "method={}"], "set peft.private_r = 0 or algorithm = 'pfedlora'"),
-    (["peft.type=\"prompt\""], "peft.private_r = 4: a rank >= 1 adds a private LoRA adapter"),
+    (["method.private_r=0"], "method.private_r must be >= 1"),
+    (["peft.type=\"prompt\""], "algorithm 'pfedlora' trains a shared and a private LoRA adapter: set peft.type"),
+    # the rank moved from [peft] into pFedLoRA's own table: the one line names the new place
+    (["peft.private_r=4"], "peft.private_r is now `private_r` in the [method] table of algorithm 'pfedlora'"),
 ])
 def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses):
     cli_refuses(tiny_cfg(**PFL), sets, match)

@@ -87,7 +87,7 @@ COMBINATIONS = [  # config, --set, the error's start: each one used to wait for 
     ("fedpurel-lora-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpurel'"),
     ("fedpgp-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpgp'"),
     ("fedpgp-fortunes", ["peft.type=adapter"], "algorithm 'fedpgp' adds a private low-rank correction"),
-    ("pfedlora-fortunes", ["peft.private_r=0"], "algorithm 'pfedlora' trains a shared and a private LoRA adapter"),
+    ("pfedlora-fortunes", ["peft.type=prompt"], "algorithm 'pfedlora' trains a shared and a private LoRA adapter"),
     ("promptfolio-fortunes", ["peft.type=adapter"], "algorithm 'promptfolio' mixes a global and a local prompt"),
     ("fedclip-fortunes", ["peft.type=prompt"], "algorithm 'fedclip' federates one adapter (peft.type = 'adapter')"),
     ("promptfl-fortunes", ["peft.type=adapter"], "algorithm 'promptfl' federates one prompt (peft.type = 'prompt')"),
@@ -131,19 +131,20 @@ def test_a_users_check_config_runs_in_validate(capsys):
 
 
 def test_the_peft_settings_a_method_misreads_are_declared_by_the_method(capsys):
-    """Algorithm.full_ok and .private_adapter, not a list of names in the registry: a built-in says
-    False unless it declares True; a registered method (None) is not checked."""
+    """Algorithm.full_ok, not a list of names in the registry: a built-in says False unless it
+    declares True; a registered method (None) is not checked. A method's own LoRA adapters are its
+    LoraParts (pFedLoRA's only)."""
     from fedsplice.app.cli import main
 
     full = {n for n, a in R.ALGORITHMS.items() if a.full_ok}
     assert full == {"full-ft", "fedprox", "fedper", "local", "zeroshot", "centralized", "majority", "local-prior"}
-    assert {n for n, a in R.ALGORITHMS.items() if a.private_adapter} == {"pfedlora"}
+    assert {n for n, a in R.ALGORITHMS.items() if a.lora_parts} == {"pfedlora"}
     assert main(["validate", "--no-data", "--set", "peft.type=full"]) == 2  # the default is PFAdapter
     assert "peft.type = 'full' trains the whole backbone" in capsys.readouterr().err
     register_algorithm("mine", build=lambda p, infos, *_: Recipe({n: "global" for n in infos}), replace=True)
     try:
         assert main(["validate", "--no-data", "--set", "algorithm=mine", "--set", "method={}",
-                     "--set", "peft.private_r=4"]) == 0
+                     "--set", "peft.type=full"]) == 0
     finally:
         R.ALGORITHMS.pop("mine")
     capsys.readouterr()

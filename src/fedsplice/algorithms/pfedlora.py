@@ -4,7 +4,8 @@ official code is public; this is the homogeneous-backbone reading of the paper (
 
 - Parameters: the paper gives each client a private local model and a small homogeneous
   LoRA-style adapter that is shared. On one frozen backbone the private model becomes a second
-  LoRA adapter on the same modules (peft.private_r > 0): the "default" adapter is GLOBAL
+  LoRA adapter on the same modules, of rank method.private_r (this method adds it: its
+  `LoraParts`): the "default" adapter is GLOBAL
   (averaged, as FedAvg-LoRA's: the 617 MB a round of PFAdapter's Table I), the "private" one is
   PRIVATE. Both act in every forward; PM uses both, GM the shared one with a fresh private one.
 - Training (the paper's iterative optimisation): each round, first the private adapter with the
@@ -19,13 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fedsplice.algorithms.recipe import Algorithm, Recipe
+from fedsplice.algorithms.recipe import Algorithm, LoraParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
 
 @dataclass
 class PFedLoRAParams:
+    private_r: int = 8  # rank of the private adapter (no value in the paper: the shared one's, peft.r = 8)
     private_epochs: int = 1  # E_1: the private adapter, the shared one frozen
     global_epochs: int = 1  # E_2: the shared adapter, the private one frozen
     # per_phase: each phase runs its own epochs (the paper: twice the local steps of a one-phase
@@ -36,15 +38,16 @@ class PFedLoRAParams:
         if self.budget not in ("per_phase", "shared"):
             raise ConfigError(f"method.budget must be 'per_phase' (the paper) or 'shared' (the phases split one "
                               f"local budget), got {self.budget!r}")
+        if self.private_r < 1:
+            raise ConfigError(f"method.private_r must be >= 1 (the private adapter's rank), got {self.private_r}")
         if self.private_epochs < 1 or self.global_epochs < 1:
             raise ConfigError(f"method.private_epochs and method.global_epochs must be >= 1, got "
                               f"{self.private_epochs} and {self.global_epochs}")
 
 
 def check_config(p: PFedLoRAParams, cfg) -> None:
-    if cfg.peft.type != "lora" or not cfg.peft.private_r:
-        raise ConfigError("algorithm 'pfedlora' trains a shared and a private LoRA adapter: set peft.type = "
-                          "'lora' and peft.private_r = r (e.g. 8, the shared adapter's peft.r)")
+    if cfg.peft.type != "lora":
+        raise ConfigError("algorithm 'pfedlora' trains a shared and a private LoRA adapter: set peft.type = 'lora'")
 
 
 def build(p: PFedLoRAParams, infos, *_) -> Recipe:
@@ -55,4 +58,4 @@ def build(p: PFedLoRAParams, infos, *_) -> Recipe:
 
 PFEDLORA = Algorithm(PFedLoRAParams, build, "shared LoRA adapter averaged, private LoRA adapter kept; trained "
                      "alternately, private then shared (pFedLoRA)", "https://arxiv.org/abs/2310.13283",
-                     check_config, private_adapter=True)
+                     check_config, lora_parts=lambda p: LoraParts({"private": p.private_r}))

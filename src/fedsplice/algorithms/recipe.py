@@ -61,6 +61,15 @@ class PromptParts:
     token_scorer: Callable | None = None
 
 
+@dataclass(frozen=True)
+class LoraParts:
+    """More LoRA adapters a method puts on the modules the shared one adapts (peft.type = "lora"):
+    {adapter name: rank}, each with peft.alpha / dropout / rsLoRA, all active in every forward.
+    Their tensors' kind is "lora_<name>" (the shared adapter's is "lora")."""
+
+    adapters: dict[str, int]
+
+
 @dataclass
 class Recipe:
     split: dict[str, str]  # trainable name -> GLOBAL or PRIVATE (fedsplice.core.split)
@@ -98,12 +107,13 @@ class Algorithm:
     # What the method makes of two PEFT settings other methods would misread. False: refused in
     # one line; None (register_algorithm, a `module:build` reference): not checked.
     full_ok: bool | None = False  # peft.type = "full": every backbone weight trains, no PEFT parts
-    private_adapter: bool | None = False  # peft.private_r: a second LoRA adapter (pFedLoRA's private one)
     # (cfg) -> the method's name in results; None: `algorithm`, "+<optimizer>" when the server
     # optimizer is not FedAvg (registry.display_name adds the +la / +grab switches)
     label: Callable | None = None
     # (params) -> PromptParts: the modules, class side and scorer a prompt method adds to the model
     prompt_parts: Callable | None = None
+    # (params) -> LoraParts: the LoRA adapters a method adds beside the shared one
+    lora_parts: Callable | None = None
 
 
 def default_label(cfg) -> str:

@@ -38,12 +38,14 @@ ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp":
 
 def register_algorithm(name: str, params_type: type = NoParams, build: Callable | None = None, *,
                        description: str = "", paper: str = "", replace: bool = False,
-                       check_config: Callable | None = None, prompt_parts: Callable | None = None) -> Algorithm:
+                       check_config: Callable | None = None, prompt_parts: Callable | None = None,
+                       lora_parts: Callable | None = None) -> Algorithm:
     """Make `algorithm = name` usable in configs. `params_type` is the dataclass of its `[method]`
     table (an optional `check()` validates it); `build(params, infos, shapes, scalings)` returns
     the `Recipe`; `check_config(params, cfg)` refuses the rest of a config the method cannot run
     with (`fedsplice validate` runs it); `prompt_parts(params) -> PromptParts` adds modules to a
-    prompt model. Refuses to shadow an existing name unless `replace=True`."""
+    prompt model, `lora_parts(params) -> LoraParts` LoRA adapters to a LoRA one. Refuses to
+    shadow an existing name unless `replace=True`."""
     if not name or ":" in name:
         raise ConfigError(f"register_algorithm: name {name!r} must be non-empty and contain no ':'")
     if name in ALGORITHMS and not replace:
@@ -51,7 +53,8 @@ def register_algorithm(name: str, params_type: type = NoParams, build: Callable 
     if not dataclasses.is_dataclass(params_type) or not callable(build):
         raise ConfigError(f"register_algorithm({name!r}): params_type must be a dataclass and build a function")
     ALGORITHMS[name] = Algorithm(params_type, build, description or (build.__doc__ or "").strip().split("\n")[0],
-                                 paper, check_config, full_ok=None, private_adapter=None, prompt_parts=prompt_parts)
+                                 paper, check_config, full_ok=None, prompt_parts=prompt_parts,
+                                 lora_parts=lora_parts)
     return ALGORITHMS[name]
 
 
@@ -74,7 +77,7 @@ def _as_algorithm(obj, where: str) -> Algorithm:
     if not dataclasses.is_dataclass(params):
         raise ConfigError(f"algorithm: {where}'s first parameter must be annotated with a dataclass, got {params!r}")
     return Algorithm(params, obj, (getattr(obj, "__doc__", None) or "").strip().split("\n")[0],
-                     full_ok=None, private_adapter=None)
+                     full_ok=None)
 
 
 def _load_reference(ref: str) -> Algorithm:
@@ -159,11 +162,16 @@ def prompt_parts(cfg):
     return algo.prompt_parts(method_params(cfg))
 
 
+def lora_parts(cfg):
+    """The `LoraParts` cfg's algorithm adds beside the shared LoRA adapter; None: nothing."""
+    algo = get_algorithm(cfg.algorithm)
+    if algo.lora_parts is None or cfg.peft.type != "lora":
+        return None
+    return algo.lora_parts(method_params(cfg))
+
+
 def check_peft_fits(cfg, algo: Algorithm) -> None:
-    """Refuse PEFT parts the algorithm says it would misread (Algorithm.full_ok, .private_adapter)."""
-    if cfg.peft.private_r and algo.private_adapter is False:
-        raise ConfigError(f"peft.private_r adds pFedLoRA's private LoRA adapter, which algorithm {cfg.algorithm!r} "
-                          f"would treat as its own LoRA; set peft.private_r = 0 or algorithm = 'pfedlora'")
+    """Refuse a PEFT type the algorithm says it would misread (Algorithm.full_ok)."""
     if cfg.peft.type == "full" and algo.full_ok is False:
         ok = [n for n, a in ALGORITHMS.items() if a.full_ok]
         raise ConfigError(f"peft.type = 'full' trains the whole backbone, without the LoRA/prompt/adapter parts "

@@ -24,7 +24,7 @@ def _peft(c: ExperimentConfig) -> str:
     p = c.peft
     if p.type == "lora":
         s = f"LoRA r={p.r} α={_g(p.alpha)} on {','.join(p.roles)}" + (" (rsLoRA)" if p.use_rslora else "")
-        return s + (f", private r={p.private_r}" if p.private_r else "")
+        return s
     if p.type == "prompt":
         return f"{p.n_ctx or 4} {p.prompt_init} context tokens"
     return p.type

@@ -132,7 +132,7 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
 # docs/extending.md): (section, key) -> (the algorithm, its [method] key).
 MOVED_TO_METHOD = {("peft", "ot_gamma"): ("fedotp", "gamma"), ("peft", "ot_eps"): ("fedotp", "eps"),
                    ("peft", "ot_iters"): ("fedotp", "iters"), ("peft", "prompt_lowrank"): ("fedpgp", "rank"),
-                   ("peft", "portfolio"): ("promptfolio", "theta")}
+                   ("peft", "portfolio"): ("promptfolio", "theta"), ("peft", "private_r"): ("pfedlora", "private_r")}
 
 
 def moved_to_method(table: dict, saved: bool) -> dict:

@@ -85,9 +85,6 @@ class PeftConfig:
     layers: list[int] = field(default_factory=list)  # empty: every layer
     tower: str = ""  # CLIP-style models: "text_model" or "vision_model"; empty: the only tower
     use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
-    # pFedLoRA (Yi et al. 2023): rank of a second LoRA adapter ("private"), on the same modules with
-    # the same alpha, beside the shared one ("default"); both act in every forward. 0 = none
-    private_r: int = 0
     # CoOp prompt context on the class side of a dual encoder. random: n_ctx vectors ~ N(0, 0.02²)
     # from the seeded init stream (CoOp, FedPuReL's official code; round 0 is then NOT zero-shot);
     # template: the word embeddings of data.class_prompt's words before {label} (round 0 = zero-shot)
@@ -115,9 +112,6 @@ class PeftConfig:
             raise ConfigError(f"peft.adapter_init must be 'random' or 'zero', got {self.adapter_init!r}")
         if self.prompt_init not in ("random", "template"):
             raise ConfigError(f"peft.prompt_init must be 'random' or 'template', got {self.prompt_init!r}")
-        if self.private_r < 0 or (self.private_r and self.type != "lora"):
-            raise ConfigError(f"peft.private_r = {self.private_r}: a rank >= 1 adds a private LoRA adapter "
-                              f"(set peft.type = 'lora'), 0 turns it off")
         if self.type == "full" and (self.layers or self.tower or self.dropout > 0):
             # full fine-tuning trains every layer of every tower, and runs the backbone without
             # dropout as LoRA runs its frozen base: these LoRA placements would be silently ignored

@@ -22,7 +22,8 @@ class ParamInfo:
     role: str | None  # q, k, v, o for attention LoRA; None otherwise
     factor: str | None  # "A" or "B" for LoRA; None otherwise
     layer: str | None  # a key shared by the LoRA tensors of one attention block
-    # what the tensor belongs to: "lora", "lora_private" (pFedLoRA's second adapter), or the
+    # what the tensor belongs to: "lora", "lora_<adapter>" (a method's own adapter, LoraParts:
+    # pFedLoRA's "lora_private"), or the
     # module a non-LoRA tensor lives in, named by its first path part: "head", "prompt",
     # "adapter", "projector", "backbone" (full fine-tuning), or a module a method adds
     # (PromptParts: "prompt_local", "prompt_lowrank", "prompt_ot") (model/peft.py)

@@ -29,8 +29,9 @@ from fedsplice.model.loading import target_regex
 LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
 
 
-def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int, mtype: str):
-    """`base` wrapped by peft with LoRA on pc.roles × pc.layers × pc.tower."""
+def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int, mtype: str, parts=None):
+    """`base` wrapped by peft with LoRA on pc.roles × pc.layers × pc.tower; the method's `parts`
+    (fedsplice.algorithms.LoraParts) add more adapters on the same modules, all active."""
     from peft import LoraConfig, get_peft_model  # heavy: imported when a LoRA model is built
 
     regex = target_regex(rmap, pc.roles, pc.layers, pc.tower)
@@ -42,9 +43,10 @@ def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int
         torch.manual_seed(seed)
         try:
             model = get_peft_model(base, lcfg)
-            if pc.private_r:  # pFedLoRA: a second adapter on the same modules, both active
-                model.add_adapter("private", dataclasses.replace(lcfg, r=pc.private_r))
-                model.base_model.set_adapter(["default", "private"])
+            for name, rank in (parts.adapters.items() if parts is not None else ()):
+                model.add_adapter(name, dataclasses.replace(lcfg, r=rank))
+            if parts is not None and parts.adapters:
+                model.base_model.set_adapter(["default", *parts.adapters])
             return model
         except ValueError as e:
             raise ConfigError(f"peft: no module of this {mtype} backbone matches roles {pc.roles}, "
@@ -117,7 +119,8 @@ def param_infos(names, rmap: dict[str, str]) -> dict[str, ParamInfo]:
             module = name.split(f".lora_{factor}.")[0]
             role = next((r for r, s in rmap.items() if module.endswith("." + s)), None)
             m = LAYER.match(module)
-            kind = "lora_private" if f".lora_{factor}.private." in name else "lora"  # pFedLoRA's second adapter
+            adapter = name.split(f".lora_{factor}.")[1].split(".")[0]
+            kind = "lora" if adapter == "default" else f"lora_{adapter}"  # a method's own adapter (LoraParts)
             infos[name] = ParamInfo(role, factor, m.group(1) if m else module, kind)
         else:  # head, prompt, adapter, projector, backbone ("full"), a method's modules: named by their module
             infos[name] = ParamInfo(None, None, None, name.split(".")[0])

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fedsplice.algorithms import prompt_parts
+from fedsplice.algorithms import lora_parts, prompt_parts
 from fedsplice.config import ExperimentConfig
 from fedsplice.core import streams
 from fedsplice.core.split import ParamInfo
@@ -80,7 +80,7 @@ class TaskModel(nn.Module):
         gen = torch.Generator().manual_seed(cfg.seed)
         self.prompt = self.adapter = self.head = None
         if pc.type == "lora":
-            self.backbone = peft.inject_lora(bb.model, self.rmap, pc, cfg.seed, bb.model_type)
+            self.backbone = peft.inject_lora(bb.model, self.rmap, pc, cfg.seed, bb.model_type, lora_parts(cfg))
         else:
             self.backbone = peft.unfreeze(bb.model) if pc.type == "full" else bb.model
         if pc.type == "prompt":
