@@ -1,4 +1,4 @@
-"""Fed-GraB (client.grab): the PID step, the re-weighted logit gradients and the prior estimate
+"""Fed-GraB ([grab]): the PID step, the re-weighted logit gradients and the prior estimate
 against hand-computed values; the switch end to end on fedavg-lora and promptfolio; bad
 hyperparameters as one-line errors."""
 
@@ -141,8 +141,8 @@ def cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
 
 def test_off_by_default_and_the_balancer_reaches_the_objective(cfg):
     exp = build(cfg(algorithm='"lora"'))
-    assert exp.cfg.client.grab is False and "grab" not in train_context(exp, 0, {})
-    exp = build(cfg(algorithm='"lora"', client__grab=True, client__grab_loss='"softmax"'))
+    assert exp.cfg.grab.enabled is False and "grab" not in train_context(exp, 0, {})
+    exp = build(cfg(algorithm='"lora"', grab__enabled=True, grab__loss='"softmax"'))
     received = {n: exp.init_params[n].clone() for n in exp.global_names}
     b = grab_balancer(exp, None, received)
     assert b.open.shape == (3,) and b.p.loss == "softmax" and b.p.kp == 10.0 and b.scales() == (1.0, 1.0)
@@ -157,7 +157,7 @@ def test_off_by_default_and_the_balancer_reaches_the_objective(cfg):
 
 
 def test_the_state_is_private_and_persists_across_rounds(cfg):
-    exp = build(cfg(algorithm='"lora"', client__grab=True))
+    exp = build(cfg(algorithm='"lora"', grab__enabled=True))
     store = MemoryStore()
     down = wire.encode({n: exp.init_params[n].clone() for n in exp.global_names})
     up, _ = fit(exp, store, 0, 0, down)
@@ -178,7 +178,7 @@ def test_the_state_is_private_and_persists_across_rounds(cfg):
 def test_grab_runs_end_to_end(over, cfg):
     from fedsplice.runtimes.inprocess import run_rounds
 
-    exp, store, recs = build(cfg(**over, client__grab=True)), MemoryStore(), []
+    exp, store, recs = build(cfg(**over, grab__enabled=True)), MemoryStore(), []
     final = run_rounds(exp, store, recs.append)
     assert [r["round"] for r in recs] == [0, 1, 2]
     # every client that trained keeps its balancer state (PRIVATE, in its store)
@@ -195,22 +195,34 @@ def test_grab_runs_end_to_end(over, cfg):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("grab_kp", "-1.0"), ("grab_ki", "nan"), ("grab_kd", "inf"), ("grab_pos_scale", "-1.0"),
-    ("grab_neg_scale", "nan"), ("grab_out_limit", "0.0"), ("grab_tail_ratio", "-0.1"), ("grab_loss", '"focal"'),
+    ("kp", "-1.0"), ("ki", "nan"), ("kd", "inf"), ("pos_scale", "-1.0"),
+    ("neg_scale", "nan"), ("out_limit", "0.0"), ("tail_ratio", "-0.1"), ("loss", '"focal"'),
 ])
 def test_bad_hyperparameters_are_one_line_errors(field, value, cfg, capsys):
-    with pytest.raises(ConfigError, match=f"client.{field}"):
-        cfg(algorithm='"lora"', client__grab=True, **{f"client__{field}": value})
-    rc = main(["validate", "--no-data", "--set", "client.grab=true", "--set", f"client.{field}={value}"])
+    with pytest.raises(ConfigError, match=f"grab.{field}"):
+        cfg(algorithm='"lora"', grab__enabled=True, **{f"grab__{field}": value})
+    rc = main(["validate", "--no-data", "--set", "grab.enabled=true", "--set", f"grab.{field}={value}"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and f"client.{field}" in err, err
+    assert rc == 2 and len(err.splitlines()) == 1 and f"grab.{field}" in err, err
+
+
+def test_the_settings_moved_from_client_are_refused_with_their_new_place(capsys):
+    """Fed-GraB's settings live in [grab]: an old `client.grab*` key is one line naming the new one,
+    and a run saved before the move reads with them in [grab] (its results stay reusable)."""
+    from fedsplice.config import saved_as_current
+
+    assert main(["validate", "--no-data", "--set", "client.grab=true"]) == 2
+    assert capsys.readouterr().err.strip() == ("fedsplice: error: client.grab is now `enabled` in the [grab] table: "
+                                               "write [grab] enabled = true")
+    old = saved_as_current({"algorithm": "lora", "client": {"grab": True, "grab_kp": 5.0, "grab_loss": "sigmoid"}})
+    assert old["grab"] == {**old["grab"], "enabled": True, "kp": 5.0, "loss": "sigmoid"} and "grab" not in old["client"]
 
 
 def test_an_algorithm_with_its_own_objective_refuses_the_switch(cfg, monkeypatch):
-    with pytest.raises(ConfigError, match="^client.grab re-weights the plain task loss, and algorithm 'fedpurel'"):
-        cfg(algorithm='"fedpurel"', method="{personal_rounds = 1}", client__grab=True)  # at validation
+    with pytest.raises(ConfigError, match="^grab.enabled re-weights the plain task loss, and algorithm 'fedpurel'"):
+        cfg(algorithm='"fedpurel"', method="{personal_rounds = 1}", grab__enabled=True)  # at validation
     # a user's method that declares no check_config: refused at the first fit, by the same rule
     exp = build(cfg(algorithm='"fedpurel"', method="{personal_rounds = 1}"))
-    monkeypatch.setattr(exp.cfg.client, "grab", True)
-    with pytest.raises(ConfigError, match="^client.grab re-weights .* trains on an objective of its own"):
+    monkeypatch.setattr(exp.cfg.grab, "enabled", True)
+    with pytest.raises(ConfigError, match="^grab.enabled re-weights .* trains on an objective of its own"):
         grab_balancer(exp, None, {n: exp.init_params[n] for n in exp.global_names})

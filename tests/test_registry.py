@@ -84,8 +84,8 @@ def test_a_broken_entry_point_is_named_not_raised(monkeypatch):
 COMBINATIONS = [  # config, --set, the error's start: each one used to wait for the first fit
     ("fedotp-fortunes", ["peft.type=adapter"], "algorithm 'fedotp' matches a global and a local prompt"),
     ("fedotp-fortunes", ["model.task=encoder_head"], "algorithm 'fedotp' matches an input's token features"),
-    ("fedpurel-lora-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpurel'"),
-    ("fedpgp-fortunes", ["client.grab=true"], "client.grab re-weights the plain task loss, and algorithm 'fedpgp'"),
+    ("fedpurel-lora-fortunes", ["grab.enabled=true"], "grab.enabled re-weights the plain task loss, and algorithm 'fedpurel'"),
+    ("fedpgp-fortunes", ["grab.enabled=true"], "grab.enabled re-weights the plain task loss, and algorithm 'fedpgp'"),
     ("fedpgp-fortunes", ["peft.type=adapter"], "algorithm 'fedpgp' adds a private low-rank correction"),
     ("pfedlora-fortunes", ["peft.type=prompt"], "algorithm 'pfedlora' trains a shared and a private LoRA adapter"),
     ("promptfolio-fortunes", ["peft.type=adapter"], "algorithm 'promptfolio' mixes a global and a local prompt"),
@@ -159,7 +159,7 @@ def test_the_peft_settings_a_method_misreads_are_declared_by_the_method(capsys):
     (["algorithm=majority", "server.optimizer=fedadam"], "majority"),
     (["algorithm=fedpurel", "peft.type=prompt", "server.optimizer=fedadam"], "fedpurel+fedadam-prompt"),
     (["algorithm=fedpurel", "client.logit_adjustment=1.0"], "fedpurel-lora+la"),
-    (["algorithm=lora", "client.grab=true"], "fedavg-lora+grab"),
+    (["algorithm=lora", "grab.enabled=true"], "fedavg-lora+grab"),
 ])
 def test_labels_come_from_the_methods(sets, label):
     """display_name: each method's own `label` (lora, fedpurel, the methods without a server step)

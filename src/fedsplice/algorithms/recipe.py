@@ -129,11 +129,11 @@ def no_server_step(cfg) -> str:
 
 
 def refuse_grab(cfg, objective: str) -> None:
-    """Fed-GraB (client.grab) re-weights the plain cross-entropy; a method that trains on an
+    """Fed-GraB (grab.enabled) re-weights the plain cross-entropy; a method that trains on an
     `objective` of its own cannot take it. The one place this rule is worded."""
-    if cfg.client.grab:
-        raise ConfigError(f"client.grab re-weights the plain task loss, and algorithm {cfg.algorithm!r} trains "
-                          f"on {objective}; set client.grab = false")
+    if cfg.grab.enabled:
+        raise ConfigError(f"grab.enabled re-weights the plain task loss, and algorithm {cfg.algorithm!r} trains "
+                          f"on {objective}; set grab.enabled = false")
 
 
 def clone(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

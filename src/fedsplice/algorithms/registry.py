@@ -192,4 +192,4 @@ def display_name(cfg) -> str:
     """The label in results: fedyogi-lora, pfadapter, pfadapter+fedadam, local…"""
     algo = get_algorithm(cfg.algorithm)
     name = (algo.label or default_label)(cfg)
-    return name + ("+la" if cfg.client.logit_adjustment > 0 else "") + ("+grab" if cfg.client.grab else "")
+    return name + ("+la" if cfg.client.logit_adjustment > 0 else "") + ("+grab" if cfg.grab.enabled else "")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedsplice.config.parsing import apply_overrides, from_dict, read_toml
-from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, RuntimeConfig, ServerConfig
+from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, GrabConfig, RuntimeConfig, ServerConfig
 from fedsplice.config.task import DataConfig, ModelConfig, PeftConfig, ScenarioConfig
 from fedsplice.errors import ConfigError
 
@@ -30,6 +30,7 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    grab: GrabConfig = field(default_factory=GrabConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -121,34 +122,39 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
     cross-checks against the zoo, the data sets, the algorithms and the server optimizers."""
     table = read_toml(path or DEFAULT_CONFIG)
     apply_overrides(table, overrides or [])
-    moved_to_method(table, saved=False)
+    moved_settings(table, saved=False)
     apply_scoped(table, overrides or [])
     cfg = from_dict(ExperimentConfig, table)
     cfg.check()
     return cfg
 
 
-# Settings that moved into a method's own [method] table (a method owns its settings,
-# docs/extending.md): (section, key) -> (the algorithm, its [method] key).
-MOVED_TO_METHOD = {("peft", "ot_gamma"): ("fedotp", "gamma"), ("peft", "ot_eps"): ("fedotp", "eps"),
-                   ("peft", "ot_iters"): ("fedotp", "iters"), ("peft", "prompt_lowrank"): ("fedpgp", "rank"),
-                   ("peft", "portfolio"): ("promptfolio", "theta"), ("peft", "private_r"): ("pfedlora", "private_r")}
+# Settings that moved: (section, key) -> (section, key, algorithm). With an algorithm the new
+# place is that method's own [method] table (a method owns its settings, docs/extending.md).
+MOVED = {("peft", "ot_gamma"): ("method", "gamma", "fedotp"), ("peft", "ot_eps"): ("method", "eps", "fedotp"),
+         ("peft", "ot_iters"): ("method", "iters", "fedotp"), ("peft", "prompt_lowrank"): ("method", "rank", "fedpgp"),
+         ("peft", "portfolio"): ("method", "theta", "promptfolio"),
+         ("peft", "private_r"): ("method", "private_r", "pfedlora"), ("client", "grab"): ("grab", "enabled", None),
+         **{("client", f"grab_{k}"): ("grab", k, None) for k in ("kp", "ki", "kd", "pos_scale", "neg_scale",
+                                                                  "out_limit", "prior", "tail_ratio", "loss")}}
 
 
-def moved_to_method(table: dict, saved: bool) -> dict:
+def moved_settings(table: dict, saved: bool) -> dict:
     """A config that still sets a moved setting: a user's file is told where it went (one line); a
-    run saved before the move (saved=True) reads with it moved into [method] when the run used
-    that algorithm, and without it otherwise (where it was off)."""
-    for (section, key), (algo, new) in MOVED_TO_METHOD.items():
+    run saved before the move (saved=True) reads with it moved, into [method] only when the run
+    used that algorithm (other runs had it off)."""
+    for (section, key), (new_section, new, algo) in MOVED.items():
         sub = table.get(section)
         if not isinstance(sub, dict) or key not in sub:
             continue
         value = sub.pop(key)
         if not saved:
-            raise ConfigError(f"{section}.{key} is now `{new}` in the [method] table of algorithm {algo!r}: "
-                              f"write [method] {new} = {value!r} (with algorithm = {algo!r})")
-        if table.get("algorithm") == algo and isinstance(table.setdefault("method", {}), dict):
-            table["method"].setdefault(new, value)
+            where = f"the [method] table of algorithm {algo!r}" if algo else f"the [{new_section}] table"
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as TOML writes it
+            raise ConfigError(f"{section}.{key} is now `{new}` in {where}: write [{new_section}] {new} = "
+                              f"{shown}" + (f" (with algorithm = {algo!r})" if algo else ""))
+        if (algo is None or table.get("algorithm") == algo) and isinstance(table.setdefault(new_section, {}), dict):
+            table[new_section].setdefault(new, value)
     return table
 
 
@@ -158,6 +164,6 @@ def to_dict(cfg) -> dict:
 
 def saved_as_current(table: dict) -> dict:
     """A config an earlier version saved (a run's config.toml), as this version reads it: settings
-    added since take their defaults, settings moved into a method's table move (moved_to_method);
+    added since take their defaults, settings that moved move (moved_settings);
     a setting no longer known is a ConfigError."""
-    return to_dict(from_dict(ExperimentConfig, moved_to_method(copy.deepcopy(table), saved=True)))
+    return to_dict(from_dict(ExperimentConfig, moved_settings(copy.deepcopy(table), saved=True)))

@@ -19,7 +19,7 @@ class ClientState:
     params: Tensors = field(default_factory=dict)  # PRIVATE tensors
     opt: Tensors = field(default_factory=dict)  # their optimizer state ("<name>/<slot>"), if kept
     ef: Tensors = field(default_factory=dict)  # the int8 upload's error-feedback residual (never sent)
-    grab: Tensors = field(default_factory=dict)  # Fed-GraB's balancer state (client.grab)
+    grab: Tensors = field(default_factory=dict)  # Fed-GraB's balancer state ([grab])
     branch: Tensors = field(default_factory=dict)  # a persistent residual branch (FedPuReL, official code)
 
     # slot -> prefix in the store's tensor dict, in the order they are written

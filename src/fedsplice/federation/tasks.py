@@ -63,24 +63,23 @@ def train_context(exp, cid: int, received: dict, **extra) -> dict:
 
 
 def grab_balancer(exp, stored: dict | None, global_params: dict):  # stored: ClientState.grab
-    """Fed-GraB (client.grab), PRIVATE: the PID controllers of the tail classes open: every class
-    (grab_prior = "all", the official code), or those the Direct Prior Analyzer calls tail from the
+    """Fed-GraB ([grab]), PRIVATE: the PID controllers of the tail classes open: every class
+    (grab.prior = "all", the official code), or those the Direct Prior Analyzer calls tail from the
     global model's class prior (GLOBAL + fresh PRIVATE tensors, its mean softmax on a
     content-free input "", no data); the balancer's state (accumulated
     gradients, errors, PID outputs) comes from the client's stored state (its `grab` slot)."""
-    cc = exp.cfg.client
+    cc = exp.cfg.grab
     if exp.recipe.objective is not None:  # a user's method without its own check_config
         refuse_grab(exp.cfg, "an objective of its own")
-    if cc.grab_prior == "all":  # the official code: every class is tail, every controller open
+    if cc.prior == "all":  # the official code: every class is tail, every controller open
         mask = torch.ones(len(exp.data.class_names), dtype=torch.bool)
     else:
         exp.model.load_params({**global_params, **{n: exp.init_params[n] for n in exp.private_names}})
-        mask = G.tail_mask(G.prior_from_responses(exp.model.predict([""], 1)), cc.grab_tail_ratio)
+        mask = G.tail_mask(G.prior_from_responses(exp.model.predict([""], 1)), cc.tail_ratio)
     state = ({k: stored[k] for k in G.STATE_KEYS} if stored is not None and "pos" in stored
              else G.fresh_state(len(exp.data.class_names)))
-    params = G.GrabParams(kp=cc.grab_kp, ki=cc.grab_ki, kd=cc.grab_kd, pos_scale=cc.grab_pos_scale,
-                          neg_scale=cc.grab_neg_scale, out_limit=cc.grab_out_limit, tail_ratio=cc.grab_tail_ratio,
-                          loss=cc.grab_loss)
+    params = G.GrabParams(kp=cc.kp, ki=cc.ki, kd=cc.kd, pos_scale=cc.pos_scale, neg_scale=cc.neg_scale,
+                          out_limit=cc.out_limit, tail_ratio=cc.tail_ratio, loss=cc.loss)
     return G.Balancer(params, state, mask)
 
 
@@ -210,7 +209,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     stored = ClientState.from_store(store.get(cid))  # read once: every slot of the client's state
     priv, opt_state = split_state(exp, stored)
     grab = ({"grab": grab_balancer(exp, stored.grab if stored is not None else None, received)}
-            if exp.cfg.client.grab else {})
+            if exp.cfg.grab.enabled else {})
     r = exp.recipe
     branch = {}
     if r.personalize and r.personalize.persistent:  # the official code's branch, one round a round
@@ -303,7 +302,7 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
     """A held-out client: the final GLOBAL tensors and fresh PRIVATE ones; accuracy on its local
     test set at step 0 and after each of 1..N local epochs (PFAdapter §V)."""
     fresh = {n: exp.init_params[n].clone() for n in exp.private_names}
-    grab = {"grab": grab_balancer(exp, None, global_params)} if exp.cfg.client.grab else {}
+    grab = {"grab": grab_balancer(exp, None, global_params)} if exp.cfg.grab.enabled else {}
     exp.model.load_params({**global_params, **fresh})
     labels, r = exp.data.test_labels[exp.clients[cid].test_idx], exp.recipe
     accs: list[float] = []
