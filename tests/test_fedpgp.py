@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from fedsplice.algorithms.fedpgp import views
 from fedsplice.core import wire
+from fedsplice.core.context import TrainContext
 from fedsplice.core.losses import prompt_contrastive
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
@@ -57,7 +58,7 @@ def test_split_objective_and_what_travels(tiny_cfg, capture_uploads):
     assert exp.private_names == ["prompt_lowrank.U", "prompt_lowrank.V"]
     # the objective: CE on the personalized prompt's logits + μ·L_con of the three views
     texts, y = ["a goal in the last minute", "the cell divides"], torch.tensor([0, 1])
-    out = exp.recipe.objective(exp.model, texts, y, np.arange(2), {})
+    out = exp.recipe.objective(exp.model, texts, y, np.arange(2), TrainContext())
     with torch.no_grad():
         v = views(exp.model)
         ce = F.cross_entropy(exp.model(texts, v["personal"]), y)

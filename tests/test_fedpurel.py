@@ -15,6 +15,7 @@ from fedsplice.core import purify as PU
 from fedsplice.core import tkl as T
 from fedsplice.runtimes import inprocess as simulation
 from fedsplice.core import wire
+from fedsplice.core.context import TrainContext
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
 from fedsplice.federation.tasks import train_context
@@ -327,7 +328,7 @@ def test_residual_objective_by_hand():
         return -logp[torch.arange(len(y)), y].mean()
 
     for lam in (0.0, 0.9, 1.0):
-        ctx = {"global_logits": global_logits}
+        ctx = TrainContext(global_logits=global_logits)
         out = fp.residual_objective(lam)(model, ["w", "x", "y", "z"], y, ids, ctx)
         l_g = global_logits[torch.as_tensor(ids)]
         want = (1 - lam) * ce(l_g + l_p, y) + lam * ce(l_p, y)

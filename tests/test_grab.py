@@ -12,6 +12,7 @@ from fedsplice.core import grab as G
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
+from fedsplice.core.context import TrainContext
 from fedsplice.federation.tasks import fit, grab_balancer, train_context
 from fedsplice.federation.train import cross_entropy_objective
 from fedsplice.core import wire
@@ -141,7 +142,7 @@ def cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
 
 def test_off_by_default_and_the_balancer_reaches_the_objective(cfg):
     exp = build(cfg(algorithm='"lora"'))
-    assert exp.cfg.grab.enabled is False and "grab" not in train_context(exp, 0, {})
+    assert exp.cfg.grab.enabled is False and train_context(exp, 0, {}).grab is None
     exp = build(cfg(algorithm='"lora"', grab__enabled=True, grab__loss='"softmax"'))
     received = {n: exp.init_params[n].clone() for n in exp.global_names}
     b = grab_balancer(exp, None, received)
@@ -150,8 +151,8 @@ def test_off_by_default_and_the_balancer_reaches_the_objective(cfg):
     x = [exp.data.train_texts[i] for i in c.train_idx[:8]]
     y = torch.as_tensor(exp.data.train_labels[c.train_idx[:8]])
     exp.model.eval()
-    ce = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], {})["task"]
-    gr = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], {"grab": b})["task"]
+    ce = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], TrainContext())["task"]
+    gr = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], TrainContext(grab=b))["task"]
     assert float(gr.detach()) == pytest.approx(float(ce.detach()), abs=1e-5)  # the value is the plain CE
     assert float(b.state["pos"].sum()) > 0 and float(b.state["neg"].sum()) > 0
 

@@ -2,6 +2,7 @@
 the zero_shot() context, the baselines built on them (promptfl, promptfolio, fedclip, zeroshot),
 and logit adjustment. Tiny BERT as a dual encoder."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -243,7 +244,7 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
     counts = np.bincount(exp.data.train_labels[c.train_idx], minlength=3)
     ctx = train_context(exp, cid, {})
     offset = torch.log(torch.tensor((counts + 1e-3) / counts.sum(), dtype=torch.float32))
-    assert torch.allclose(ctx["logit_offset"], offset)
+    assert torch.allclose(ctx.logit_offset, offset)
     assert float(offset.max() - offset.min()) > 0.1  # a skewed client: a visible shift
     x = [exp.data.train_texts[i] for i in c.train_idx]
     y = torch.as_tensor(exp.data.train_labels[c.train_idx])
@@ -251,8 +252,8 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
     with torch.no_grad():
         logits = exp.model(x)
         adjusted = cross_entropy_objective(exp.model, x, y, c.train_idx, ctx)["task"]
-        plain = cross_entropy_objective(exp.model, x, y, c.train_idx, {k: v for k, v in ctx.items()
-                                                                     if k != "logit_offset"})["task"]
+        plain = cross_entropy_objective(exp.model, x, y, c.train_idx,
+                                        dataclasses.replace(ctx, logit_offset=0.0))["task"]
     z = logits + offset
     by_hand = -(z[torch.arange(len(y)), y] - z.logsumexp(-1)).mean()
     assert float(adjusted) == pytest.approx(float(by_hand), rel=1e-5)
@@ -263,9 +264,9 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
                            keep_opt=set(), opt_state={}, rng=np.random.default_rng(0),
                            ctx=ctx, ids=c.train_idx)
     assert stats["task_loss"] == pytest.approx(float(by_hand), rel=1e-5)
-    # off: no offset in the context at all
+    # off: a zero offset
     exp0 = build(cfg(algorithm='"lora"'))
-    assert "logit_offset" not in train_context(exp0, cid, {})
+    assert train_context(exp0, cid, {}).logit_offset == 0.0
 
 
 @pytest.mark.parametrize("sets,match", [

@@ -93,7 +93,7 @@ def test_private_state_is_bit_identical_across_server_steps(cfg, monkeypatch, tm
         g_before = {n: p[n].detach().clone() for n in exp.global_names}
         out = orig(model, *a, **k)
         after = {n: p[n].detach().clone() for n in exp.private_names}
-        events.append((k["ctx"]["round"], k["ctx"]["client"], before, after, g_before))
+        events.append((k["ctx"].round, k["ctx"].client, before, after, g_before))
         return out
 
     monkeypatch.setattr(tasks, "local_train", spy)

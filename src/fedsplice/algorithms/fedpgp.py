@@ -69,7 +69,7 @@ def views(model) -> dict[str, torch.Tensor]:
 def objective(mu: float, tau: float):
     def fedpgp_objective(model, texts, y, ids, ctx) -> dict:
         v = views(model)
-        logits = model(texts, v["personal"]) + ctx.get("logit_offset", 0.0)
+        logits = model(texts, v["personal"]) + ctx.logit_offset
         out = {"task": F.cross_entropy(logits, y)}
         if mu > 0:
             out["contrastive"] = mu * prompt_contrastive(v["template"], v["global"], v["personal"], tau)

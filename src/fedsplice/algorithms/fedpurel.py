@@ -69,11 +69,11 @@ def align_objective(aligned: bool = True):
 
     def objective(model, texts, y, ids, ctx):
         f = model(texts)
-        if "zero_shot" in ctx:  # frozen work, cached once per run
-            z = ctx["zero_shot"][torch.as_tensor(ids)]
+        if ctx.zero_shot is not None:  # frozen work, cached once per run
+            z = ctx.zero_shot[torch.as_tensor(ids)]
         else:  # runtime.cache = false: an extra frozen forward every step, as the caches' reference
             z = zero_shot_logits(model, texts)
-        return {"task": F.cross_entropy(f + ctx.get("logit_offset", 0.0), y),
+        return {"task": F.cross_entropy(f + ctx.logit_offset, y),
                 "align": tkl(f, z, aligned).mean()}
 
     return objective
@@ -84,7 +84,7 @@ def residual_objective(lam: float):
 
     def objective(model, texts, y, ids, ctx):
         l_p = model(texts)
-        l_g = ctx["global_logits"][torch.as_tensor(ids)]
+        l_g = ctx.global_logits[torch.as_tensor(ids)]
         return {"task": (1 - lam) * F.cross_entropy(l_g + l_p, y) + lam * F.cross_entropy(l_p, y)}
 
     return objective

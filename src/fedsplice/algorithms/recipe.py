@@ -23,8 +23,8 @@ class NoParams:
 @dataclass(frozen=True)
 class PersonalStage:
     """A private residual branch (FedPuReL phase 2): a second PEFT of the same type, trained on
-    `objective` with the frozen global model's logits on the client's data in
-    ctx["global_logits"]; the client predicts with global + branch logits. Nothing of it is
+    `objective` with the frozen global model's logits on the client's data in ctx.global_logits
+    (a TrainContext); the client predicts with global + branch logits. Nothing of it is
     communicated but metrics.
 
     persistent = False (the paper's Algorithm 1): after the rounds, every training client trains
@@ -73,8 +73,10 @@ class LoraParts:
 @dataclass
 class Recipe:
     split: dict[str, str]  # trainable name -> GLOBAL or PRIVATE (fedsplice.core.split)
-    loss_terms: list[Callable] = field(default_factory=list)  # (params, ctx) -> scalar, added to the task loss
-    objective: Callable | None = None  # (model, texts, y, ids, ctx) -> {loss name: scalar}; None: cross-entropy
+    # (params, ctx: TrainContext) -> scalar, added to the task loss
+    loss_terms: list[Callable] = field(default_factory=list)
+    # (model, texts, y, ids, ctx: TrainContext) -> {loss name: scalar}; None: cross-entropy
+    objective: Callable | None = None
     grad_transform: Callable | None = None  # combines per-loss gradients (FedPuReL purification)
     trains: bool = True  # False: evaluation only (zero-shot)
     personalize: PersonalStage | None = None  # a local stage after the rounds (FedPuReL phase 2)

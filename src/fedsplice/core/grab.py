@@ -1,6 +1,6 @@
 """Fed-GraB (Xiao et al., NeurIPS 2023): Self-adjusting Gradient Balancer + Direct Prior Analyzer.
 
-Pure math (torch only); the client loop reaches it through `ctx["grab"]` (a `Balancer`).
+Pure math (torch only); the client loop reaches it through `ctx.grab` (a `Balancer`, fedsplice.core.context).
 
 SGB, per client, per class c, per training step t (all vectors over the C classes):
   ΔG_c    = a·G⁺_c − b·G⁻_c                      accumulated positive / negative logit gradients

@@ -1,7 +1,8 @@
 """Loss terms added to the task loss in the one local training loop.
 
 A loss term is a callable `term(params, ctx) -> scalar tensor` over the name-keyed trainable
-parameters; `ctx` carries per-round references (e.g. the global weights received, for FedProx).
+parameters; `ctx` (a `fedsplice.core.context.TrainContext`) carries per-round references (e.g.
+the global weights received, for FedProx).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedsplice.errors import ConfigError
+from fedsplice.core.context import TrainContext
 from fedsplice.core.split import ParamInfo
+from fedsplice.errors import ConfigError
 
 
 # ----------------------------------------------------------------- PFAdapter orthogonality
@@ -108,7 +110,7 @@ class Orthogonality:
                 f"sizes match ({in_g}x{out_g} vs {in_p}x{out_p}); set method.ortho_lambda = 0")
         return OrthoPair(g["A"], g["B"], p["A"], p["B"], scalings[g["A"]], scalings[p["A"]], form)
 
-    def __call__(self, params: dict[str, torch.Tensor], ctx: dict | None = None) -> torch.Tensor:
+    def __call__(self, params: dict[str, torch.Tensor], ctx: TrainContext | None = None) -> torch.Tensor:
         total = None
         for i, (form, grp, _) in enumerate(self._groups):
             a_g, b_g, a_p, b_p = (torch.stack([params[getattr(pr, f)] for pr in grp])
@@ -140,10 +142,10 @@ class Proximal:
         self.names = list(global_names)
         self.mu = mu
 
-    def __call__(self, params: dict[str, torch.Tensor], ctx: dict) -> torch.Tensor:
-        ref = ctx["global_ref"]
+    def __call__(self, params: dict[str, torch.Tensor], ctx: TrainContext) -> torch.Tensor:
+        ref = ctx.global_ref
         sq = sum(((params[n] - ref[n]) ** 2).sum() for n in self.names)
-        return 0.5 * self.mu * sq
+        return torch.as_tensor(0.5 * self.mu * sq)  # the same tensor (a float 0 without GLOBAL tensors)
 
 
 def prompt_contrastive(z_template: torch.Tensor, z_global: torch.Tensor, z_personal: torch.Tensor,

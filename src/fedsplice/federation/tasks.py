@@ -32,6 +32,7 @@ from fedsplice.algorithms import clone, refuse_grab
 from fedsplice.core import grab as G
 from fedsplice.core import wire
 from fedsplice.core import streams
+from fedsplice.core.context import TrainContext
 from fedsplice.config import SITES
 from fedsplice.data.partition import Client
 from fedsplice.errors import ConfigError
@@ -51,15 +52,17 @@ def split_state(exp, state: ClientState | None) -> tuple[dict, dict]:
     return state.params, state.opt
 
 
-def train_context(exp, cid: int, received: dict, **extra) -> dict:
-    """What the objective and loss terms may read: the weights received this round (FedProx),
-    the client's logit-adjustment offset, and the frozen caches (zero-shot logits)."""
-    ctx = {"global_ref": received, "client": cid, "split": exp.recipe.split, **exp.caches, **extra}
+def train_context(exp, cid: int, received: dict, **extra) -> TrainContext:
+    """What the objective and loss terms may read (fedsplice.core.context): the weights received
+    this round (FedProx), the client's logit-adjustment offset, the frozen zero-shot logits, and
+    `extra` (round, grab, global_logits)."""
+    offset: torch.Tensor | float = 0.0
     tau = exp.cfg.client.logit_adjustment
     if tau > 0:  # Menon et al.: tau * log(local class prior), from the client's own labels
         counts = np.bincount(exp.data.train_labels[exp.clients[cid].train_idx], minlength=len(exp.data.class_names))
-        ctx["logit_offset"] = tau * torch.log(torch.as_tensor((counts + 1e-3) / counts.sum(), dtype=torch.float32))
-    return ctx
+        offset = tau * torch.log(torch.as_tensor((counts + 1e-3) / counts.sum(), dtype=torch.float32))
+    return TrainContext(client=cid, global_ref=received, split=exp.recipe.split, logit_offset=offset,
+                        zero_shot=exp.caches.get("zero_shot"), **extra)
 
 
 def grab_balancer(exp, stored: dict | None, global_params: dict):  # stored: ClientState.grab
@@ -83,7 +86,7 @@ def grab_balancer(exp, stored: dict | None, global_params: dict):  # stored: Cli
     return G.Balancer(params, state, mask)
 
 
-def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: dict, step: Step = PLAIN,
+def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: TrainContext, step: Step = PLAIN,
                  keep_opt=frozenset(), opt_state=None, client_cfg=None, epochs: int | None = None) -> tuple[dict, dict]:
     """The one client driver: seed, then the one training loop on client `cid`'s training data,
     from the parameters already loaded into the model. `rnd` keys the client's data-order stream,

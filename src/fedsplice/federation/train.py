@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from fedsplice.config import ClientConfig
-from fedsplice.model.device import grad_scaler, to_device
+from fedsplice.core.context import TrainContext
+from fedsplice.model.device import grad_scaler
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: ClientConfig) -> torch.optim.Optimizer:
@@ -40,13 +41,13 @@ def import_opt_state(opt, params: dict[str, torch.nn.Parameter], state: dict[str
         opt.state[p][slot] = v.clone() if slot == "step" else v.to(p.device, copy=True)
 
 
-def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.ndarray, ctx: dict) -> dict:
-    """The plain task loss. ctx["logit_offset"] (logit adjustment, Menon et al.) shifts the
+def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.ndarray, ctx: TrainContext) -> dict:
+    """The plain task loss. ctx.logit_offset (logit adjustment, Menon et al.) shifts the
     training logits by τ·log(prior) so rare classes are not crowded out; evaluation is unshifted.
-    ctx["grab"] (Fed-GraB's balancer, `fedsplice.core.grab`) re-weights the loss's per-class
+    ctx.grab (Fed-GraB's balancer, `fedsplice.core.grab`) re-weights the loss's per-class
     positive / negative logit gradients."""
-    logits = model(texts) + ctx.get("logit_offset", 0.0)
-    grab = ctx.get("grab")
+    logits = model(texts) + ctx.logit_offset
+    grab = ctx.grab
     return {"task": F.cross_entropy(logits, y) if grab is None else grab.loss(logits, y)}
 
 
@@ -124,7 +125,7 @@ def optimizer_step(opt, scaler) -> None:
     scaler.update()
 
 
-def add_terms(losses: dict, loss_terms, params: dict, ctx: dict, sums: dict, last: bool) -> dict:
+def add_terms(losses: dict, loss_terms, params: dict, ctx: TrainContext, sums: dict, last: bool) -> dict:
     """Add the parameter-only loss terms to losses["task"] (their values to `sums`); on the
     round's `last` step, {name: (term, weight)} of the weighted ones, for term_diagnostics."""
     weighted = {}
@@ -162,7 +163,7 @@ PLAIN = Step()  # cross-entropy, no loss terms, the plain gradient
 
 
 def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, step: Step = PLAIN,
-                keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: dict,
+                keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: TrainContext,
                 ids: np.ndarray | None = None, epochs: int | None = None) -> tuple[dict, dict]:
     """Train the model's trainable tensors in place on one client's data, one `Step` at a time.
 
@@ -181,7 +182,7 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
     dev = getattr(model, "device", torch.device("cpu"))  # a TaskModel's; plain modules: CPU, fp32
     amp = getattr(model, "autocast", nullcontext)
     scaler = grad_scaler(dev, getattr(model, "amp_dtype", torch.float32))
-    ctx = to_device(ctx, dev)
+    ctx = ctx.to(dev)
     y_all = torch.as_tensor(labels, dtype=torch.long).to(dev)
     ids = np.arange(len(texts)) if ids is None else np.asarray(ids)
     sums: dict[str, list] = {}
@@ -199,7 +200,7 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
             task, weighted = losses["task"], add_terms(losses, loss_terms, params, ctx, sums, steps == last)
             total = sum(losses.values())
             if weighted:  # measured once a round, on its last step (where the terms have grown most)
-                diag = term_diagnostics(task, weighted, plist, names, ctx.get("split", {}))
+                diag = term_diagnostics(task, weighted, plist, names, ctx.split)
             opt.zero_grad(set_to_none=True)
             backward(losses, total, plist, grad_transform, sums, scaler)
             optimizer_step(opt, scaler)

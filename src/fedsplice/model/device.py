@@ -98,14 +98,3 @@ def grad_scaler(device: torch.device, dtype: torch.dtype):
     if dtype != torch.float16:
         return None
     return torch.amp.GradScaler(device.type, init_scale=2.0 ** 10)
-
-
-def to_device(obj, device: torch.device):
-    """Tensors in (nested) dicts, lists and tuples moved to `device`; anything else as it is."""
-    if torch.is_tensor(obj):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
