@@ -1,10 +1,11 @@
 """Algorithms: one file per method family, each a `build` over typed hyperparameters that
 composes a `Recipe` from core parts (a split, loss terms, an objective, a grad transform).
 
-- `recipe`: Recipe, Algorithm, PersonalStage, PromptParts, LoraParts, NoParams — what a method is; `refuse_grab`, the
-  rule a method with its own objective declares in its `check_config`.
+- `recipe`: Recipe, Algorithm, PersonalStage, PromptParts, LoraParts, NoParams — what a method
+  is; `refuse_grab`, the rule a method with its own objective declares in its `check_config`.
 - `pfadapter`, `fedpurel`: the two methods fedsplice implements exactly.
-- `baselines`: the methods the papers compare against.
+- `baselines`: the methods the papers compare against; `fedotp`, `fedpgp`, `promptfolio` and
+  `pfedlora`, the baselines with model parts of their own (PromptParts, LoraParts).
 - `registry`: names -> algorithms; `register_algorithm` for users' own methods.
 """
 

@@ -69,7 +69,6 @@ class ClientConfig:
         return self.lr * 0.5 * (1.0 + math.cos(math.pi * (min(max(rnd, 1), rounds) - 1) / rounds))
 
 
-
 @dataclass
 class GrabConfig:
     """Fed-GraB (Xiao et al. 2023; fedsplice.core.grab), a switch that composes with any method
