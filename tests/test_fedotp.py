@@ -111,10 +111,10 @@ def test_split_and_what_travels(tiny_cfg, capture_uploads):
     (["method.eps=0"], "method.eps must be > 0"),
     (["method.gamma=0"], "method.gamma = 0.0"),
     (["peft.type=\"lora\""], "set peft.type = 'prompt'"),
-    (["peft.portfolio=0.2"], "peft.portfolio is now `theta` in the [method] table of algorithm 'promptfolio'"),
     (["model.task=\"encoder_head\""], "set model.task = 'dual_encoder'"),
-    # the settings that moved from [peft] into FedOTP's own table: the one line names the new place
-    (["peft.ot_gamma=0.5"], "peft.ot_gamma is now `gamma` in the [method] table of algorithm 'fedotp'"),
+    # a moved setting of another method: the one line names where it went
+    (["peft.portfolio=0.2"], "peft.portfolio = 0.2 is now `theta` in the [method] table of algorithm 'promptfolio', "
+                             "and this config runs algorithm 'fedotp'"),
 ])
 def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses):
     cli_refuses(tiny_cfg(**OTP), sets, match)
@@ -199,10 +199,14 @@ def test_a_users_method_adds_prompt_modules_without_editing_fedsplice(tiny_cfg):
         R.ALGORITHMS.pop("twoprompt")
 
 
-def test_a_run_saved_before_the_move_reads_with_its_settings_in_method():
-    """FedOTP's settings moved from [peft] into its [method] table: a saved run's config reads as
-    the current one (results records and checkpoints stay reusable); other methods drop them."""
-    from fedsplice.config import saved_as_current
+def test_a_run_saved_before_the_move_reads_with_its_settings_in_method(tmp_path):
+    """FedOTP's settings moved from [peft] into its [method] table: a saved run's config (or an old
+    file) reads as the current one (results records and checkpoints stay reusable); other methods
+    drop them where they were off."""
+    from fedsplice.config import load_config, saved_as_current
+
+    (tmp_path / "old.toml").write_text('algorithm = "fedotp"\n[peft]\ntype = "prompt"\not_gamma = 0.5\n')
+    assert load_config(tmp_path / "old.toml").method == {"gamma": 0.5}
 
     old = {"algorithm": "fedotp", "method": {}, "peft": {"type": "prompt", "ot_gamma": 0.8, "ot_eps": 0.1,
                                                          "ot_iters": 100}}

@@ -81,8 +81,8 @@ def test_split_objective_and_what_travels(tiny_cfg, capture_uploads):
     (["method.tau=0"], "method.tau must be > 0"),
     (["method.rank=0"], "method.rank must be >= 1"),
     (["peft.type=\"lora\""], "algorithm 'fedpgp' adds a private low-rank correction to a prompt: set peft.type"),
-    # the rank moved from [peft] into FedPGP's own table: the one line names the new place
-    (["peft.prompt_lowrank=4"], "peft.prompt_lowrank is now `rank` in the [method] table of algorithm 'fedpgp'"),
+    # a moved setting of another method: the one line names where it went
+    (["peft.private_r=4"], "peft.private_r = 4 is now `private_r` in the [method] table of algorithm 'pfedlora'"),
 ])
 def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses):
     cli_refuses(tiny_cfg(**PGP), sets, match)

@@ -271,7 +271,8 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
 
 @pytest.mark.parametrize("sets,match", [
     (["method.theta=1.0"], "method.theta must be in (0, 1)"),
-    (["peft.portfolio=0.3"], "peft.portfolio is now `theta` in the [method] table of algorithm 'promptfolio'"),
+    (["peft.ot_gamma=0.8"], "peft.ot_gamma = 0.8 is now `gamma` in the [method] table of algorithm 'fedotp', and "
+                            "this config runs algorithm 'promptfolio'"),
 ])
 def test_promptfolio_settings_are_its_own(sets, match, cfg, cli_refuses):
     cli_refuses(cfg(**PEFTS["promptfolio"]), sets, match)

@@ -126,8 +126,8 @@ def test_same_bytes_as_federated_lora(tiny_cfg):
     (["method.private_epochs=0"], "method.private_epochs and method.global_epochs must be >= 1"),
     (["method.private_r=0"], "method.private_r must be >= 1"),
     (["peft.type=\"prompt\""], "algorithm 'pfedlora' trains a shared and a private LoRA adapter: set peft.type"),
-    # the rank moved from [peft] into pFedLoRA's own table: the one line names the new place
-    (["peft.private_r=4"], "peft.private_r is now `private_r` in the [method] table of algorithm 'pfedlora'"),
+    # a moved setting of another method: the one line names where it went
+    (["peft.prompt_lowrank=8"], "peft.prompt_lowrank = 8 is now `rank` in the [method] table of algorithm 'fedpgp'"),
 ])
 def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses):
     cli_refuses(tiny_cfg(**PFL), sets, match)

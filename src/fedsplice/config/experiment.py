@@ -122,39 +122,46 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
     cross-checks against the zoo, the data sets, the algorithms and the server optimizers."""
     table = read_toml(path or DEFAULT_CONFIG)
     apply_overrides(table, overrides or [])
-    moved_settings(table, saved=False)
+    moved_settings(table)
     apply_scoped(table, overrides or [])
     cfg = from_dict(ExperimentConfig, table)
     cfg.check()
     return cfg
 
 
-# Settings that moved: (section, key) -> (section, key, algorithm). With an algorithm the new
-# place is that method's own [method] table (a method owns its settings, docs/extending.md).
-MOVED = {("peft", "ot_gamma"): ("method", "gamma", "fedotp"), ("peft", "ot_eps"): ("method", "eps", "fedotp"),
-         ("peft", "ot_iters"): ("method", "iters", "fedotp"), ("peft", "prompt_lowrank"): ("method", "rank", "fedpgp"),
-         ("peft", "portfolio"): ("method", "theta", "promptfolio"),
-         ("peft", "private_r"): ("method", "private_r", "pfedlora"), ("client", "grab"): ("grab", "enabled", None),
-         **{("client", f"grab_{k}"): ("grab", k, None) for k in ("kp", "ki", "kd", "pos_scale", "neg_scale",
-                                                                  "out_limit", "prior", "tail_ratio", "loss")}}
+# Settings that moved: (section, key) -> (section, key, algorithm, the old "off" value). With an
+# algorithm the new place is that method's own [method] table (a method owns its settings,
+# docs/extending.md); None: the setting moved for every method.
+MOVED = {("peft", "ot_gamma"): ("method", "gamma", "fedotp", 0.0),
+         ("peft", "ot_eps"): ("method", "eps", "fedotp", 0.1),
+         ("peft", "ot_iters"): ("method", "iters", "fedotp", 100),
+         ("peft", "prompt_lowrank"): ("method", "rank", "fedpgp", 0),
+         ("peft", "portfolio"): ("method", "theta", "promptfolio", 0.0),
+         ("peft", "private_r"): ("method", "private_r", "pfedlora", 0),
+         ("client", "grab"): ("grab", "enabled", None, False),
+         **{("client", f"grab_{k}"): ("grab", k, None, None) for k in ("kp", "ki", "kd", "pos_scale", "neg_scale",
+                                                                        "out_limit", "prior", "tail_ratio", "loss")}}
 
 
-def moved_settings(table: dict, saved: bool) -> dict:
-    """A config that still sets a moved setting: a user's file is told where it went (one line); a
-    run saved before the move (saved=True) reads with it moved, into [method] only when the run
-    used that algorithm (other runs had it off)."""
-    for (section, key), (new_section, new, algo) in MOVED.items():
+def moved_settings(table: dict) -> dict:
+    """A config written before a setting moved (a user's file, a saved run's config.toml) reads
+    with it in its new place: into the method's [method] table when the config runs that method,
+    dropped where it held its old "off" value; set for another method, it is refused in one line
+    naming where it went."""
+    for (section, key), (new_section, new, algo, off) in MOVED.items():
         sub = table.get(section)
         if not isinstance(sub, dict) or key not in sub:
             continue
         value = sub.pop(key)
-        if not saved:
-            where = f"the [method] table of algorithm {algo!r}" if algo else f"the [{new_section}] table"
+        running = table.get("algorithm", ExperimentConfig.algorithm)
+        if algo is None or running == algo:
+            if isinstance(table.setdefault(new_section, {}), dict):
+                table[new_section].setdefault(new, value)
+        elif value != off:
             shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as TOML writes it
-            raise ConfigError(f"{section}.{key} is now `{new}` in {where}: write [{new_section}] {new} = "
-                              f"{shown}" + (f" (with algorithm = {algo!r})" if algo else ""))
-        if (algo is None or table.get("algorithm") == algo) and isinstance(table.setdefault(new_section, {}), dict):
-            table[new_section].setdefault(new, value)
+            raise ConfigError(f"{section}.{key} = {shown} is now `{new}` in the [method] table of algorithm "
+                              f"{algo!r}, and this config runs algorithm {running!r}: remove it, "
+                              f"or set algorithm = {algo!r} and [method] {new} = {shown}")
     return table
 
 
@@ -166,4 +173,4 @@ def saved_as_current(table: dict) -> dict:
     """A config an earlier version saved (a run's config.toml), as this version reads it: settings
     added since take their defaults, settings that moved move (moved_settings);
     a setting no longer known is a ConfigError."""
-    return to_dict(from_dict(ExperimentConfig, moved_settings(copy.deepcopy(table), saved=True)))
+    return to_dict(from_dict(ExperimentConfig, moved_settings(copy.deepcopy(table))))
