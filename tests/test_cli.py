@@ -99,6 +99,11 @@ def test_list_algorithms(capsys):
     for a in ("pfadapter", "lora", "fedsa-lora", "fedper", "fedprox", "local"):
         assert a in names
     assert "fedyogi" in out
+    # each method's [method] settings with their defaults, under its line
+    lines = out.splitlines()
+    otp = lines[names.index("fedotp") + 1].split()
+    assert " ".join(otp) == "[method] gamma = 0.8, eps = 0.1, iters = 100"
+    assert "[method] theta = 0.2" in out and 'phase2 = "persistent"' in out and "private_r = 8" in out
 
 
 def test_run_tiny_end_to_end(capsys, tmp_path, tiny_bert_dir, toy_jsonl):

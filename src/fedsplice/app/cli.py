@@ -4,6 +4,8 @@ line and exit 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -87,12 +89,25 @@ def cmd_validate(args) -> None:
     print(f"ok: {args.config or 'embedded default'} ({cfg.algorithm}, {cfg.model.name}, {cfg.data.dataset})")
 
 
+def _toml(v) -> str:
+    """A value as a config file writes it, on one line."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return str(v).lower() if isinstance(v, bool) else json.dumps(v) if isinstance(v, str) else repr(v)
+
+
 def cmd_list(args) -> None:
     if args.what == "algorithms":
         from fedsplice.algorithms import available
 
         for name, a in available().items():  # built-ins, registered ones and installed entry points
             print(f"{name:12s} {a.description}" + (f"  [{a.paper}]" if a.paper else ""))
+            if dataclasses.is_dataclass(a.params) and dataclasses.fields(a.params):  # its settings, as TOML
+                try:
+                    shown = [f"{k} = {_toml(v)}" for k, v in dataclasses.asdict(a.params()).items()]
+                except TypeError:  # a user's dataclass with required fields: their names
+                    shown = [f.name for f in dataclasses.fields(a.params)]
+                print(f"{'':12s} [method] " + ", ".join(shown))
         print("server optimizers: fedavg, fedavgm, fedadam, fedyogi, fedadagrad ([server] optimizer)")
     elif args.what == "datasets":
         from fedsplice.data.datasets import describe_datasets
