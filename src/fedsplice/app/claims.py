@@ -89,7 +89,7 @@ def paired(results: dict[str, list[dict]], a: str, b: str, metric: str) -> np.nd
         ca = [(r.get("pm") or {}).get("client_accuracy") for r in results[a]]
         cb = [(r.get("pm") or {}).get("client_accuracy") for r in results[b]]
         if (all(x is not None and y is not None and len(x) == len(y) for x, y in zip(ca, cb))
-                and len({len(x) for x in ca}) == 1):
+                and len({len(x) for x in ca}) == 1):  # type: ignore[arg-type]  # all() above: no None
             return np.array(ca, dtype=float) - np.array(cb, dtype=float)
     return per_seed(results, a, metric) - per_seed(results, b, metric)
 

@@ -14,12 +14,16 @@ import io
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from fedsplice.errors import ConfigError
 from fedsplice.data.assets import atomic_write_bytes
 from fedsplice.app.rundir import atomic_write_text
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
 
 # (column, path into results.json); "—" where a run has no such value (no long tail, no PM)
 METRICS = [("GM acc", ("gm", "accuracy")), ("GM F1", ("gm", "f1_macro")),
@@ -31,7 +35,8 @@ METRICS = [("GM acc", ("gm", "accuracy")), ("GM F1", ("gm", "f1_macro")),
            ("up B/round", ("communication", "up_bytes_per_round")), ("up B total", ("communication", "up_bytes"))]
 
 
-def plan(configs: list[Path], seeds: int, overrides: list[str], out: Path) -> list[tuple[str, int, object, Path]]:
+def plan(configs: list[Path], seeds: int, overrides: list[str],
+         out: Path) -> list[tuple[str, int, ExperimentConfig, Path]]:
     """(label, seed, config, run dir) for every run; configs are validated before anything runs."""
     stems = [Path(c).stem for c in configs]
     if len(set(stems)) != len(stems):
@@ -40,7 +45,7 @@ def plan(configs: list[Path], seeds: int, overrides: list[str], out: Path) -> li
 
 
 def plan_entries(entries: list[tuple[str, Path, list[str]]], seeds: int,
-                 out: Path) -> list[tuple[str, int, object, Path]]:
+                 out: Path) -> list[tuple[str, int, ExperimentConfig, Path]]:
     """Like `plan`, for (label, config path, overrides) entries: one config file can appear
     under several labels with different overrides (the variants of a results suite)."""
     from fedsplice.federation.validate import load_config
@@ -129,9 +134,10 @@ def run_all(runs, quiet: bool = False, jobs: int = 1, on_done=None) -> list[dict
             on_done(runs[i])
         if quiet:
             return
-        left, r = len(todo) - done, results[i]
+        left, r, line = len(todo) - done, results[i], lines[i]
+        assert r is not None and line is not None  # r: just stored; not quiet: every run has its lines
         eta = (time.perf_counter() - t_start) / done * left
-        lines[i].say(f"done in {clock(r['time_s'])} (GM acc {acc_text(r['gm']['accuracy'])}, PM acc "
+        line.say(f"done in {clock(r['time_s'])} (GM acc {acc_text(r['gm']['accuracy'])}, PM acc "
                      f"{acc_text(r['pm']['accuracy'])}); {done}/{len(todo)} runs done"
                      + (f", ETA {clock(eta)} for the other {left}" if left else ""))
 
@@ -142,7 +148,7 @@ def run_all(runs, quiet: bool = False, jobs: int = 1, on_done=None) -> list[dict
             results[i] = _one(runs[i][2], runs[i][3], 0, lines[i])
             done += 1
             report(i)
-        return results
+        return cast(list[dict], results)  # every run has its result now
     threads = max(1, (os.cpu_count() or 1) // jobs)
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
         futs = {pool.submit(_one, runs[i][2], runs[i][3], threads, lines[i]): i for i in todo}
@@ -155,11 +161,11 @@ def run_all(runs, quiet: bool = False, jobs: int = 1, on_done=None) -> list[dict
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
-    return results
+    return cast(list[dict], results)  # every run has its result now
 
 
 def metric_at(r: dict, path: tuple) -> float | None:
-    v = r
+    v: Any = r  # a dict until the last key: its value
     for k in path:
         if not isinstance(v, dict) or k not in v or v[k] is None:
             return None
@@ -208,7 +214,7 @@ def reference_rows(runs, results) -> list[dict]:
                 seeds = [refs[0][key] for refs in by_seed.values()]
             else:
                 seeds = [res["references"][key] for (lab, *_), res in zip(runs, results) if lab == label]
-            row = {"method": f"{algo} (reference{'' if shared else ', ' + label})", "algorithm": algo,
+            row = {"method": f"{algo} (reference{'' if shared else ', ' + str(label)})", "algorithm": algo,
                    "n_seeds": len(seeds), "random_weights": []}
             for col, path in METRICS:
                 vals = [v for v in (metric_at(s, path) for s in seeds) if v is not None]
@@ -286,7 +292,7 @@ def write_plots(runs, out: Path) -> list[str]:
                 ax.plot(xs, ys, "s--", color=line.get_color())
         ax.set_xlabel("round" if x == "round" else "cumulative upload bytes")
         if x == "round":
-            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.xaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]  # stubs: Locator
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -296,7 +302,7 @@ def write_plots(runs, out: Path) -> list[str]:
         for label, seeds in curves.items():
             ax.plot(*mean_curve(seeds, "round", lambda r: r["gm"]["balancedness"]), "o-", label=label)
         ax.set_xlabel("round")
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.xaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]  # stubs: Locator
         ax.set_ylabel("GM balancedness β")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -322,7 +328,7 @@ def write_class_plot(runs, results, out: Path) -> str | None:
     for label, accs in per.items():
         ax.plot(range(len(order)), np.nanmean(np.asarray(accs), axis=0)[order], "o-", ms=3, label=label)
     ax.set_xlabel("class, head (most training samples) to tail")
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]  # stubs: Locator
     ax.set_ylabel("GM accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

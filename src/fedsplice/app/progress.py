@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedsplice.app.console import console
 from fedsplice.config import ExperimentConfig
+from fedsplice.federation.rounds import Transport
 from fedsplice.federation.train import planned_steps
 
 
@@ -65,7 +66,8 @@ class RunProgress:
         self.rounds = cfg.server.rounds if exp.recipe.trains else 0
         self.round, self.phase = (0, "evaluate") if start == 0 else (start + 1, "train")
         self.planned, self.cost = _planned_tasks(cfg, exp, start), task_costs(cfg, exp)
-        self.total, self.done, self.inner = sum(self.planned.values()), 0, None
+        self.total, self.done = sum(self.planned.values()), 0
+        self.inner: Transport | None = None  # the run's transport, set before the rounds start
         self.done_by = dict.fromkeys(self.planned, 0)  # per stage: tasks ended, seconds spent in it
         self.spent = dict.fromkeys(self.planned, 0.0)
         self.quiet, self.on_event = quiet, on_event
@@ -156,12 +158,14 @@ class RunProgress:
         self._fitted.add(rnd)
         self.round = rnd
         self._begin("train")
+        assert self.inner is not None  # set by the run before the rounds start
         replies = self.inner.fit(rnd, cids, down)
         self._advance(len(cids) - self._in_call)  # dropped clients, or a runtime that reports none
         return replies
 
     def run(self, task: str, cids: list[int], down: bytes) -> dict:
         self._begin(_STAGES.get(task, task))
+        assert self.inner is not None  # set by the run before the rounds start
         out = self.inner.run(task, cids, down)
         self._advance(len(cids) - self._in_call)
         return out

@@ -19,6 +19,7 @@ import platform
 import time
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from fedsplice.app import provenance as P
 from fedsplice.app import tuning as T
 from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
 
 COLUMNS = {c for c, _ in C.METRICS} | set(PARAMS)
 KINDS = ("greater", "best", "lowest", "balanced", "ratio", "gap_greater", "benchmark", "untestable")
@@ -57,8 +61,8 @@ def load_suite(path: Path) -> Suite:
         raise ConfigError(f"results: no suite file {path}; the committed one is configs/results/suite.toml")
     try:
         t = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    except tomllib.TOMLDecodeError as err:  # (not `e`: the loops below name an experiment `e`)
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
     groups = t.get("groups", {})
     for k, g in groups.items():
         if "setting" in g:
@@ -173,7 +177,7 @@ def _cold_plot(tb: dict, suite: Suite, results, path: Path, epochs: list[int]) -
                     label=suite.experiments[n].get("label", n))
     ax.set_xlabel("local epochs on the new client (0 = the global adapters as received)")
     ax.set_ylabel("accuracy of held-out clients")
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]  # stubs: Locator
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return C.save_png(fig, path)
@@ -237,7 +241,7 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
 
 def group_setting(suite: Suite, runs, group: str) -> str:
     """The group's setting, generated from the configs of its runs (`fedsplice.app.settings`)."""
-    cfgs = {}
+    cfgs: dict[str, ExperimentConfig] = {}
     for name, _, cfg, _ in runs:
         if suite.experiments[name]["group"] == group:
             cfgs.setdefault(name, cfg)

@@ -99,7 +99,7 @@ def setting_text(cfgs: dict[str, ExperimentConfig], label=lambda n: n) -> str:
         if not by:
             continue
         common, _ = Counter(by.values()).most_common(1)[0]
-        others = {}
+        others: dict[str, list[str]] = {}
         for n, v in by.items():
             if v != common:
                 others.setdefault(v, []).append(label(n))

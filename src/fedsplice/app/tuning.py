@@ -114,8 +114,8 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
     for e in suite.experiments.values():  # tune_from: the values chosen for other experiments,
         own = set(keys(e["tune"])) if "tune" in e else set()  # but never over its own; the last source wins
         for src in sources(e):
-            c = chosen[src]
-            e["set"] = [*e.get("set", []), *(f"{k}={v}" for k, v in zip(c["keys"], c["chosen"]) if k not in own)]
+            ch = chosen[src]  # (not `c`: above, a combo tuple)
+            e["set"] = [*e.get("set", []), *(f"{k}={v}" for k, v in zip(ch["keys"], ch["chosen"]) if k not in own)]
     return chosen
 
 

@@ -138,7 +138,8 @@ _RAW_PRESENT: dict[str, Callable[[], bool]] = {
     "fortunes": lambda: (_fortunes_root() / ".complete").exists(),
     "brown": lambda: (_brown_root() / ".complete").exists(),
     "spamassassin": lambda: (_spam_root() / ".complete").exists(),
-    **{name: (lambda root=root: (root() / ".complete").exists())
+    # mypy cannot infer a lambda with a default argument (root=root: binds the loop variable, B023)
+    **{name: (lambda root=root: (root() / ".complete").exists())  # type: ignore[misc]
        for name, root in imagesets.RAW_ROOTS.items()},
 }
 

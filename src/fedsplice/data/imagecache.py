@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +52,8 @@ class ImageSet:
         one image share one array view (no copies)."""
         views = list(self.images)
         C = len(self.class_names)
-        pools = ([[] for _ in range(C)], [[] for _ in range(C)])
-        texts = self.texts or [None] * len(self.labels)
+        pools: tuple[list[list[Sample]], list[list[Sample]]] = ([[] for _ in range(C)], [[] for _ in range(C)])
+        texts: Sequence[str | None] = self.texts or [None] * len(self.labels)
         for key, k, y, s, t in zip(self.keys(name), self.image_of.tolist(),
                                    self.labels.tolist(), self.split.tolist(), texts):
             pools[s][y].append(Sample(key, views[k], t))

@@ -270,7 +270,11 @@ def parse_easyvqa(data: Path) -> ImageSet:
     data = Path(data)
     answers = sorted(a.strip() for a in (data / "answers.txt").read_text().split("\n")
                      if a.strip())
-    images, image_of, labels, split, texts = [], [], [], [], []
+    images: list[np.ndarray] = []
+    image_of: list[int] = []
+    labels: list[int] = []
+    split: list[int] = []
+    texts: list[str] = []
     for s, name in enumerate(("train", "test")):
         path = data / name / "questions.json"
         row_of: dict[int, int] = {}  # image id (restarts per split) -> row of `images`

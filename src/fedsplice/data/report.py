@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from fedsplice.data.datasets import TextDataset
@@ -29,7 +31,7 @@ def _counts(labels: np.ndarray, c: int) -> list[int]:
     return np.bincount(np.asarray(labels, dtype=np.int64), minlength=c)[:c].tolist()
 
 
-def data_report(data: TextDataset, clients: list[Client], holdout_ids: list[int] = ()) -> dict:
+def data_report(data: TextDataset, clients: list[Client], holdout_ids: Sequence[int] = ()) -> dict:
     """Sizes of everything a run trains and tests on, the split and the drops (JSON-ready)."""
     c = data.num_classes
     g = data.global_test_size

@@ -114,10 +114,10 @@ def _transform(items: list, plan: _Plan, g: np.random.Generator, sigma: float, t
         both = s.has_image and s.has_text
         eligible += both
         drop = None
-        if plan.loses and both and draws[j, 0] < plan.rate:
+        if plan.loses and both and draws is not None and draws[j, 0] < plan.rate:
             drop = plan.loses if plan.loses != "either" else ("image" if draws[j, 1] < 0.5 else "text")
         t = s
-        if plan.noisy and s.has_image and drop != "image":
+        if plan.noisy and s.image is not None and drop != "image":
             t = t.derive(tag, image=gaussian_noise(s.image, sigma, s, seed))
             n_noisy += 1
         if drop == "image":
@@ -144,7 +144,8 @@ def apply_scenario(sc: ScenarioConfig, data: TextDataset, clients: list[Client],
     n_global = data.global_test_size
     data.n_global_test = n_global
     appended: dict[str, int] = {}  # key of a changed local test copy -> its index in test_texts
-    new_texts, new_labels = [], []
+    new_texts: list[str] = []
+    new_labels: list[int] = []
     rows = []
     for cid, (c, plan) in enumerate(zip(clients, plans)):
         row = {"cid": cid, "role": plan.role, "loses": plan.loses, "rate": plan.rate, "noisy": plan.noisy}

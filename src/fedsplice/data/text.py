@@ -108,7 +108,8 @@ FORTUNE_MAX_CHARS = 600
 def parse_fortune_text(raw: str) -> list[str]:
     """Entries of one fortune file: split on lines holding only `%`, normalise whitespace, drop
     empty, over-long (> FORTUNE_MAX_CHARS) and duplicate entries; file order is kept."""
-    entries, cur = [], []
+    entries: list[str] = []
+    cur: list[str] = []
     for line in raw.splitlines():
         if line.strip() == "%":
             entries.append(normalize_ws("\n".join(cur)))

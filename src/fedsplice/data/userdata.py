@@ -130,7 +130,9 @@ def read_records(path: str | Path, kind: str) -> Records:
                 out.blank_lines += 1
                 continue
             try:
-                row = json.loads(line, object_pairs_hook=lambda pairs, i=i: _object(pairs, f"{path} line {i}"))
+                # mypy cannot infer a lambda with a default argument (i=i: binds the loop variable, B023)
+                row = json.loads(line, object_pairs_hook=lambda pairs, i=i: _object(  # type: ignore[misc]
+                    pairs, f"{path} line {i}"))
             except ValueError as e:
                 raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line must be one "
                                   f"object with `label` and `text` and/or `image`") from None
@@ -151,7 +153,8 @@ def _items(kind: str, path: str, skip_bad_images: bool) -> tuple[list, list[str]
         samples, labels = imagedata.read_image_folder(path, skip_bad_images)
         return samples, labels, [None] * len(samples), {"bad_images": log.skipped}
     recs = read_records(file, kind)
-    items, labels, splits, first = [], [], [], {}
+    items, labels, splits = [], [], []
+    first: dict[str, int] = {}
     for line, label, text, image, split in recs.rows:
         first.setdefault(label, line)
         if image is not None:
@@ -193,7 +196,7 @@ def _dedupe_count(per_class: list[list]) -> tuple[list[list], int]:
     kept, dropped = [], 0
     for items in per_class:
         seen: set = set()
-        keep = [x for x in items if not (x in seen or seen.add(x))]
+        keep = [x for x in items if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]  # add: None
         dropped += len(items) - len(keep)
         kept.append(keep)
     return kept, dropped
@@ -230,7 +233,8 @@ def load_user(kind: str, path: str, *, test: tuple[str, str] | None = None,
     return _parsed(items, labels_found, splits, facts, kind, path, test, skip_bad_images, list(labels or []))
 
 
-def _parsed(items, labels, splits, facts, kind, path, test, skip_bad_images, fixed) -> dict:
+def _parsed(items, labels, splits, facts, kind, path, test: tuple[str, str] | None, skip_bad_images,
+            fixed) -> dict:
     """load_user's grouping: by the given split, the data.test file, or none (carve later)."""
     given = [s for s in splits if s is not None]
     source = f"user {'image folder' if kind == 'images' else 'file'} {Path(path).expanduser()}"

@@ -48,8 +48,8 @@ class Cluster:
         self.say = say
         self.tag = uuid.uuid4().hex
         self.procs: list[Proc] = []
-        self.supernodes: dict[int, Proc] = {}
-        self.executors: dict[int, Proc] = {}
+        self.supernodes: dict[int | str, Proc] = {}  # partition i, or the name of an extra one
+        self.executors: dict[int | str, Proc] = {}
         self.node_ids: dict[int, int] = {}
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -118,10 +118,11 @@ class Cluster:
         self.superlink = self._spawn("superlink", cmd, link, self.root / "logs" / "superlink.log")
         cli = self.root / "cli"
         cli.mkdir(parents=True, exist_ok=True)
-        conn = {"address": self.address}
+        conn: dict[str, str | bool] = {"address": self.address}
         if self.insecure:
             conn["insecure"] = True
         else:
+            assert self.tls is not None  # made above (not insecure)
             conn["root-certificates"] = str(self.tls.ca_cert)
         (cli / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": CONNECTION, CONNECTION: conn}}))
         t0 = time.monotonic()
@@ -186,6 +187,7 @@ class Cluster:
         if self.insecure:
             cmd.append("--insecure")
         else:
+            assert self.tls is not None  # made by start_superlink
             cmd += ["--root-certificates", str(self.tls.ca_cert)]
             if key is not None:
                 cmd += ["--auth-supernode-private-key", str(key.private)]
@@ -236,7 +238,7 @@ class Cluster:
 
         threading.Thread(target=pump, daemon=True).start()
         t0 = time.monotonic()
-        dead_nodes: set[int] = set()
+        dead_nodes: set[int | str] = set()
         while True:
             try:
                 line = lines.get(timeout=1.0)

@@ -45,6 +45,7 @@ import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -57,6 +58,9 @@ from fedsplice.runtimes.flower.faults import classified
 from fedsplice.runtimes.flower.records import from_record, to_record, wire_scalar
 from fedsplice.runtimes.flower.transport import (CONFIG_KEY, GLOBAL_KEY, RESULT_KEY, ROLLBACK_ERROR, ROLLBACK_FIELD,
                                                  RUN_KEY_FIELD, TASK_KEY, UP_PREFIX, client_fingerprint, owned)
+
+if TYPE_CHECKING:
+    from flwr.common import ConfigRecordValues
 
 client_app = ClientApp()
 
@@ -251,7 +255,7 @@ def rollback(folder: Path, rnd: int) -> None:
 
 def _task(msg: Message) -> tuple[int, list[int]]:
     rec = msg.content.config_records[TASK_KEY]
-    return int(rec["round"]), [int(c) for c in rec["cids"]]
+    return int(cast(int, rec["round"])), [int(c) for c in cast(list[int], rec["cids"])]
 
 
 def _result(payload: dict, arrays: dict | None = None) -> RecordDict:
@@ -264,12 +268,14 @@ def _result(payload: dict, arrays: dict | None = None) -> RecordDict:
 @classified  # an error a retry repeats stops the run; a fault is a dropout
 def node_query(msg: Message, context: Context) -> Message:
     p, n = partition(context.node_config)
-    rec = {"partition-id": p, "num-partitions": n, "fedsplice-version": __version__, "python": sys.version.split()[0],
-           DEVICE_KEY: str(context.node_config.get(DEVICE_KEY, ""))}  # "": the run config's runtime.device
+    rec: dict[str, ConfigRecordValues] = {
+        "partition-id": p, "num-partitions": n, "fedsplice-version": __version__, "python": sys.version.split()[0],
+        DEVICE_KEY: str(context.node_config.get(DEVICE_KEY, ""))}  # "": the run config's runtime.device
     task = msg.content.config_records.get(TASK_KEY)
     if task is not None and RUN_KEY_FIELD in task:  # the run starts (0) or resumes: roll PRIVATE state back
         try:
-            rollback(run_folder(state_root(context.node_config), task, context.run_id), int(task[ROLLBACK_FIELD]))
+            rollback(run_folder(state_root(context.node_config), task, context.run_id),
+                     int(cast(int, task[ROLLBACK_FIELD])))
             rec[ROLLBACK_ERROR] = ""
         except (OSError, ValueError, KeyError) as e:
             rec[ROLLBACK_ERROR] = f"{type(e).__name__}: {e}"

@@ -40,7 +40,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
@@ -157,13 +157,14 @@ class FlowerTransport:
             if err:
                 self._event("node_query_failed", node, [], err)
                 continue
+            assert rep is not None  # no error text: a reply came (_exchange)
             self._audit("up", "query", 0, node, [], rep, weigh(rep))
             rec = rep.content.config_records[RESULT_KEY]
             if self.run_key and (rec.get(ROLLBACK_ERROR) or ROLLBACK_ERROR not in rec):
                 # a node that kept state of later rounds would give other numbers: stop here
                 raise FlowerRuntimeError(f"SuperNode {node} could not restore its PRIVATE state to the end of "
-                                         f"round {self.rollback}: {rec.get(ROLLBACK_ERROR) or 'no rollback support'}")
-            parts[node] = (int(rec["partition-id"]), int(rec["num-partitions"]))
+                                         f"round {self.rollback}: {rec.get(ROLLBACK_ERROR) or 'no rollback support'!s}")
+            parts[node] = (int(cast(int, rec["partition-id"])), int(cast(int, rec["num-partitions"])))
             devices[node] = str(rec.get("device", ""))
         if not parts:
             raise FlowerRuntimeError("no SuperNode answered the partition query; see events.jsonl")
@@ -202,6 +203,7 @@ class FlowerTransport:
         """node -> its clients among `cids`; cid -> why it cannot be asked."""
         if self.owner is None:
             self._connect()
+        assert self.owner is not None  # set by _connect
         online = set(self.grid.get_node_ids())
         by_node: dict[int, list[int]] = {}
         skipped: dict[int, str] = {}
@@ -214,6 +216,7 @@ class FlowerTransport:
                 skipped[cid] = why
                 self._event("client_skipped", node or 0, [cid], f"{kind}: {why}", rnd)
             else:
+                assert node is not None  # no reason to skip: a SuperNode serves it
                 by_node.setdefault(node, []).append(cid)
         return by_node, skipped
 
@@ -252,23 +255,23 @@ class FlowerTransport:
         end = None if self.deadline is None else time.monotonic() + self.deadline
         while pending and (end is None or time.monotonic() < end):
             for rep in self.grid.pull_messages(list(pending)):
-                node = pending.pop(rep.metadata.reply_to_message_id, None)
-                if node is None:
+                sender = pending.pop(rep.metadata.reply_to_message_id, None)
+                if sender is None:
                     continue
                 self.totals["messages"] += 1
                 if rep.has_error():
                     fatal = fatal_reason(rep.error.code, str(rep.error.reason))
                     if fatal is not None:
-                        self._event("client_error", node, by_node[node], f"{kind}: {fatal}", rnd)
-                        raise ClientError(f"SuperNode {node}, clients {by_node[node]}, {kind} of round {rnd}: "
+                        self._event("client_error", sender, by_node[sender], f"{kind}: {fatal}", rnd)
+                        raise ClientError(f"SuperNode {sender}, clients {by_node[sender]}, {kind} of round {rnd}: "
                                           f"{fatal}. A retry would repeat it, so the run stops (rounds already "
                                           f"checkpointed are kept); fix it and resume")
-                    err = f"SuperNode {node}: Flower error {rep.error.code}: {rep.error.reason}"
+                    err = f"SuperNode {sender}: Flower error {rep.error.code}: {rep.error.reason}"
                     if "unavailable" in str(rep.error.reason).lower():
-                        self.gone.add(node)
-                    out[node] = (rep, err, False)
+                        self.gone.add(sender)
+                    out[sender] = (rep, err, False)
                 else:
-                    out[node] = (rep, "", False)
+                    out[sender] = (rep, "", False)
             if pending:
                 time.sleep(self.poll_s)
         for node in pending.values():
@@ -296,7 +299,7 @@ class FlowerTransport:
         if hits:
             return w, None, f"SuperNode {node}: the reply's serialized bytes contain PRIVATE name {hits[0]}"
         try:
-            return w, json.loads(rep.content.config_records[RESULT_KEY]["json"]), ""
+            return w, json.loads(cast(str, rep.content.config_records[RESULT_KEY]["json"])), ""
         except Exception as e:  # noqa: BLE001 - a malformed reply is refused, never a crash
             return w, None, f"SuperNode {node}: malformed result record ({type(e).__name__}: {e})"
 
@@ -323,6 +326,7 @@ class FlowerTransport:
                 for c in ncids:
                     replies[c] = Reply(c, b"", 0, {}, 0, down_share[c], error="" if late else err, late=late)
                 continue
+            assert rep is not None  # no error text: a reply came (_exchange)
             per_client = {c: w.per_record.get(f"{UP_PREFIX}{c}", 0) for c in ncids}
             envelope = dict(zip(ncids, split_bytes(max(w.total - sum(per_client.values()), 0), len(ncids))))
             for c in ncids:
@@ -366,6 +370,7 @@ class FlowerTransport:
             self.totals["eval_down_bytes"] += self._sent.get(node, 0)
             if err:
                 continue
+            assert rep is not None  # no error text: a reply came (_exchange)
             w, res, err = self._result(kind, rnd, node, ncids, rep)
             self.totals["eval_up_bytes"] += w.total
             if err:
