@@ -25,6 +25,11 @@ class PromptLearner(nn.Module):
     shared context (n × d).
     """
 
+    # buffers (register_buffer): declared so they type as tensors, not nn.Module's Tensor | Module
+    cls_id: torch.Tensor
+    tail_ids: torch.Tensor
+    mask: torch.Tensor
+
     def __init__(self, tokenizer, word_embeddings: nn.Embedding, template: str, class_names: list[str],
                  n_ctx: int, class_specific: bool, generator: torch.Generator, init: str = "random"):
         super().__init__()
@@ -39,13 +44,13 @@ class PromptLearner(nn.Module):
             raise ConfigError(f"peft.n_ctx = {n_ctx}: peft.prompt_init = 'template' takes one context vector per "
                               f"token of {prefix.strip()!r} ({len(prefix_ids)}); set peft.n_ctx = 0")
         if init == "template":
-            init = emb[prefix_ids].detach().float().clone()  # an fp32 master, whatever model.dtype
+            ctx = emb[prefix_ids].detach().float().clone()  # an fp32 master, whatever model.dtype
         else:
-            init = torch.randn(n_ctx or 4, emb.shape[1], generator=generator) * 0.02
+            ctx = torch.randn(n_ctx or 4, emb.shape[1], generator=generator) * 0.02
         if class_specific:
-            init = init.unsqueeze(0).repeat(len(class_names), 1, 1)
-        self.ctx = nn.Parameter(init)
-        self.n_ctx = init.shape[-2]
+            ctx = ctx.unsqueeze(0).repeat(len(class_names), 1, 1)
+        self.ctx = nn.Parameter(ctx)
+        self.n_ctx = ctx.shape[-2]
         # Frozen pieces of each class sequence: [CLS] (ctx) label+suffix tokens [SEP].
         cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
         sep_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id

@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -57,6 +58,7 @@ class FrozenCache:
             self.used = sum(p.stat().st_size for p in self.dir.glob("*.npy"))
 
     def _path(self, text: str) -> Path:
+        assert self.dir is not None  # only called on a cache on disk
         return self.dir / (hashlib.sha256(text.encode()).hexdigest() + ".npy")
 
     def get(self, text: str) -> np.ndarray | None:
@@ -89,16 +91,18 @@ class FrozenCache:
     def rows(self, texts: list[str], compute) -> list[torch.Tensor]:
         """One tensor per text: cached, or from `compute(missing texts)` (one row per text) and
         kept if the budget allows."""
-        rows = [self.get(t) for t in texts]
+        # a row is a cached array or None, then a tensor once computed or moved to the device
+        rows: list[np.ndarray | torch.Tensor | None] = [self.get(t) for t in texts]
         miss = [i for i, r in enumerate(rows) if r is None]
         if miss:
             for i, v in zip(miss, compute([texts[i] for i in miss])):
                 rows[i] = v.float()  # as a cached row comes back: a batch is the same either way
                 self.put(texts[i], v)
         cached = [i for i, r in enumerate(rows) if not torch.is_tensor(r)]
-        for i, t in zip(cached, self._to_device([rows[i] for i in cached])):
+        # the rows that are not tensors yet are the cached arrays (every miss was filled above)
+        for i, t in zip(cached, self._to_device(cast(list[np.ndarray], [rows[i] for i in cached]))):
             rows[i] = t
-        return rows
+        return cast(list[torch.Tensor], rows)  # every row is a tensor now
 
     def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Cached rows as tensors on the device: on the CPU a copy each (the arrays may be

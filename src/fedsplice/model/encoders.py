@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from fedsplice.model.peft import adapters_off
 from fedsplice.model.prefix import TextPrefix
 from fedsplice.model.unpad import by_length
 from fedsplice.model.vision import ClipImagePrefix, ClipInputs, clip_text_from_embeds
+
+if TYPE_CHECKING:
+    from transformers import CLIPModel
 
 
 class TextEncoder:
@@ -55,7 +58,8 @@ class TextEncoder:
     def embed_text(self, texts: list[str]) -> torch.Tensor:
         """T(texts): CLIP's projected text features, else mean-pooled hidden states."""
         if self.is_clip:
-            return self._unpadded(list(texts), lambda ts: self.hf.get_text_features(**self.tokens(ts)).pooler_output)
+            clip = cast("CLIPModel", self.hf)  # is_clip: the HF model is a CLIPModel
+            return self._unpadded(list(texts), lambda ts: clip.get_text_features(**self.tokens(ts)).pooler_output)
         return self.embed(texts)
 
     def _unpadded(self, texts: list[str], fn) -> torch.Tensor:
@@ -83,6 +87,7 @@ class ClassSide:
         if self.peft_type == "prompt" and self.compose is not None:
             return self.compose()
         if self.peft_type == "prompt":
+            assert self.prompt is not None  # peft.type = "prompt" always builds one (TaskModel)
             return self.from_prompt(self.prompt)
         if not self.trains_text:
             return self.frozen()
@@ -104,8 +109,9 @@ class ClassSide:
 
     def word_embeddings(self) -> nn.Embedding:
         if self.text.is_clip:
-            return self.text.hf.text_model.embeddings.token_embedding
-        return self.text.backbone.get_input_embeddings()
+            return cast("CLIPModel", self.text.hf).text_model.embeddings.token_embedding
+        # an HF model's (through peft's wrapper with LoRA), reached through nn.Module's __getattr__
+        return self.text.backbone.get_input_embeddings()  # type: ignore[operator]
 
     def from_prompt(self, learner: PromptLearner, delta: torch.Tensor | None = None) -> torch.Tensor:
         embeds, mask = learner.inputs(self.word_embeddings(), delta)
@@ -131,7 +137,7 @@ class InputSide:
     def clip(text: TextEncoder, processor, image_prefix: ClipImagePrefix | None, captions_frozen: bool,
              pixels: FrozenCache | None = None) -> ClipInputs:
         """CLIP's E(x); with a frozen text tower (and caching on) captions are encoded once."""
-        fn = text.embed_text
+        fn: Callable[[list[str]], torch.Tensor] = text.embed_text
         if captions_frozen:
             captions = FrozenCache({"kind": "clip-captions"}, 1 << 62, device=text.tokens.device)
             fn = lambda ts: torch.stack(captions.rows(ts, text.embed_text))  # noqa: E731

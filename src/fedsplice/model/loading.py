@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,9 @@ from fedsplice.data.zoo import resolve_model
 from fedsplice.model.device import DTYPES, resolve_precision
 from fedsplice.errors import ConfigError
 from fedsplice.model.vision import load_image_processor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _BERT = {"q": "attention.self.query", "k": "attention.self.key",
          "v": "attention.self.value", "o": "attention.output.dense"}
@@ -105,7 +109,7 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
 
     path = resolve_model(cfg.model.name)
     quant = quantization_config(cfg, device)
-    kw = {"dtype": DTYPES[cfg.model.dtype]}
+    kw: dict[str, Any] = {"dtype": DTYPES[cfg.model.dtype]}  # from_pretrained's keyword arguments
     if quant is not None:
         kw.update(quantization_config=quant, device_map={"": str(device or "cpu")})
     elif device is not None and device.type != "cpu":
@@ -178,7 +182,7 @@ def check_peft_fits_task(peft_type: str, task: str) -> None:
 @dataclass
 class Backbone:
     """A loaded, frozen HF model and what the rest of the model is built from."""
-    model: object  # the HF model, every parameter frozen
+    model: PreTrainedModel  # the HF model, every parameter frozen
     tokenizer: object
     model_type: str
     rmap: dict[str, str]

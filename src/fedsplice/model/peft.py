@@ -16,6 +16,7 @@ import dataclasses
 import re
 import warnings
 from contextlib import nullcontext
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from fedsplice.errors import ConfigError
 from fedsplice.model.adapters import FeatureAdapter, PromptLearner
 from fedsplice.model.loading import target_regex
 
+if TYPE_CHECKING:
+    from peft import LoraModel, PeftModel
+
 LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
 
 
@@ -35,8 +39,9 @@ def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int
     from peft import LoraConfig, get_peft_model  # heavy: imported when a LoRA model is built
 
     regex = target_regex(rmap, pc.roles, pc.layers, pc.tower)
-    lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, target_modules=regex,
-                      use_rslora=pc.use_rslora, bias="none")
+    # peft annotates lora_alpha as int; a float works (scaling = alpha / r), and peft.alpha is one
+    lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha,  # type: ignore[arg-type]
+                      lora_dropout=pc.dropout, target_modules=regex, use_rslora=pc.use_rslora, bias="none")
     # LoRA A init draws from torch's RNG: seed it locally so the global stream is untouched.
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft probing deprecated HF helpers
@@ -46,7 +51,8 @@ def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int
             for name, rank in (parts.adapters.items() if parts is not None else ()):
                 model.add_adapter(name, dataclasses.replace(lcfg, r=rank))
             if parts is not None and parts.adapters:
-                model.base_model.set_adapter(["default", *parts.adapters])
+                # peft types base_model as nn.Module; under a LoraConfig it is the LoraModel
+                cast("LoraModel", model.base_model).set_adapter(["default", *parts.adapters])
             return model
         except ValueError as e:
             raise ConfigError(f"peft: no module of this {mtype} backbone matches roles {pc.roles}, "
@@ -63,13 +69,14 @@ def unfreeze(base: nn.Module) -> nn.Module:
 
 def hf_model(backbone: nn.Module, peft_type: str) -> nn.Module:
     """The HF model under peft's wrapper (the backbone itself without LoRA)."""
-    return backbone.get_base_model() if peft_type == "lora" else backbone
+    # with LoRA the backbone is inject_lora's PeftModel (typed nn.Module here)
+    return cast("PeftModel", backbone).get_base_model() if peft_type == "lora" else backbone
 
 
 def adapters_off(backbone: nn.Module, peft_type: str):
     """A context in which the backbone runs without its LoRA (the frozen model). Prompt and adapter
     types leave the backbone frozen; "full" has no frozen model (TaskModel.zero_shot)."""
-    return backbone.disable_adapter() if peft_type == "lora" else nullcontext()
+    return cast("PeftModel", backbone).disable_adapter() if peft_type == "lora" else nullcontext()
 
 
 def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class_names: list[str],

@@ -12,6 +12,7 @@ disk can only be found by the computation that made it.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from torch import nn
 from fedsplice.config import ExperimentConfig
 from fedsplice.model.cache import FrozenCache, TokenCache, fingerprint
 from fedsplice.model.vision import ClipImagePrefix
+
+if TYPE_CHECKING:
+    from transformers import CLIPModel
 
 # (embeddings, layer stack) of the encoders whose frozen prefix can be cached: BERT-like and the
 # CLIP text tower, where the embeddings feed layer 0 directly (CLIP's vision tower has a
@@ -89,8 +93,8 @@ class TextPrefix:
         """Unpadded hidden states entering layer l0 of each text: the stack cut after l0 - 1."""
         _, layers_path = self.paths
         sub = self.tokens(missing)
-        layers = list(self.hf.get_submodule(layers_path))
-        got = {}
+        layers = list(self._stack(layers_path))
+        got: dict[str, torch.Tensor] = {}
         hook = layers[self.l0 - 1].register_forward_hook(
             lambda m, a, o: got.__setitem__("h", o[0] if isinstance(o, tuple) else o))
         try:
@@ -100,6 +104,10 @@ class TextPrefix:
             hook.remove()
         sm = sub["attention_mask"].bool()
         return [got["h"][j][sm[j]] for j in range(len(missing))]
+
+    def _stack(self, path: str) -> nn.ModuleList:
+        """The layer stack at `path` (a STACKS entry: a ModuleList in every listed layout)."""
+        return cast(nn.ModuleList, self.hf.get_submodule(path))
 
     def states(self, texts: list[str], enc) -> torch.Tensor:
         """[B, T, H] hidden states entering layer l0, from the cache or computed (and kept)."""
@@ -114,7 +122,7 @@ class TextPrefix:
         """Last hidden states of the full model, with layers below l0 read from the cache."""
         emb, layers_path = self.paths
         h = self.states(texts, enc)
-        upper = nn.ModuleList(list(self.hf.get_submodule(layers_path))[self.l0:])
+        upper = nn.ModuleList(list(self._stack(layers_path))[self.l0:])
         with swapped(self.hf, emb, _Const(h)), swapped(self.hf, layers_path, upper):
             return self.backbone(**enc).last_hidden_state
 
@@ -128,7 +136,7 @@ def wants_image_prefix(cfg: ExperimentConfig, is_clip: bool) -> bool:
 
 def build_image_prefix(cfg: ExperimentConfig, clip: nn.Module, processor) -> ClipImagePrefix:
     """CLIP: cache the frozen bottom of the vision tower (vision.ClipImagePrefix)."""
-    vm = clip.vision_model
+    vm = cast("CLIPModel", clip).vision_model  # wants_image_prefix: only a CLIP model gets here
     layers = list(vm.encoder.layers)
     l0 = len(layers) if cfg.peft.tower == "text_model" else min(cfg.peft.layers)
     frozen = [vm.embeddings, vm.pre_layrnorm, *layers[:l0]]

@@ -17,6 +17,7 @@ parts are plain objects holding references.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from fedsplice.core.split import ParamInfo
 from fedsplice.data.datasets import class_prompt_of
 from fedsplice.errors import ConfigError
 from fedsplice.model import peft
+from fedsplice.model.adapters import PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.device import DTYPES, autocast, resolve_device
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
@@ -38,8 +40,15 @@ from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderH
 from fedsplice.model.unpad import CPU_OVERHEAD
 from fedsplice.model.vision import Projector, load_vision_tower
 
+if TYPE_CHECKING:
+    from transformers import CLIPModel
+
 
 class TaskModel(nn.Module):
+    # set to None first, then built by task (_build_trainables); declared for their real types
+    vision: nn.Module | None
+    projector: Projector | None
+
     def __init__(self, cfg: ExperimentConfig, class_names: list[str], class_prompt: str = ""):
         """class_prompt: the class side's template; empty: data.class_prompt, else the data set's own."""
         super().__init__()
@@ -84,7 +93,11 @@ class TaskModel(nn.Module):
         else:
             self.backbone = peft.unfreeze(bb.model) if pc.type == "full" else bb.model
         if pc.type == "prompt":
-            we = bb.model.text_model.embeddings.token_embedding if self.is_clip else bb.model.get_input_embeddings()
+            we: nn.Embedding
+            if self.is_clip:
+                we = cast("CLIPModel", bb.model).text_model.embeddings.token_embedding
+            else:  # an HF text model's input embeddings are an nn.Embedding (HF types them nn.Module)
+                we = cast(nn.Embedding, bb.model.get_input_embeddings())
             built = peft.build_prompts(self.tokenizer, we, self.class_prompt, self.class_names, pc, gen,
                                        bb.text_positions, self._parts)
             for name, module in built.items():
@@ -178,9 +191,10 @@ class TaskModel(nn.Module):
         self.backbone.eval()
         if self.vision is not None:
             self.vision.eval()
-        ckpt = ()
+        ckpt: tuple[type[nn.Module], ...] = ()
         if self.checkpointing:  # transformers is imported lazily (importing fedsplice stays fast)
-            from transformers.modeling_layers import GradientCheckpointingLayer as ckpt
+            from transformers.modeling_layers import GradientCheckpointingLayer
+            ckpt = (GradientCheckpointingLayer,)
         for name, mod in self.backbone.named_modules():
             if "lora_dropout" in name:
                 mod.train(mode)
@@ -237,7 +251,7 @@ class TaskModel(nn.Module):
     def class_embeddings(self) -> torch.Tensor:
         return self._classes.embeddings(self._zero_shot)
 
-    def encode_prompt(self, learner: nn.Module, delta: torch.Tensor | None = None) -> torch.Tensor:
+    def encode_prompt(self, learner: PromptLearner, delta: torch.Tensor | None = None) -> torch.Tensor:
         """Normalized class embeddings [C, D] of a CoOp context (plus a [n_ctx, width] delta): for
         a method's objective that scores several views of its prompts."""
         return self._classes.from_prompt(learner, delta)

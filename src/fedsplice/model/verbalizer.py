@@ -244,9 +244,9 @@ def _full(model, p_ids, a_ids, pad, device, prefix=None, bos=None) -> torch.Tens
         logits = _forward(model, inputs_embeds=embeds, attention_mask=mask, position_ids=pos,
                           use_cache=False, logits_to_keep=A + 1).logits  # only the answers' positions
         T = logits.shape[1]  # left padding: each row ends with its answer's tokens
-        lp = [_token_logprobs(logits[b * C + c, T - len(a) - 1:T - 1], torch.tensor(a, device=device)).sum()
-              for b in range(B) for c, a in enumerate(a_ids)]
-        return torch.stack(lp).view(B, C)
+        seq_lp = [_token_logprobs(logits[b * C + c, T - len(a) - 1:T - 1], torch.tensor(a, device=device)).sum()
+                  for b in range(B) for c, a in enumerate(a_ids)]
+        return torch.stack(seq_lp).view(B, C)
     B, C = len(p_ids), len(a_ids)
     P = max(len(s) for s in p_ids)
     A = max(len(a) for a in a_ids)

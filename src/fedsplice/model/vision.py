@@ -14,6 +14,7 @@ processor on its PIL backend.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ def load_vision_tower(spec: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoConfig, AutoModel
 
     path = resolve_model(spec)
+    cls: Any  # one of three HF model classes, each with its own from_pretrained
     try:
         cfg = AutoConfig.from_pretrained(path)
         mtype = cfg.model_type
@@ -78,7 +80,7 @@ class Projector(nn.Module):
     def __init__(self, vision_hidden: int, lm_hidden: int, kind: str, generator: torch.Generator):
         super().__init__()
         self.vision_hidden = vision_hidden
-        layers = [nn.Linear(vision_hidden, lm_hidden)]
+        layers: list[nn.Module] = [nn.Linear(vision_hidden, lm_hidden)]
         if kind == "mlp":
             layers += [nn.GELU(), nn.Linear(lm_hidden, lm_hidden)]
         self.net = nn.Sequential(*layers)
@@ -100,9 +102,12 @@ def image_key(s: Sample) -> str:
     """sha256 of an image's shape and pixels (memoized on the sample): the vision cache's key."""
     key = getattr(s, "_image_key", None)
     if key is None:
-        h = hashlib.sha256(str(s.image.shape).encode())
-        h.update(np.ascontiguousarray(s.image).tobytes())
-        key = s._image_key = "img:" + h.hexdigest()
+        image = s.image
+        assert image is not None  # callers pass samples with an image
+        h = hashlib.sha256(str(image.shape).encode())
+        h.update(np.ascontiguousarray(image).tobytes())
+        # a memo on the sample's instance dict: Sample (fedsplice.data) does not declare it
+        key = s._image_key = "img:" + h.hexdigest()  # type: ignore[attr-defined]
     return key
 
 
@@ -181,7 +186,7 @@ class ClipInputs:
         with_img = [i for i, s in enumerate(items) if isinstance(s, Sample) and s.has_image]
         texts = [(i, s.text if isinstance(s, Sample) else s) for i, s in enumerate(items)]
         texts = [(i, t) for i, t in texts if t is not None]
-        feats = [[] for _ in items]
+        feats: list[list[torch.Tensor]] = [[] for _ in items]
         if with_img:
             if self.image_features is not None:
                 img = self.image_features([items[i] for i in with_img])
