@@ -106,11 +106,34 @@ def test_progress_counts_what_a_runtime_does_not_report(tiny_cfg, tmp_path):
         assert cold["total"] >= TOTAL and cold["done"] == cold["total"] - COLD
 
 
-def test_inprocess_progress_names_each_client_task(tiny_cfg):
-    exp = build(tiny_cfg())
-    names = []
-    run_rounds(exp, make_store("memory", None), lambda r: None, progress=names.append)
-    assert names.count("fit") == FITS and names.count("evaluate") == EVALS
+def test_an_observer_sees_every_call_and_each_client_task(tiny_cfg):
+    """The loop's calls tell the transport's observer when they begin and end; InProcess ticks
+    it as each client task ends. Observing changes nothing: the run's records are the same."""
+    class Names:
+        def __init__(self):
+            self.calls, self.ticks = [], []
+
+        def begin(self, task, rnd, cids):
+            self.calls.append(("begin", task, rnd, len(cids)))
+
+        def client_done(self, task):
+            self.ticks.append(task)
+
+        def end(self, task, cids):
+            self.calls.append(("end", task, len(cids)))
+
+    seen, runs = Names(), []
+    for observer in (seen, None):
+        recs = []
+        run_rounds(build(tiny_cfg()), make_store("memory", None), recs.append, observer=observer)
+        runs.append(recs)
+    assert seen.ticks.count("fit") == FITS and seen.ticks.count("evaluate") == EVALS
+    begins = [c for c in seen.calls if c[0] == "begin"]
+    assert [c[1] for c in begins].count("fit") == 2 and begins[0][1:] == ("evaluate", 0, 3)  # 3 training clients
+    assert [(c[1], c[-1]) for c in seen.calls if c[0] == "end"] == [(c[1], c[-1]) for c in begins]
+    drop = ("time_s", "wall_s")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in runs[0]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in runs[1]]
 
 
 @pytest.fixture

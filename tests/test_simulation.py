@@ -376,16 +376,18 @@ def test_overwrite_with_disk_store_is_a_fresh_run(cfg, tmp_path):
 
 
 def test_every_runtime_and_store_implements_the_spine_protocols(tmp_path):
-    """The round loop's `Transport` and the clients' `Store` (fedsplice.federation): each runtime,
-    the progress wrapper and both stores have the methods, and a store round-trips a state."""
+    """The round loop's `Transport` and the clients' `Store` (fedsplice.federation): each runtime
+    and both stores have the methods, the progress display is an `Observer` (not a transport), and
+    a store round-trips a state."""
     from fedsplice.app.progress import RunProgress
-    from fedsplice.federation import DiskStore, Store, Transport
+    from fedsplice.federation import DiskStore, Observer, Store, Transport
     from fedsplice.federation.store import MemoryStore
     from fedsplice.runtimes.flower.transport import FlowerTransport
     from fedsplice.runtimes.workers import Workers
 
-    for cls in (simulation.InProcess, Workers, FlowerTransport, RunProgress):
+    for cls in (simulation.InProcess, Workers, FlowerTransport):
         assert issubclass(cls, Transport), cls
+    assert issubclass(RunProgress, Observer) and not issubclass(RunProgress, Transport)
     assert not issubclass(MemoryStore, Transport) and not issubclass(simulation.InProcess, Store)
     state = {"param/x": torch.arange(3.0)}
     for store in (MemoryStore(), DiskStore(tmp_path / "s")):

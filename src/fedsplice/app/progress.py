@@ -13,7 +13,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedsplice.app.console import console
 from fedsplice.config import ExperimentConfig
-from fedsplice.federation.rounds import Transport
 from fedsplice.federation.train import planned_steps
 
 
@@ -51,11 +50,12 @@ _STAGES = {"fit": "train", "evaluate": "evaluate", "personalize": "personalize",
 class RunProgress:
     """One run's progress in client tasks (fit, evaluate, personalize, cold start: all count, so the
     ETA covers evaluation too), as a rich bar on a terminal, as lines when stderr is a file, and
-    as events for `progress(event)` (compare). It is a `Transport` that passes every call to the
-    run's (`inner`) and watches it, so every stage names itself ("round 3/10 train", "round 3/10
-    evaluate", "cold start") on any runtime; a runtime ticks through the `progress` attribute
-    every transport has (`client_done`) as each client task ends where it can tell (InProcess,
-    Workers), and the rest of a call's tasks count when the call returns (Flower).
+    as events for `progress(event)` (compare). It is the run's `Observer`
+    (fedsplice.federation.calls), set as its transport's `observer`: the round loop's calls tell
+    it when they begin and end, so every stage names itself ("round 3/10 train", "round 3/10
+    evaluate", "cold start") on any runtime; a runtime ticks it (`client_done`) as each client
+    task ends where it can tell (InProcess, Workers), and the rest of a call's tasks count when
+    the call returns (Flower). It watches only: a run returns the same with or without it.
 
     An event: kind ("stage" when one starts, "round" when a round is logged, with its `record`;
     "tick" when nothing was said for TICK_S), stage, phase, round, rounds, done, total,
@@ -67,7 +67,6 @@ class RunProgress:
         self.round, self.phase = (0, "evaluate") if start == 0 else (start + 1, "train")
         self.planned, self.cost = _planned_tasks(cfg, exp, start), task_costs(cfg, exp)
         self.total, self.done = sum(self.planned.values()), 0
-        self.inner: Transport | None = None  # the run's transport, set before the rounds start
         self.done_by = dict.fromkeys(self.planned, 0)  # per stage: tasks ended, seconds spent in it
         self.spent = dict.fromkeys(self.planned, 0.0)
         self.quiet, self.on_event = quiet, on_event
@@ -144,31 +143,27 @@ class RunProgress:
         self._emit("stage")
 
     def client_done(self, task: str = "") -> None:
-        """InProcess's `progress`: one client task has ended."""
+        """One client task has ended (the runtime's tick)."""
         self._in_call += 1
         self._advance(1)
 
     def round_done(self, record: dict) -> None:
         self._emit("round", record=record)
 
-    def fit(self, rnd: int, cids: list[int], down: bytes):
-        if rnd in self._fitted:  # a retry: its clients were not in the plan
-            self.total += len(cids)
-            self.planned["train"] += len(cids)
-        self._fitted.add(rnd)
-        self.round = rnd
-        self._begin("train")
-        assert self.inner is not None  # set by the run before the rounds start
-        replies = self.inner.fit(rnd, cids, down)
-        self._advance(len(cids) - self._in_call)  # dropped clients, or a runtime that reports none
-        return replies
+    def begin(self, task: str, rnd: int, cids: list[int]) -> None:
+        """A call of the transport begins: its stage starts."""
+        if task == "fit":
+            if rnd in self._fitted:  # a retry: its clients were not in the plan
+                self.total += len(cids)
+                self.planned["train"] += len(cids)
+            self._fitted.add(rnd)
+            self.round = rnd
+        self._begin("train" if task == "fit" else _STAGES.get(task, task))
 
-    def run(self, task: str, cids: list[int], down: bytes) -> dict:
-        self._begin(_STAGES.get(task, task))
-        assert self.inner is not None  # set by the run before the rounds start
-        out = self.inner.run(task, cids, down)
+    def end(self, task: str, cids: list[int]) -> None:
+        """The call returned: the tasks the runtime did not tick (dropped clients, or a runtime
+        that reports none) count now."""
         self._advance(len(cids) - self._in_call)
-        return out
 
 
 def _planned_tasks(cfg: ExperimentConfig, exp, start: int) -> dict[str, int]:

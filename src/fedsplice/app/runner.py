@@ -118,8 +118,9 @@ def _restore(loaded, store, log, checkpointer) -> None:
 
 
 def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, track: RunProgress, refs=None):
-    """The round loop (or one evaluation) and the personalization stage, every client task through
-    `track` (the progress). Returns the final server state and the transport (later stages use it)."""
+    """The round loop (or one evaluation) and the personalization stage, every client task watched
+    by `track` (the progress, the transport's observer). Returns the final server state and the
+    transport (later stages use it)."""
     every = cfg.runtime.checkpoint_every
 
     def on_state(state: ckpt.RoundState) -> None:
@@ -136,20 +137,20 @@ def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, tra
                 console.print(f"  client {e['client']} {e['event']}: {e['reason']}")
         track.round_done(record)
 
-    track.inner = make_transport(exp, store) if make_transport else InProcess(exp, store)
-    track.inner.progress = track.client_done  # a runtime that can tell ticks as each client task ends
+    transport = make_transport(exp, store) if make_transport else InProcess(exp, store)
+    transport.observer = track  # the progress watches the loop's calls; a runtime that can tell ticks it
     if exp.recipe.trains:
-        final = run_rounds(exp, on_round, transport=track,
+        final = run_rounds(exp, on_round, transport=transport,
                            start=loaded.state if loaded is not None else None, on_state=on_state)
     else:
-        final = evaluate_only(exp, track, on_round)
+        final = evaluate_only(exp, transport, on_round)
     if exp.recipe.personalize:
         if not track.quiet:
             console.print("personalization (local, no traffic) on every training client")
-        pm = personalization(exp, track, final["global_params"])
+        pm = personalization(exp, transport, final["global_params"])
         last = log.records()[-1]
         on_round({"round": last["round"], "phase": "personalization", "gm": last["gm"], "pm": pm})
-    return final, track
+    return final, transport
 
 
 def _say_data(data: dict, quiet: bool, echo) -> None:

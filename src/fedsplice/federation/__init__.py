@@ -4,7 +4,8 @@ loop, evaluation, the client-state store and checkpoints. Runtimes use only the 
 - `experiment`: `build(cfg) -> Experiment` (data, clients, model, recipe, server optimizer).
 - `tasks`: the client tasks (fit, evaluate, personalize, cold_start): every client-side stage.
 - `train`: the one local training loop (random streams: `fedsplice.core.streams`).
-- `rounds`: the round loop and the stages after it, over any transport.
+- `rounds`: the round loop and the stages after it, over any transport; `calls`: its calls of
+  the transport, seen by the run's `Observer` (the progress display).
 - `evaluation`, `metrics`: GM, PM and the long-tail metrics. `gather`: one round's replies.
 - `store`, `checkpoint`: PRIVATE state per client; resumable server state.
 - `validate`: config checks across sections (algorithm, server, zoo, data set names).
@@ -15,6 +16,7 @@ import tomllib
 from fedsplice.config import SITES, ExperimentConfig, from_dict
 from fedsplice.core import wire
 from fedsplice.core.robust import check_update
+from fedsplice.federation.calls import Observer
 from fedsplice.federation.evaluation import movement, references
 from fedsplice.federation.experiment import Client, Experiment, build
 from fedsplice.federation.rounds import (Reply, Transport, cold_start, evaluate_only, gm_and_pm, personalization,
@@ -27,10 +29,10 @@ from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation.validate import load_config
 from fedsplice.federation.validate import validate as validate_config
 
-__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Reply", "SITES", "Store", "TASKS", "Transport", "accepts",
-           "build", "check_update", "client_task", "cold_start", "config_from_text", "evaluate_only", "fit_client",
-           "gm_and_pm", "load_config", "make_store", "movement", "personalization", "references", "rng", "run_rounds",
-           "validate_config", "wire"]
+__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Observer", "Reply", "SITES", "Store", "TASKS", "Transport",
+           "accepts", "build", "check_update", "client_task", "cold_start", "config_from_text", "evaluate_only",
+           "fit_client", "gm_and_pm", "load_config", "make_store", "movement", "personalization", "references", "rng",
+           "run_rounds", "validate_config", "wire"]
 
 
 def config_from_text(text: str) -> ExperimentConfig:

@@ -10,6 +10,7 @@ from typing import Protocol
 from fedsplice.core import wire
 from fedsplice.core.robust import check_stats, check_update, check_weight
 from fedsplice.core.server import Params
+from fedsplice.federation.calls import ask
 
 
 class Upload(Protocol):
@@ -54,7 +55,7 @@ def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params,
     pending = list(cids)
     attempt = 0
     for attempt in range(max_retries + 1):
-        replies = transport.fit(rnd, pending, down)
+        replies = ask(transport, "fit", pending, down, rnd)
         seen: set[int] = set()
 
         def event(cid, kind: str, reason: str) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from fedsplice.core import wire
 from fedsplice.core.robust import aggregate
 from fedsplice.core.server import deltas
+from fedsplice.federation.calls import ask
 from fedsplice.federation.checkpoint import RoundState
 from fedsplice.federation.evaluation import evaluate_global, pooled_gm, summarize_pm
 from fedsplice.federation.gather import gather
@@ -43,8 +44,9 @@ class Reply:
 class Transport(Protocol):
     """What a runtime provides to the round loop (module docstring): it moves client tasks and
     their results, and does no math. InProcess, Workers and FlowerTransport implement it. Each
-    also has a `progress` attribute, None or a callable(task name) it calls as each client task
-    ends where it can tell (the run's progress display sets it)."""
+    also has an `observer` attribute (fedsplice.federation.calls.Observer, None: no one watches);
+    the loop's calls tell it when they begin and end, and a runtime that can tell reports each
+    client task as it ends (`observer.client_done(task)`)."""
 
     def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]: ...
 
@@ -62,12 +64,12 @@ def gm_and_pm(exp, transport, global_params: dict, gm_first: bool = False) -> di
     order texts are first seen, so the order is kept for bytewise-reproducible results.)"""
     if exp.data.global_test_size == 0:  # per-site data without a server test set: GM on the sites
         down = wire.encode(global_params)
-        gm = pooled_gm(exp, list(transport.run("evaluate_global", exp.train_ids, down).values()))
-        per_client = transport.run("evaluate", exp.train_ids, down)
+        gm = pooled_gm(exp, list(ask(transport, "evaluate_global", exp.train_ids, down).values()))
+        per_client = ask(transport, "evaluate", exp.train_ids, down)
         return {"gm": gm, "pm": summarize_pm(exp, in_order(per_client))}
     if gm_first:
         gm = evaluate_global(exp, global_params)
-    per_client = transport.run("evaluate", exp.train_ids, wire.encode(global_params))
+    per_client = ask(transport, "evaluate", exp.train_ids, wire.encode(global_params))
     if not gm_first:
         gm = evaluate_global(exp, global_params)
     return {"gm": gm, "pm": summarize_pm(exp, in_order(per_client))}
@@ -149,12 +151,12 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
 def personalization(exp, transport, global_params: dict) -> dict:
     """PM after the recipe's local stage (FedPuReL phase 2), run as the `personalize` task on
     every training client; only its metrics come back."""
-    return summarize_pm(exp, in_order(transport.run("personalize", exp.train_ids, wire.encode(global_params))))
+    return summarize_pm(exp, in_order(ask(transport, "personalize", exp.train_ids, wire.encode(global_params))))
 
 
 def cold_start(exp, transport, global_params: dict) -> dict:
     """Held-out clients adapt the final GLOBAL tensors (the `cold_start` task); their mean curve."""
-    curves = transport.run("cold_start", exp.holdout_ids, wire.encode(global_params))
+    curves = ask(transport, "cold_start", exp.holdout_ids, wire.encode(global_params))
     arr = np.array([c["accuracy"] for c in curves.values()])
     return {"clients": list(curves), "epochs": list(range(exp.cfg.eval.cold_start_epochs + 1)),
             "accuracy": arr.mean(0).tolist(), "accuracy_std": arr.std(0).tolist(),

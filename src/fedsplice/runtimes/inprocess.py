@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from fedsplice.federation import FAULTS, Reply, client_task, fit_client, rng, wire
+from fedsplice.federation import FAULTS, Observer, Reply, client_task, fit_client, rng, wire
 from fedsplice.federation import run_rounds as federation_run_rounds
 
 
@@ -50,10 +50,10 @@ class FaultPlan:
 
 
 class InProcess:
-    """`progress(task)`, if given, is called as each client task ends ("fit", "evaluate", ...)."""
+    """`observer.client_done(task)`, if an observer is given, as each client task ends."""
 
-    def __init__(self, exp, store, progress: Callable[[str], None] | None = None):
-        self.exp, self.store, self.progress = exp, store, progress
+    def __init__(self, exp, store, observer: Observer | None = None):
+        self.exp, self.store, self.observer = exp, store, observer
         self.faults = FaultPlan(exp.cfg)
 
     def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]:
@@ -65,8 +65,8 @@ class InProcess:
                 continue
             up, st = fit_client(self.exp, self.store, cid, rnd, down)
             out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
-            if self.progress:
-                self.progress("fit")
+            if self.observer is not None:
+                self.observer.client_done("fit")
         return out
 
     def run(self, task: str, cids: list[int], down: bytes) -> dict[int, dict]:
@@ -74,13 +74,13 @@ class InProcess:
         out = {}
         for c in cids:
             out[c] = client_task(task, self.exp, self.store, c, g)
-            if self.progress:
-                self.progress(task)
+            if self.observer is not None:
+                self.observer.client_done(task)
         return out
 
 
 def run_rounds(exp, store, on_round: Callable[[dict], None], **kwargs) -> dict:
     """`fedsplice.federation.run_rounds` on this runtime (a notebook's or a test's shortcut)."""
     if kwargs.get("transport") is None:
-        kwargs["transport"] = InProcess(exp, store, kwargs.pop("progress", None))
+        kwargs["transport"] = InProcess(exp, store, kwargs.pop("observer", None))
     return federation_run_rounds(exp, on_round, **kwargs)

@@ -33,14 +33,14 @@ import traceback
 from multiprocessing import get_context
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Callable
 
 import tomli_w
 import torch
 
 from fedsplice import errors
 from fedsplice.errors import ConfigError, FedspliceError
-from fedsplice.federation import DiskStore, Reply, build, client_task, config_from_text, fit_client, make_store, wire
+from fedsplice.federation import (DiskStore, Observer, Reply, build, client_task, config_from_text, fit_client,
+                                  make_store, wire)
 from fedsplice.runtimes.inprocess import FaultPlan
 
 STOP_S = 10.0  # after `close`, how long an idle worker gets to exit before it is terminated
@@ -204,11 +204,12 @@ class Workers:
     """The transport of `runtime.workers` processes (interface: `InProcess`). `store`: the run's
     store; a disk store is shared with the workers, a memory store's clients move into the
     workers' memory. Use `.store` from then on (the runner checkpoints it), and `close()` (or
-    `with`) at the end. `progress(task)` is called as each client task's reply arrives."""
+    `with`) at the end. `observer.client_done(task)`, if an observer is given, as each client
+    task's reply arrives."""
 
-    def __init__(self, exp, store=None, progress: Callable[[str], None] | None = None):
+    def __init__(self, exp, store=None, observer: Observer | None = None):
         cfg = exp.cfg
-        self.exp, self.progress, self.n = exp, progress, cfg.runtime.workers
+        self.exp, self.observer, self.n = exp, observer, cfg.runtime.workers
         self.faults = FaultPlan(cfg)
         self._procs: list = []
         self._conns: list = []
@@ -243,8 +244,8 @@ class Workers:
         def item(i: int, head: dict, blobs: list[bytes]) -> None:
             c, up = head["cid"], blobs[0]
             got[c] = Reply(c, up, head["n"], head["stats"], len(up), len(down))
-            if self.progress:
-                self.progress("fit")
+            if self.observer is not None:
+                self.observer.client_done("fit")
 
         self._dispatch({"op": "fit", "round": rnd}, [c for c in cids if c not in failed], down, item,
                        f"round {rnd} (fit)")
@@ -255,8 +256,8 @@ class Workers:
 
         def item(i: int, head: dict, blobs: list[bytes]) -> None:
             out[head["cid"]] = head["result"]
-            if self.progress:
-                self.progress(task)
+            if self.observer is not None:
+                self.observer.client_done(task)
 
         self._dispatch({"op": "run", "task": task}, cids, down, item, f"the {task} task")
         return {c: out[c] for c in cids}

@@ -44,7 +44,7 @@ from typing import Callable, cast
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedsplice.federation import SITES, Experiment, Reply, check_update, wire
+from fedsplice.federation import SITES, Experiment, Observer, Reply, check_update, wire
 from fedsplice.runtimes.flower.faults import ClientError, fatal_reason
 from fedsplice.runtimes.flower.records import RecordError, decode, scan, split_bytes, strict_record, to_record, weigh
 
@@ -128,7 +128,8 @@ class FlowerTransport:
         self.per_site = exp.cfg.data.dataset == SITES
         self.fingerprints = {} if self.per_site else {c: client_fingerprint(exp, c) for c in exp.train_ids}
         self.round = 0  # the last round trained; an evaluation is of the model after it
-        self.progress = None  # the Transport attribute: replies come per node, so calls count on return
+        # the Transport attribute; replies come per node, so a call's tasks count when it returns
+        self.observer: Observer | None = None
         self._reference: dict = {}  # the GLOBAL tensors sent in the current round
         self._sent: dict[int, int] = {}  # node -> bytes of the message just sent to it
         # Flower-measured bytes vs the simulation's safetensors payload of the same tensors
