@@ -185,3 +185,29 @@ def test_fedrep_errors_name_the_fix(mypkg, tiny_bert_dir, toy_jsonl, tmp_path):
                                        "method={}", "model.task=dual_encoder"])  # validates: no model yet
     with pytest.raises(fedsplice.ConfigError, match="model.task = 'encoder_head'"):
         fedsplice.run(cfg, tmp_path / "no-head")
+
+
+def test_a_method_with_model_parts_of_its_own(mypkg, wire_names, tiny_bert_dir, toy_jsonl, tmp_path):
+    """The page's dualprompt module, named by reference: its private prompt is built into the
+    model, trains, and never travels; the class side is its mix; a wrong PEFT type is refused."""
+    (mypkg / "dualprompt.py").write_text(block("file: mypkg/dualprompt.py", "python"))
+    n = len(block("file: mypkg/dualprompt.py", "python").splitlines())
+    assert f"this method of {n} lines" in DOC.read_text()
+    sets = [f"{k}={v}" for k, v in TINY_BUDGET.items()] + [
+        f"model.name={json.dumps(str(tiny_bert_dir))}", f"data.dataset={json.dumps(f'jsonl:{toy_jsonl}')}",
+        'algorithm="mypkg.dualprompt:DUALPROMPT"', 'peft.type="prompt"', "method={weight = 0.3}",
+        "server.rounds=2"]
+    cfg = fedsplice.load_config(None, sets)
+    exp = build(cfg)
+    assert exp.global_names == ["prompt.ctx"] and exp.private_names == ["mine.ctx"]
+    m = exp.model
+    with torch.no_grad():
+        enc = m.encode_prompt
+        want = torch.nn.functional.normalize(0.7 * enc(m.prompt) + 0.3 * enc(m.mine), dim=-1)
+        assert torch.allclose(m.class_embeddings(), want, atol=1e-6)
+    res = fedsplice.run(cfg, tmp_path / "dual")
+    assert res.params == {"global": m.prompt.ctx.numel(), "private": m.mine.ctx.numel()}
+    assert wire_names and all(payload == ["prompt.ctx"] for payload in wire_names if payload)
+    assert [r["round"] for r in res.records()] == [0, 1, 2]
+    with pytest.raises(fedsplice.ConfigError, match="dualprompt adds a private prompt: set peft.type = 'prompt'"):
+        fedsplice.load_config(None, [*sets, 'peft.type="lora"'])
