@@ -78,7 +78,8 @@ def pytest_collection_modifyitems(config, items):
 def _cuda_for_gpu_tests(request):
     if request.node.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
         pytest.fail(f"FEDSPLICE_TEST_GPU=1 but torch {torch.__version__} sees no CUDA device "
-                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): run `make test-gpu` on a CUDA machine")
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+                    "run `make test-gpu` on a CUDA machine")
 
 
 # The unit tier's rule, installed once: while a `unit` test runs (its fixtures too, module-scoped

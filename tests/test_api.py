@@ -253,7 +253,7 @@ def test_import_is_lazy_and_cheap():
         assert getattr(fedsplice, name) is getattr(api, name)
         assert name in dir(fedsplice)
     with pytest.raises(AttributeError, match="nosuch"):
-        fedsplice.nosuch
+        _ = fedsplice.nosuch
 
 
 def api_version() -> str:

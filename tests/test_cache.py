@@ -192,7 +192,8 @@ def test_cached_rows_reach_another_device_in_one_copy_with_their_shapes():
         cache.rows(["a", "b"], lambda ts: [rows[t] for t in ts])  # computed, kept on the host
         copies = []
         real = torch.Tensor.to
-        with mock.patch.object(torch.Tensor, "to", lambda self, *a, **k: (copies.append(k), real(self, *a, **k))[1]):
+        with mock.patch.object(torch.Tensor, "to", lambda self, *a, copies=copies, real=real, **k: (
+                copies.append(k), real(self, *a, **k))[1]):
             got = cache.rows(["b", "a"], lambda ts: pytest.fail("every row is cached"))
         assert [tuple(g.shape) for g in got] == [(4,), (2, 3)] and {g.device.type for g in got} == {device}
         assert copies == ([] if device == "cpu" else [{"non_blocking": True}])

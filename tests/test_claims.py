@@ -4,7 +4,6 @@ of Student's t with 2 degrees of freedom: P(|T| > t) = 1 − t / √(t² + 2).""
 
 import math
 
-import numpy as np
 import pytest
 
 from fedsplice.app import claims as V
@@ -53,7 +52,8 @@ def test_best_and_lowest_by_hand():
     assert v.verdict == "inconclusive" and v.p == pytest.approx(p_df2(0.2 / (math.sqrt(0.21) / math.sqrt(3))), rel=1e-6)
     # c is behind a and b: did not hold at 2 × the smaller p
     v = one({"kind": "best", "a": "c", "metric": "PM acc"}, R3, ["a", "b", "c"])
-    assert v.verdict == "did not hold" and v.p == pytest.approx(2 * p_ac, rel=1e-6) and "ahead of it: a, b" in v.evidence
+    assert (v.verdict == "did not hold" and v.p == pytest.approx(2 * p_ac, rel=1e-6)
+            and "ahead of it: a, b" in v.evidence)
     assert one({"kind": "lowest", "a": "c", "metric": "PM acc"}, R3, ["a", "c"]).verdict == "held"
     assert one({"kind": "lowest", "a": "a", "metric": "PM acc"}, R3, ["a", "c"]).verdict == "did not hold"
 

@@ -38,7 +38,8 @@ def test_fp16_update_roundtrip():
 
 def test_int8_update_matches_hand_quantization_and_error_feedback_telescopes():
     ref = _tensors(1)
-    residual, sent, true = {}, {k: torch.zeros_like(v) for k, v in ref.items()}, {k: torch.zeros_like(v) for k, v in ref.items()}
+    residual, sent, true = ({}, {k: torch.zeros_like(v) for k, v in ref.items()},
+                            {k: torch.zeros_like(v) for k, v in ref.items()})
     for t in range(5):
         p = {k: ref[k] + v for k, v in _tensors(10 + t, scale=0.1).items()}
         prev = {k: v.clone() for k, v in residual.items()}

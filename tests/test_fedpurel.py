@@ -429,7 +429,8 @@ def test_local_train_steps_with_purified_gradient(purel_exp):
     c = exp.clients[CID]
     all_texts = [exp.data.train_texts[i] for i in c.train_idx]
     _, stats = local_train(model, all_texts, exp.data.train_labels[c.train_idx], cfg=exp.cfg.client,
-                           step=Step.of(r), ids=c.train_idx, keep_opt=set(), opt_state={}, rng=np.random.default_rng(0), ctx=ctx)
+                           step=Step.of(r), ids=c.train_idx, keep_opt=set(), opt_state={},
+                           rng=np.random.default_rng(0), ctx=ctx)
     assert stats["steps"] == 1
     assert stats["purified_steps"] == 1.0
     assert stats["purified_tensors"] == pytest.approx(hits / len(names))

@@ -116,7 +116,8 @@ def test_after_phase2_trains_t_p_rounds(cfg, monkeypatch):
         steps.append(out[1]["steps"])
         return out
 
-    c = cfg(algorithm='"fedpurel"', method='{personal_rounds = 3, phase2 = "after"}', data__holdout_clients=0, data__num_clients=3)
+    c = cfg(algorithm='"fedpurel"', method='{personal_rounds = 3, phase2 = "after"}', data__holdout_clients=0,
+            data__num_clients=3)
     exp = build(c)
     monkeypatch.setattr(tasks, "local_train", spy)
     tasks.personalize(exp, MemoryStore(), 0, {n: t.clone() for n, t in exp.init_params.items()})

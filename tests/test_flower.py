@@ -246,7 +246,8 @@ def test_a_killed_supernode_does_not_stop_the_run(faulty_run, runs):
 def test_records_round_trip_fp32_fp16_and_bf16():
     import torch
 
-    like = {"a": torch.zeros(3, 2), "h": torch.zeros(4, dtype=torch.float16), "b": torch.zeros(2, 3, dtype=torch.bfloat16)}
+    like = {"a": torch.zeros(3, 2), "h": torch.zeros(4, dtype=torch.float16),
+            "b": torch.zeros(2, 3, dtype=torch.bfloat16)}
     t = {"a": torch.randn(3, 2), "h": torch.randn(4).half(), "b": torch.randn(2, 3).bfloat16()}
     rec = to_record(t)
     assert rec["b"].dtype == "float32"  # numpy has no bfloat16: widened (exactly) for the wire
@@ -312,15 +313,17 @@ def test_flower_config_fields_are_validated(cfg_factory, tiny_bert_dir, toy_json
 
 class FakeGrid:
     """A Grid without processes: messages go straight to fedsplice's real ClientApp, called
-    in this process with each node's Context (an exception becomes Flower's error reply); `tamper(kind, node, msg, reply)` may alter a
-    reply or return "silence" (no reply ever); `silent` nodes never answer."""
+    in this process with each node's Context (an exception becomes Flower's error reply);
+    `tamper(kind, node, msg, reply)` may alter a reply or return "silence" (no reply ever);
+    `silent` nodes never answer."""
 
     def __init__(self, cfg_text: str, tmp: Path, n: int, tamper=None, silent=()):
         from flwr.app import Context, RecordDict
 
         from fedsplice.runtimes.flower.transport import CONFIG_KEY
 
-        self.nodes = {1000 + i: Context(run_id=7, node_id=1000 + i, state=RecordDict(), run_config={CONFIG_KEY: cfg_text},
+        self.nodes = {1000 + i: Context(run_id=7, node_id=1000 + i, state=RecordDict(),
+                                        run_config={CONFIG_KEY: cfg_text},
                                         node_config={"partition-id": i, "num-partitions": n,
                                                      "state-dir": str(tmp / f"node-{i}")}) for i in range(n)}
         self.tamper, self.silent, self.replies = tamper, set(silent), {}

@@ -117,7 +117,8 @@ def test_auto_is_the_default_and_reads_the_widest_tower(tiny_cfg, tmp_path, monk
     assert run_precision(cfg, torch.device("cpu")) == torch.float32  # hidden 32: bf16 measured slower
     wide = tmp_path / "wide"
     wide.mkdir()
-    (wide / "config.json").write_text(json.dumps({"model_type": "clip", "text_config": {"hidden_size": 128, "num_attention_heads": 4},
+    (wide / "config.json").write_text(json.dumps({"model_type": "clip",
+                                                  "text_config": {"hidden_size": 128, "num_attention_heads": 4},
                                                   "vision_config": {"hidden_size": 256, "num_attention_heads": 4}}))
     cfg.model.name = str(wide)
     assert model_width(cfg) == 256 and run_precision(cfg, torch.device("cpu")) == torch.bfloat16

@@ -475,5 +475,6 @@ def test_exif_rotation_is_applied(tmp_path):
 def test_non_utf8_records_file_is_a_one_line_error(tmp_path, tmp_cache):
     f = tmp_path / "latin.csv"
     f.write_bytes("text,label\ncaf\xe9 au lait,drink\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"latin\.csv line 2: not UTF-8 text .*offset 14 of the file, column 4.* save the file as UTF-8"):
+    with pytest.raises(ConfigError, match=r"latin\.csv line 2: not UTF-8 text .*offset 14 of the file, column 4"
+                                          r".* save the file as UTF-8"):
         load_dataset(f"csv:{f}")

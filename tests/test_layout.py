@@ -27,10 +27,11 @@ def test_import_contracts_hold():
 
 
 @pytest.mark.integration
-def test_ruff_is_clean_on_src():
-    """ruff (pyproject's [tool.ruff]: pycodestyle, pyflakes, bugbear; 120 columns) finds nothing in src/."""
+def test_ruff_is_clean_on_src_and_tests():
+    """ruff (pyproject's [tool.ruff]: pycodestyle, pyflakes, bugbear; 120 columns) finds nothing in
+    src/ or tests/."""
     ruff = Path(sys.executable).parent / "ruff"
-    r = subprocess.run([str(ruff), "check", "--no-cache", "src"], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([str(ruff), "check", "--no-cache", "src", "tests"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 

@@ -120,7 +120,8 @@ def test_easyvqa_configs_run_on_smollm2_and_are_labelled_random(tmp_path, config
     assert "RANDOM WEIGHTS (model.vision = zoo:tiny-vit)" in capsys.readouterr().out
     # 30 SmolLM2 layers; LoRA r=8 on q,k (576/192 wide outputs), a linear 32 -> 576 projector
     qk, vo, proj = 30 * (8 * (576 + 576) + 8 * (576 + 192)), 30 * (8 * (576 + 192) + 8 * (576 + 576)), 32 * 576 + 576
-    want = {"global": qk + proj, "private": vo} if config.startswith("pfadapter") else {"global": qk + vo + proj, "private": 0}
+    want = ({"global": qk + proj, "private": vo} if config.startswith("pfadapter")
+            else {"global": qk + vo + proj, "private": 0})
     assert r["params"] == want
     check_gm(r, tmp_path / "r", test_size=13 * 3)
     assert r["cold_start"]["epochs"] == [0, 1]

@@ -130,10 +130,12 @@ def test_prompt_n_ctx_random_init(cfg, texts):
     # four random words replace the template: no longer the zero-shot predictions
     assert (a.predict(x, 64) - _zero_shot(a, x)).abs().max() > 1e-3
     # class_specific with n_ctx = 4: [C, 4, d]
-    assert template.prompt.ctx.shape[0] == len(template.tokenizer("a quote about", add_special_tokens=False)["input_ids"])
+    assert template.prompt.ctx.shape[0] == len(
+        template.tokenizer("a quote about", add_special_tokens=False)["input_ids"])
     cs = _model(cfg, **{**PEFTS["prompt-class-specific"], "peft__prompt_init": '"random"'}, peft__n_ctx=4)
     assert cs.prompt.ctx.shape == (3, 4, 32)
-    with pytest.raises(ConfigError, match=r"peft.n_ctx = 5: peft.prompt_init = 'template' takes one context vector per token"):
+    with pytest.raises(ConfigError, match=r"peft.n_ctx = 5: peft.prompt_init = 'template' "
+                                          r"takes one context vector per token"):
         _model(cfg, **PEFTS["prompt"], peft__n_ctx=5)
 
 

@@ -205,5 +205,6 @@ def test_eta_weighs_each_stage_by_its_cost(tiny_cfg):
     track.phase, track._phase_t0, track.spent["evaluate"], track.done_by["train"] = "train", t0 + 30, 10.0, 2
     pace = {"evaluate": 10.0 / (3 * cost["evaluate"]), "train": 40.0 / (2 * cost["train"])}
     mean = 70.0 / (3 * cost["evaluate"] + 2 * cost["train"])
-    assert track.eta(t0 + 70) == pytest.approx(6 * cost["evaluate"] * pace["evaluate"] + 2 * cost["train"] * pace["train"]
+    assert track.eta(t0 + 70) == pytest.approx(6 * cost["evaluate"] * pace["evaluate"]
+                                               + 2 * cost["train"] * pace["train"]
                                                + cost["cold start"] * mean)

@@ -84,7 +84,8 @@ def test_a_broken_entry_point_is_named_not_raised(monkeypatch):
 COMBINATIONS = [  # config, --set, the error's start: each one used to wait for the first fit
     ("fedotp-fortunes", ["peft.type=adapter"], "algorithm 'fedotp' matches a global and a local prompt"),
     ("fedotp-fortunes", ["model.task=encoder_head"], "algorithm 'fedotp' matches an input's token features"),
-    ("fedpurel-lora-fortunes", ["grab.enabled=true"], "grab.enabled re-weights the plain task loss, and algorithm 'fedpurel'"),
+    ("fedpurel-lora-fortunes", ["grab.enabled=true"],
+     "grab.enabled re-weights the plain task loss, and algorithm 'fedpurel'"),
     ("fedpgp-fortunes", ["grab.enabled=true"], "grab.enabled re-weights the plain task loss, and algorithm 'fedpgp'"),
     ("fedpgp-fortunes", ["peft.type=adapter"], "algorithm 'fedpgp' adds a private low-rank correction"),
     ("pfedlora-fortunes", ["peft.type=prompt"], "algorithm 'pfedlora' trains a shared and a private LoRA adapter"),

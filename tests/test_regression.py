@@ -63,7 +63,8 @@ def test_floats_within_tolerance_everything_else_exact(tmp_path):
     g = _write(tmp_path / "g", rec, {"gm": {"accuracy": 0.5}, "clients": [1, 2]})
     # the AVX2 EPYC's round-1 loss (1.7e-6 relative) and round-0 TKL noise: the same within 1e-5
     near = [{"round": 0, "gm": {"accuracy": 0.5, "tkl": 3e-9}}, {"round": 1, "task_loss": 4.650641977787018}]
-    assert regression.first_difference(g, _write(tmp_path / "a", near, {"gm": {"accuracy": 0.5}, "clients": [1, 2]})) is None
+    assert regression.first_difference(
+        g, _write(tmp_path / "a", near, {"gm": {"accuracy": 0.5}, "clients": [1, 2]})) is None
     # ... but not within the old 1e-6
     assert "task_loss" in regression.first_difference(g, tmp_path / "a", tol=1e-6)
     far = [rec[0], {"round": 1, "task_loss": 4.6507}]  # 1.1e-5 relative

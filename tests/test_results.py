@@ -117,7 +117,8 @@ def test_suite_page_claims_and_resume(suite, tmp_path, monkeypatch):
     assert f"| PFAdapter | {np.mean(lo):.3g} ± {np.std(lo):.2g} |" in text and "| fl | — |" in text
     assert "at commit" in text and "`make results`" in text and "2 run(s) at once" not in text
     compute = sum(r["time_s"] for r in runs.values()) / 60
-    assert f"The runs' own times add up to {compute:.0f} min (about {compute:.0f} min from scratch at 1 at once)" in text
+    assert (f"The runs' own times add up to {compute:.0f} min "
+            f"(about {compute:.0f} min from scratch at 1 at once)") in text
     curves = [[json.loads(x)["pm"]["accuracy"] for x in (tmp_path / "out" / "runs" / "pf" / f"seed-{s}" /
                "metrics.jsonl").read_text().splitlines() if '"pm"' in x][-2:] for s in (0, 1)]
     dpm = [b - a for a, b in curves]
@@ -266,7 +267,8 @@ def test_suite_tunes_on_a_validation_split(suite, tmp_path):
     """`tune`: each value runs on the validation split; the best validation GM is used in the
     measured runs and shown with every score."""
     text = suite.read_text().replace('set = ["server.optimizer=fedavgm"]',
-                                     'set = ["server.optimizer=fedavgm"]\ntune = {key = "server.lr", values = [0.5, 2.0]}')
+                                     'set = ["server.optimizer=fedavgm"]\n'
+                                     'tune = {key = "server.lr", values = [0.5, 2.0]}')
     suite.write_text(text)
     doc = tmp_path / "docs" / "results.md"
     R.run_suite(suite, tmp_path / "out", doc, quiet=True, command="make results")
@@ -280,7 +282,8 @@ def test_suite_tunes_on_a_validation_split(suite, tmp_path):
     assert f"lr = {best}" in measured and 'on = "test"' in measured
     page = doc.read_text()
     assert "## Hyperparameters chosen on a validation split" in page
-    assert f"| fl | `server.lr` | GM acc | 0.5: {gm[0.5]:.3f}, 2: {gm[2.0]:.3f} | **{best:g}** (edge of the grid: server.lr) |" in page
+    assert (f"| fl | `server.lr` | GM acc | 0.5: {gm[0.5]:.3f}, 2: {gm[2.0]:.3f} | "
+            f"**{best:g}** (edge of the grid: server.lr) |") in page
     with pytest.raises(ConfigError, match="tune.values must list at least 2 values"):
         suite.write_text(text.replace("values = [0.5, 2.0]", "values = [0.5]"))
         R.load_suite(suite)
@@ -349,8 +352,10 @@ def test_setting_text_is_read_from_the_configs():
            "optimizer state fresh)" in text
     assert "FedPuReL phase 2: after the rounds, T_p = 2 rounds of the local budget;" in text
     c.method = {}
-    assert "FedPuReL phase 2: persistent (the branch trained in every round a client is sampled)" in setting_text({"c": c})
-    assert f"budget: {a.server.rounds} rounds × {a.client.local_epochs} local epoch(s), batch {a.client.batch_size}" in text
+    assert ("FedPuReL phase 2: persistent (the branch trained in every round a client is sampled)"
+            in setting_text({"c": c}))
+    assert (f"budget: {a.server.rounds} rounds × {a.client.local_epochs} local epoch(s), "
+            f"batch {a.client.batch_size}") in text
 
 
 @pytest.mark.integration

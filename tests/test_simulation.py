@@ -108,7 +108,7 @@ def test_private_state_is_bit_identical_across_server_steps(cfg, monkeypatch, tm
         (r + 1, cid) for r, ids in enumerate(exp.sampling) for cid in ids]
 
     last_private = {}  # cid -> private tensors after its latest update
-    for r, cid, before, after, g_before in events:
+    for r, cid, before, after, _g_before in events:
         # a client starts from its own stored PRIVATE state (fresh init the first time)
         ref = last_private.get(cid, {n: exp.init_params[n] for n in exp.private_names})
         assert all(torch.equal(before[n], ref[n]) for n in ref)
@@ -131,9 +131,9 @@ def test_private_state_is_bit_identical_across_server_steps(cfg, monkeypatch, tm
     assert all(stored_after_round[c.server.rounds][cid] is None for cid in set(exp.train_ids) - seen)
     # clients of one round receive the same GLOBAL tensors; round 1's are the initial ones
     by_round = {}
-    for r, cid, _, _, g_before in events:
+    for r, _cid, _, _, g_before in events:
         by_round.setdefault(r, []).append(g_before)
-    for r, gs in by_round.items():
+    for _r, gs in by_round.items():
         for g in gs[1:]:
             assert all(torch.equal(g[n], gs[0][n]) for n in g)
     assert all(torch.equal(by_round[1][0][n], exp.init_params[n]) for n in exp.global_names)

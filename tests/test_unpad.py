@@ -63,7 +63,8 @@ def build(models, family: str, unpad: str = "auto", device: str = "cpu", precisi
              "llama": ModelConfig(name=models["llama"], task="causal_lm", input_template="q: {text} a:"),
              "vlm": ModelConfig(name=models["llama"], task="vlm", vision=models["vit"],
                                 input_template="q: {text} a:")}[family]
-    cfg = ExperimentConfig(model=model, peft=PeftConfig(**peft), runtime=RuntimeConfig(device=device, precision=precision, unpad=unpad),
+    cfg = ExperimentConfig(model=model, peft=PeftConfig(**peft),
+                           runtime=RuntimeConfig(device=device, precision=precision, unpad=unpad),
                            data=DataConfig(class_prompt="a photo of a {label}."))
     cfg.check()
     m = TaskModel(cfg, CLASSES)

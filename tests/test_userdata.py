@@ -48,10 +48,12 @@ def test_split_column_is_used_exactly(tmp_path):
 
 
 def test_data_test_file_is_used_exactly_and_cap_counted(tmp_path):
-    train = write_csv(tmp_path / "train.csv", [{"label": str(c), "text": f"t{c}-{i}"} for c in (2, 10) for i in range(30)],
+    train = write_csv(tmp_path / "train.csv",
+                      [{"label": str(c), "text": f"t{c}-{i}"} for c in (2, 10) for i in range(30)],
                       ("label", "text"))
     test = tmp_path / "test.jsonl"
-    test.write_text("\n".join(json.dumps({"label": c, "text": f"q{c}-{i}"}) for c in (10, 2, 2) for i in range(3)) + "\n")
+    test.write_text("\n".join(json.dumps({"label": c, "text": f"q{c}-{i}"})
+                              for c in (10, 2, 2) for i in range(3)) + "\n")
     ds = load_dataset(f"csv:{train}", test=f"jsonl:{test}", max_per_class=20)
     assert ds.class_names == ["2", "10"]  # numeric labels sort as numbers
     assert np.bincount(ds.test_labels).tolist() == [6, 3]
@@ -210,7 +212,8 @@ def test_one_class_is_refused(tmp_path):
     refused(tmp_path / "one.csv", "label,text\n" + "".join(f"great,t{i}\n" for i in range(20)),
             r"one\.csv: every training record has the label 'great'; a classifier needs at least 2 classes")
     refused(tmp_path / "split.csv", "label,text,split\n" + "".join(
-        f"great,t{i},{'test' if i % 4 == 0 else 'train'}\n" for i in range(20)), "every training record has the label 'great'")
+        f"great,t{i},{'test' if i % 4 == 0 else 'train'}\n" for i in range(20)),
+            "every training record has the label 'great'")
 
 
 def test_folder_and_file_are_named_for_what_they_are(tmp_path):
@@ -302,7 +305,8 @@ def test_an_empty_label_is_refused_and_a_rare_one_named(tmp_path, capsys, no_mod
     assert ds.report["warnings"][0] == (f"class 'biling' has 1 training row (first: {tmp_path / 't.csv'} line 15): "
                                         f"a typo in the `label` column? fix the label, or remove the row")
     # the small test set: named per class, and the fix is the user's split (test_per_class plays no part)
-    assert "('biling' 0)" in ds.report["warnings"][1] and ds.report["warnings"][1].endswith("add test rows to your split")
+    assert ("('biling' 0)" in ds.report["warnings"][1]
+            and ds.report["warnings"][1].endswith("add test rows to your split"))
 
 
 def test_a_folder_given_as_a_file_is_named_in_the_config_check(tmp_path, capsys):

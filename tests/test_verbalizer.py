@@ -167,7 +167,8 @@ def test_cut_prompt_by_hand():
 def test_prompts_are_cut_to_max_length_keeping_their_end(lm, method):
     model, tok = lm
     long = tok(PROMPTS[2])["input_ids"]
-    assert len(long) > 8 and tok(PROMPTS[1])["input_ids"] == cut_prompt(tok(PROMPTS[1])["input_ids"], 8, tok.bos_token_id)
+    assert (len(long) > 8
+            and tok(PROMPTS[1])["input_ids"] == cut_prompt(tok(PROMPTS[1])["input_ids"], 8, tok.bos_token_id))
     with torch.no_grad():
         got = verbalizer_logits(model, tok, PROMPTS, ANSWERS, method=method, max_length=8)
         uncut = verbalizer_logits(model, tok, PROMPTS, ANSWERS, method=method)

@@ -88,7 +88,8 @@ def test_clip_zero_shot_logits_equal_cosine_formula(clip_dir):
         return F.normalize(ref.get_text_features(**tok(ts, padding=True, return_tensors="pt")).pooler_output, dim=-1)
 
     with torch.no_grad():
-        cls = F.normalize(text([f"a photo of a {c}." for c in CLASSES]) + text([f"a drawing of a {c}." for c in CLASSES]), dim=-1)
+        cls = F.normalize(text([f"a photo of a {c}." for c in CLASSES])
+                          + text([f"a drawing of a {c}." for c in CLASSES]), dim=-1)
         imgs = [np.repeat(s.image[:, :, None], 3, 2) if s.image.ndim == 2 else s.image for s in items[:-1]]
         img = F.normalize(ref.get_image_features(**proc(images=imgs, return_tensors="pt")).pooler_output, dim=-1)
         both = F.normalize(img[-1] + text(["a red circle"])[0], dim=-1)  # mean of the two, normalized
@@ -299,7 +300,8 @@ def test_clip_pixels_are_preprocessed_once_per_image(clip_dir):
 
     def model(cache: bool) -> TaskModel:
         cfg = ExperimentConfig(model=ModelConfig(name=clip_dir, logit_scale=100.0), runtime=RuntimeConfig(cache=cache),
-                               peft=PeftConfig(tower="vision_model"), data=DataConfig(class_prompt="a photo of a {label}."))
+                               peft=PeftConfig(tower="vision_model"),
+                               data=DataConfig(class_prompt="a photo of a {label}."))
         cfg.check()
         return TaskModel(cfg, CLASSES)
 

@@ -104,7 +104,8 @@ def test_fedpurel_phase_two_and_cold_start_on_workers(cfg_factory, tiny_bert_dir
     and the frozen-prefix cache (LoRA above layer 0) in every process."""
     outs = []
     for w in (1, 2):
-        cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"', method='{personal_rounds = 1, phase2 = "after"}',
+        cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"',
+                          method='{personal_rounds = 1, phase2 = "after"}',
                           peft__layers=[1], runtime__workers=w, server__rounds=2)
         outs.append(tmp_path / f"w{w}")
         run_experiment(cfg, outs[-1], quiet=True)
