@@ -90,17 +90,16 @@ def build_prompts(tokenizer, word_embeddings: nn.Embedding, template: str, class
     prompt = make()
     out: dict[str, nn.Module] = {"prompt": prompt}
     if parts is not None:
-        out.update({k: v for k, v in parts.modules(make, prompt, gen).items()
-                    if k not in out or _clash(k)})
+        own = parts.modules(make, prompt, gen)
+        if "prompt" in own:  # every other name is checked against the model's attributes (TaskModel)
+            raise ConfigError("algorithm: its PromptParts.modules names 'prompt', the model's own CoOp "
+                              "context; rename it")
+        out.update(own)
     if positions and prompt.mask.shape[1] > positions:
         raise ConfigError(f"peft.n_ctx: the longest class sequence has {prompt.mask.shape[1]} "
                           f"tokens, CLIP's text tower takes {positions}; lower peft.n_ctx or shorten "
                           f"data.class_prompt / the class names")
     return out
-
-
-def _clash(name: str):
-    raise ConfigError(f"algorithm: its PromptParts.modules names a module {name!r} the model already has; rename it")
 
 
 def build_adapter(hidden: int, pc: PeftConfig, gen: torch.Generator) -> FeatureAdapter:
