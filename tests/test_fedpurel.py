@@ -532,7 +532,7 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
     # phase 2: the `personalize` client task on every training client, personal_rounds = 1 round
     # of client.max_steps = 2 local steps each, the GLOBAL tensors sent down once (decoded once
     # in-process), no upload, no fit
-    assert seen["stage"].rounds == 1 and not seen["stage"].persistent
+    assert seen["stage"].after_rounds == 1 and seen["stage"].fit is None  # "after": no stage in the rounds
     assert sorted(seen["clients"]) == sorted(seen["train_ids"]) and len(seen["train_ids"]) == 3
     assert seen["steps"] == [2, 2, 2]
     assert seen["wire"] == ["encode", "decode"] and seen["fits_after"] == seen["fits_before"]
@@ -564,7 +564,6 @@ def test_personalize_predicts_global_plus_residual(purel_exp, monkeypatch):
     its fresh init, so l_P is the fresh model's logits; compare the PM counts by hand."""
     import dataclasses
 
-    from fedsplice.algorithms.recipe import PersonalStage
     from fedsplice.federation import tasks
     from fedsplice.federation.store import MemoryStore
 
@@ -574,7 +573,8 @@ def test_personalize_predicts_global_plus_residual(purel_exp, monkeypatch):
     steps = _count_local_steps(monkeypatch)
     cfg0, recipe = exp.cfg, exp.recipe
     exp.cfg = dataclasses.replace(cfg0, client=dataclasses.replace(cfg0.client, lr=1e-30))
-    exp.recipe = dataclasses.replace(recipe, personalize=PersonalStage(fp.residual_objective(1.0), 1))
+    exp.recipe = dataclasses.replace(recipe, personalize=fp.phase2(fp.FedPuReLParams(lam=1.0, phase2="after",
+                                                                                    personal_rounds=1)))
     try:
         out = [tasks.personalize(exp, MemoryStore(), cid, global_params) for cid in exp.train_ids]
     finally:
@@ -603,7 +603,6 @@ def test_personal_rounds_zero_trains_nothing(purel_exp, monkeypatch):
     init (bit for bit), and PM is l_G + l_P(fresh init) computed here by hand."""
     import dataclasses
 
-    from fedsplice.algorithms.recipe import PersonalStage
     from fedsplice.federation import tasks
     from fedsplice.federation.store import MemoryStore
 
@@ -613,7 +612,8 @@ def test_personal_rounds_zero_trains_nothing(purel_exp, monkeypatch):
     assert any(not torch.equal(global_params[n], exp.init_params[n]) for n in global_params)  # φ_g ≠ init
     steps = _count_local_steps(monkeypatch)
     recipe = exp.recipe
-    exp.recipe = dataclasses.replace(recipe, personalize=PersonalStage(fp.residual_objective(0.9), 0))
+    exp.recipe = dataclasses.replace(recipe, personalize=fp.phase2(fp.FedPuReLParams(lam=0.9, phase2="after",
+                                                                                    personal_rounds=0)))
     d, cid = exp.data, CID
     try:
         m = tasks.personalize(exp, MemoryStore(), cid, global_params)

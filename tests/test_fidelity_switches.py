@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedsplice.algorithms import fedpurel
 from fedsplice.config import ClientConfig
 from fedsplice.core.losses import Orthogonality
 from fedsplice.core.split import ParamInfo
@@ -78,17 +79,17 @@ def test_persistent_branch_persists_across_rounds(cfg, monkeypatch):
     """phase2 = persistent: a sampled client trains its stored branch every round (one round's
     budget, from where it stopped), PM is l_G + branch, and the stage after the rounds trains nothing."""
     starts = []
-    orig = tasks.train_branch
+    orig = fedpurel.train_branch
 
-    def spy(exp, cid, g, branch, rounds, l_g):
-        starts.append((cid, {n: t.clone() for n, t in branch.items()}))
-        return orig(exp, cid, g, branch, rounds, l_g)
+    def spy(ops, objective, g, branch, rounds, l_g):
+        starts.append((ops.cid, {n: t.clone() for n, t in branch.items()}))
+        return orig(ops, objective, g, branch, rounds, l_g)
 
-    monkeypatch.setattr(tasks, "train_branch", spy)
+    monkeypatch.setattr(fedpurel, "train_branch", spy)
     c = cfg(algorithm='"fedpurel"', method='{phase2 = "persistent"}', server__rounds=3, server__clients_per_round=3,
             data__num_clients=3, data__holdout_clients=0, eval__every=3)
     exp, store = build(c), MemoryStore()
-    assert exp.recipe.personalize.persistent
+    assert exp.recipe.personalize.fit is not None  # persistent: trained in every fit
     run_rounds(exp, store, lambda r: None)
     assert len(starts) == 9  # 3 clients × 3 rounds
     for cid in exp.train_ids:

@@ -70,7 +70,7 @@ def runs(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path_factory):
         run_experiment(cfg, sim, overwrite=True, quiet=True)
         fl = tmp_path_factory.mktemp(f"flower-{algo}")
         t0 = time.monotonic()
-        res = launcher.up(cfg, fl, supernodes=SUPERNODES, overwrite=True, quiet=True)
+        res = launcher.up(cfg, fl, launcher.Launch(supernodes=SUPERNODES, overwrite=True, quiet=True))
         out[algo] = {"cfg": cfg, "sim": sim, "flower": fl, "results": res, "time_s": time.monotonic() - t0}
     return out
 
@@ -196,7 +196,7 @@ def faulty_run(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path_factory):
             cl.kill_supernode(victim, signal.SIGKILL)  # the host dies: SuperNode + executor at once
             facts["killed"] = (time.time(), cl.node_ids[victim])
 
-    res = launcher.up(cfg, out, supernodes=SUPERNODES, overwrite=True, quiet=True,
+    res = launcher.up(cfg, out, launcher.Launch(supernodes=SUPERNODES, overwrite=True, quiet=True),
                       on_cluster=on_cluster, on_tick=on_tick)
     return cfg, out, res, facts
 
@@ -305,7 +305,7 @@ def test_flower_config_fields_are_validated(cfg_factory, tiny_bert_dir, toy_json
         cfg_factory(tiny_bert_dir, toy_jsonl, runtime__num_supernodes="0")
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, runtime__kind='"flower"')
     with pytest.raises(ConfigError, match="exceeds the 3 training clients"):
-        launcher.up(cfg, tmp_path / "x", supernodes=4, quiet=True)
+        launcher.up(cfg, tmp_path / "x", launcher.Launch(supernodes=4, quiet=True))
 
 
 # ----------------------------------------------------------------------------- in-process Flower
@@ -486,7 +486,8 @@ def test_a_failed_run_tears_everything_down(cfg_factory, tiny_bert_dir, toy_json
             cl.kill_supernode(i)
 
     with pytest.raises(launcher.FlowerLaunchError, match="SuperNode"):
-        launcher.up(cfg, tmp_path / "run", supernodes=2, quiet=True, node_wait_s=3, on_cluster=all_nodes_die)
+        launcher.up(cfg, tmp_path / "run", launcher.Launch(supernodes=2, quiet=True, node_wait_s=3),
+                    on_cluster=all_nodes_die)
     status = json.loads((tmp_path / "run" / "flower-status.json").read_text())
     assert status["ok"] is False and "only 0 SuperNode(s) connected" in status["error"]
     assert _ours_alive(tmp_path / "run" / "flower") == []

@@ -197,7 +197,7 @@ def test_flower_up_stopped_then_fedsplice_resume_equals_an_uninterrupted_run(cfg
 
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, server__rounds="4", runtime__checkpoint_every="2")
     ref = tmp_path / "ref"
-    launcher.up(cfg, ref, supernodes=3, quiet=True)
+    launcher.up(cfg, ref, launcher.Launch(supernodes=3, quiet=True))
     toml = tmp_path / "cfg.toml"
     toml.write_text(tomli_w.dumps(to_dict(cfg)))
     out = tmp_path / "run"

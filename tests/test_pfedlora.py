@@ -136,7 +136,7 @@ def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses)
 def test_shared_budget_of_one_step_skips_the_second_phase(tiny_cfg):
     kw = dict(PFL, method='{private_epochs = 1, global_epochs = 1, budget = "shared"}')
     exp = build(tiny_cfg(**kw, client__max_steps=1))
-    budgets = tasks.phase_budgets(exp, exp.train_ids[0], exp.cfg.client)
+    budgets = tasks.phase_budgets(exp, exp.train_ids[0], exp.cfg.client, tasks.round_phases(exp, 1))
     assert [(e, c.max_steps) for e, c in budgets] == [(1, 1), (0, exp.cfg.client.max_steps)]
     recs = []
     run_rounds(build(tiny_cfg(**kw, client__max_steps=1, server__rounds=1)), MemoryStore(), recs.append)

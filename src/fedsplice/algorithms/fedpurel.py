@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from fedsplice.algorithms.recipe import Algorithm, PersonalStage, Recipe, default_label, refuse_grab
+from fedsplice.algorithms.recipe import Algorithm, Personal, Recipe, default_label, refuse_grab
 from fedsplice.core import split as S
 from fedsplice.core.purify import TIE_TOL, purification
 from fedsplice.core.tkl import tkl
@@ -90,6 +90,41 @@ def residual_objective(lam: float):
     return objective
 
 
+# phase 2's optimizer (the official code's): the client's at its lr, without momentum, weight decay or schedule
+PHASE2_OPTIMIZER = {"momentum": 0.0, "weight_decay": 0.0, "schedule": "constant"}
+
+
+def train_branch(ops, objective, received, branch: dict, rounds: range, l_g) -> dict:
+    """The residual branch l_P: `branch` trained on `objective` for one local budget per round
+    key in `rounds` (one optimizer across them), l_G the frozen global logits on the training data."""
+    return ops.train(branch, objective, rounds, received=received, client=PHASE2_OPTIMIZER, global_logits=l_g)
+
+
+def phase2(p: FedPuReLParams) -> Personal:
+    """Phase 2 as the client tasks' hooks (recipe.Personal); the slot is the client's branch, a
+    PEFT of the same type ({} until first trained: a fresh one)."""
+    objective = residual_objective(p.lam)
+
+    def fit(ops, rnd: int, received, slot: dict) -> dict:  # one round's budget, from where it stopped
+        return train_branch(ops, objective, received, slot or ops.fresh(), range(rnd, rnd + 1),
+                            ops.train_logits(received))
+
+    def predict(ops, params, slot: dict):  # PM = l_G + the stored branch
+        return ops.test_logits(params) + ops.test_logits(slot or ops.fresh())
+
+    def after(ops, global_params, slot: dict):
+        if p.phase2 == "persistent":  # the branch as the rounds left it
+            return predict(ops, global_params, slot)
+        l_g = ops.train_logits(global_params)  # Algorithm 1: a fresh branch, T_p rounds (0: it stays at init)
+        l_g_test = ops.test_logits(global_params)
+        return l_g_test + ops.test_logits(train_branch(ops, objective, global_params, ops.fresh(),
+                                                       range(p.personal_rounds), l_g))
+
+    if p.phase2 == "persistent":
+        return Personal(fit=fit, predict=predict, after=after)
+    return Personal(after=after, after_rounds=p.personal_rounds)
+
+
 def check_config(p: FedPuReLParams, cfg) -> None:
     if p.purify:
         refuse_grab(cfg, "cross-entropy purified against its alignment to zero-shot (method.purify = false "
@@ -101,7 +136,7 @@ def build(p: FedPuReLParams, infos, shapes, scalings) -> Recipe:
                   objective=align_objective(p.align == "tkl") if p.purify else None,
                   grad_transform=purification(p.granularity, p.tie_tol) if p.purify else None,
                   needs_zero_shot=p.purify,
-                  personalize=PersonalStage(residual_objective(p.lam), p.personal_rounds, p.phase2 == "persistent"))
+                  personalize=phase2(p))
 
 
 FEDPUREL = Algorithm(FedPuReLParams, build,

@@ -8,8 +8,9 @@ runs every recipe with the same client tasks and the same round loop (docs/desig
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from fedsplice.errors import ConfigError
@@ -20,22 +21,71 @@ class NoParams:
     """The `[method]` table of an algorithm without hyperparameters (it must be empty)."""
 
 
+class ClientOps(Protocol):
+    """What a method's `Personal` hooks may do on the client they run for, where its data and
+    state are (fedsplice.federation.tasks implements it; nothing of it leaves the client). Tensor
+    dicts name trainable tensors; loading one sets those tensors in the client's model."""
+
+    cid: int
+
+    def fresh(self) -> dict[str, torch.Tensor]:
+        """A copy of every trainable tensor at its initialization (the run's seeded init)."""
+        ...
+
+    def test_logits(self, params: Mapping[str, torch.Tensor],
+                    adapters: Mapping[str, float | Sequence[float]] | None = None) -> np.ndarray:
+        """`params` loaded: the model's logits [n_test, C] on the client's local test set. With
+        `adapters` ({LoRA adapter: factor}, TaskModel.adapters_scaled), each adapter's output
+        times its factor: one number for every test sample, or one per sample (n_test of them:
+        the samples with equal factors run as one batch)."""
+        ...
+
+    def features(self, params: Mapping[str, torch.Tensor], on: str,
+                 adapters: Mapping[str, float] | None = None) -> np.ndarray:
+        """`params` loaded (and `adapters` as in test_logits): the input features [N, D]
+        (TaskModel.features) of the client's local test set (`on` = "test") or of its training
+        samples in their order (`on` = "train")."""
+        ...
+
+    def rng(self, key: int) -> np.random.Generator:
+        """A generator of this client's own, seeded by the run's seed, the client and `key`
+        (the same draws in every run of the config and on every runtime)."""
+        ...
+
+    def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """`params` loaded: the model's logits on the client's training data, in a table
+        [N, C] indexed by training sample id (as an objective looks them up by `ids`)."""
+        ...
+
+    def train(self, params: Mapping[str, torch.Tensor], objective: Callable, rounds: range, *,
+              received: Mapping[str, torch.Tensor], client: Mapping[str, Any],
+              **ctx: Any) -> dict[str, torch.Tensor]:
+        """`params` loaded and trained on `objective` ((model, texts, y, ids, ctx) -> {name:
+        loss}) for one local budget per round key in `rounds` (each its own data order; one
+        optimizer across them), with the client config changed by `client` (e.g. momentum=0.0);
+        `received` is ctx.global_ref and `ctx` sets the TrainContext's other fields (e.g.
+        global_logits). Returns the trained tensors (CPU copies)."""
+        ...
+
+
 @dataclass(frozen=True)
-class PersonalStage:
-    """A private residual branch (FedPuReL phase 2): a second PEFT of the same type, trained on
-    `objective` with the frozen global model's logits on the client's data in ctx.global_logits
-    (a TrainContext); the client predicts with global + branch logits. Nothing of it is
-    communicated but metrics.
+class Personal:
+    """A method's own local stage (FedPuReL phase 2), as hooks the client tasks call with a
+    `ClientOps` and the method's slot: a tensor dict the client keeps between its tasks
+    (ClientState.branch; {} before the first write). Nothing of it is communicated but metrics.
 
-    persistent = False (the paper's Algorithm 1): after the rounds, every training client trains
-    a fresh branch for `rounds` rounds of its local budget, as the `personalize` client task.
-    persistent = True (the official code): a sampled client trains its stored branch for one
-    round's budget in every round (in `fit`, against the global tensors it received); PM is
-    global + branch at every evaluation, and `personalize` only scores."""
+    fit(ops, rnd, received, slot) -> slot: in every round the client is sampled, before its
+      local training on the GLOBAL tensors `received`.
+    predict(ops, params, slot) -> test logits [n_test, C]: the personalized model (PM) at every
+      evaluation, `params` the GLOBAL + the client's PRIVATE tensors (None: the model on them).
+    after(ops, global_params, slot) -> test logits: the `personalize` client task after the
+      rounds, the PM reported last (None: no such task).
+    after_rounds: how many rounds of the local budget `after` trains (the progress estimate)."""
 
-    objective: Callable  # (model, texts, y, ids, ctx) -> {"task": loss}
-    rounds: int
-    persistent: bool = False
+    fit: Callable | None = None
+    predict: Callable | None = None
+    after: Callable | None = None
+    after_rounds: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +120,17 @@ class LoraParts:
     adapters: dict[str, int]
 
 
+class Phase(NamedTuple):
+    """One phase of alternating local training (Recipe.phases): only the split `group`'s tensors
+    train (the others frozen), for `epochs` local epochs, with an optimizer of its own; with
+    `adapters` ({LoRA adapter: factor}), each adapter's output times its factor in the phase's
+    forwards (TaskModel.adapters_scaled; 0: off)."""
+
+    group: str
+    epochs: int
+    adapters: Mapping[str, float] | None = None
+
+
 @dataclass
 class Recipe:
     split: dict[str, str]  # trainable name -> GLOBAL or PRIVATE (fedsplice.core.split)
@@ -79,10 +140,11 @@ class Recipe:
     objective: Callable | None = None
     grad_transform: Callable | None = None  # combines per-loss gradients (FedPuReL purification)
     trains: bool = True  # False: evaluation only (zero-shot)
-    personalize: PersonalStage | None = None  # a local stage after the rounds (FedPuReL phase 2)
-    # Alternating local training (pFedLoRA): ((split group, local epochs), ...), in order; each
-    # phase trains only that group's tensors, with its own optimizer. Empty: one phase, all tensors.
-    phases: tuple[tuple[str, int], ...] = ()
+    personalize: Personal | None = None  # the method's own local stage (FedPuReL phase 2)
+    # Alternating local training (pFedLoRA, FedDPA): Phase(group, epochs[, adapters]) tuples, in
+    # order; each phase trains only that group's tensors, with its own optimizer. Or a function
+    # round -> those phases (FedDPA: round 0 has no local phase). Empty: one phase, all tensors.
+    phases: tuple | Callable[[int], tuple] = ()
     # phases_share_budget: the phases split one local budget (client.local_epochs or max_steps)
     # in proportion to their epochs, instead of each running its own epochs
     phases_share_budget: bool = False

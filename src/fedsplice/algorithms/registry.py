@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from typing import Callable
 
 from fedsplice.algorithms.baselines import BASELINES, LORA_BASELINES
+from fedsplice.algorithms.feddpa import FEDDPA
 from fedsplice.algorithms.fedotp import FEDOTP
 from fedsplice.algorithms.fedpgp import FEDPGP
 from fedsplice.algorithms.fedpurel import FEDPUREL
@@ -32,7 +33,8 @@ from fedsplice.errors import ConfigError
 
 ENTRY_POINT_GROUP = "fedsplice.algorithms"
 ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp": FEDOTP, "fedpgp": FEDPGP,
-                                    "pfadapter": PFADAPTER, "pfedlora": PFEDLORA, **LORA_BASELINES,
+                                    "pfadapter": PFADAPTER, "pfedlora": PFEDLORA, "feddpa": FEDDPA,
+                                    **LORA_BASELINES,
                                     **REFERENCES}  # references last: the sanity rows of a table
 
 

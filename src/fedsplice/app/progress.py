@@ -169,7 +169,8 @@ class RunProgress:
 def _planned_tasks(cfg: ExperimentConfig, exp, start: int) -> dict[str, int]:
     """The client tasks a run from round `start` asks for, by stage: fits, evaluations,
     personalize, cold start."""
-    n = {"personalize": len(exp.train_ids) if exp.recipe.personalize else 0, "cold start": 0, "train": 0}
+    stage = exp.recipe.personalize
+    n = {"personalize": len(exp.train_ids) if stage and stage.after else 0, "cold start": 0, "train": 0}
     if not exp.recipe.trains:
         return {**n, "evaluate": len(exp.train_ids)}  # one evaluation
     R, every = cfg.server.rounds, cfg.eval.every
@@ -189,6 +190,6 @@ def task_costs(cfg: ExperimentConfig, exp) -> dict[str, float]:
     epochs = cfg.eval.cold_start_epochs
     cold = [3.0 * epochs * len(exp.clients[k].train_idx) + (epochs + 1) * len(exp.clients[k].test_idx)
             for k in exp.holdout_ids]
-    rounds = exp.recipe.personalize.rounds if exp.recipe.personalize else 0
+    rounds = exp.recipe.personalize.after_rounds if exp.recipe.personalize else 0
     return {"train": fit, "evaluate": local + exp.data.global_test_size / max(len(exp.train_ids), 1),
             "personalize": fit * max(rounds, 1) + local, "cold start": float(np.mean(cold)) if cold else 1.0}

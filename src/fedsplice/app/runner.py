@@ -144,7 +144,7 @@ def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, tra
                            start=loaded.state if loaded is not None else None, on_state=on_state)
     else:
         final = evaluate_only(exp, transport, on_round)
-    if exp.recipe.personalize:
+    if exp.recipe.personalize and exp.recipe.personalize.after:
         if not track.quiet:
             console.print("personalization (local, no traffic) on every training client")
         pm = personalization(exp, transport, final["global_params"])

@@ -24,7 +24,7 @@ class TrainContext:
     # with needs_zero_shot and runtime.cache); None: compute them per step
     zero_shot: torch.Tensor | None = None
     # the frozen global model's logits on the client's training data, indexed by sample id (a
-    # PersonalStage's residual objective)
+    # FedPuReL phase 2's residual objective)
     global_logits: torch.Tensor | None = None
     grab: Any = None  # Fed-GraB's balancer (fedsplice.core.grab.Balancer) when grab.enabled
     # a method's own state within one local update (e.g. a step counter): empty at its start

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 PARTITION, SAMPLING, CLIENT, LOCAL_TEST, FAULTS, LONG_TAIL, SCENARIO, VALIDATION = 0, 1, 2, 3, 4, 5, 6, 7
+METHOD = 8  # a method's own draws on a client (ClientOps.rng): [seed, METHOD, client, key]
 
 COLD_START_ROUND = 10**6  # client stream of cold-start epoch e: round key COLD_START_ROUND + e
 PERSONALIZE_ROUND = 10**7  # client stream of FedPuReL's phase 2

@@ -20,7 +20,7 @@ class ClientState:
     opt: Tensors = field(default_factory=dict)  # their optimizer state ("<name>/<slot>"), if kept
     ef: Tensors = field(default_factory=dict)  # the int8 upload's error-feedback residual (never sent)
     grab: Tensors = field(default_factory=dict)  # Fed-GraB's balancer state ([grab])
-    branch: Tensors = field(default_factory=dict)  # a persistent residual branch (FedPuReL, official code)
+    branch: Tensors = field(default_factory=dict)  # the method's `Personal` slot (FedPuReL: its branch)
 
     # slot -> prefix in the store's tensor dict, in the order they are written
     PREFIXES = {"params": "param/", "opt": "opt/", "ef": "ef/", "grab": "grab/", "branch": "branch/"}

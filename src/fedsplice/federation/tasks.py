@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from fedsplice.algorithms import clone, refuse_grab
+from fedsplice.algorithms import Phase, clone, refuse_grab
 from fedsplice.core import grab as G
 from fedsplice.core import wire
 from fedsplice.core import streams
@@ -99,16 +102,21 @@ def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: TrainContext
         rng=streams.rng(exp.cfg, streams.CLIENT, rnd, cid), ctx=ctx, epochs=epochs)
 
 
-def phase_budgets(exp, cid: int, client_cfg) -> list[tuple[int, object]]:
+def round_phases(exp, rnd: int) -> list[Phase]:
+    """recipe.phases for round `rnd` (a function of the round, or the same every round)."""
+    phases = exp.recipe.phases
+    return [Phase(*p) for p in (phases(rnd) if callable(phases) else phases)]
+
+
+def phase_budgets(exp, cid: int, client_cfg, phases: list[Phase]) -> list[tuple[int, object]]:
     """(epochs, client config) of each phase: its own epochs, or (recipe.phases_share_budget) a
     share of one local budget, k_i steps in proportion to its epochs (the remainder to the first
     phases), with the loop cut at k_i steps; a phase with no step is skipped (epochs 0)."""
-    phases = exp.recipe.phases
     if not exp.recipe.phases_share_budget:
-        return [(e, client_cfg) for _, e in phases]
+        return [(p.epochs, client_cfg) for p in phases]
     n = len(exp.clients[cid].train_idx)
     total, per_epoch = planned_steps(n, client_cfg, None), -(-n // client_cfg.batch_size)
-    w = [e for _, e in phases]
+    w = [p.epochs for p in phases]
     ks = [total * e // sum(w) for e in w]
     for i in range(total - sum(ks)):
         ks[i] += 1
@@ -120,7 +128,7 @@ def train_phases(exp, cid: int, **kw) -> tuple[dict, dict]:
     group's tensors (the others frozen) for its epochs (`phase_budgets`). Statistics: the last
     phase's, with each phase's loss and steps as `<group>_loss`, `<group>_steps`; the kept
     optimizer state of all."""
-    phases = exp.recipe.phases
+    phases = round_phases(exp, kw["rnd"])
     if not phases:
         return train_client(exp, cid, **kw)
     params, split = exp.model.trainable(), exp.recipe.split
@@ -128,16 +136,17 @@ def train_phases(exp, cid: int, **kw) -> tuple[dict, dict]:
     stats: dict = {}
     per: dict = {}
     state = kw.pop("opt_state", None) or {}
-    budgets = phase_budgets(exp, cid, kw.pop("client_cfg", None) or exp.cfg.client)
+    budgets = phase_budgets(exp, cid, kw.pop("client_cfg", None) or exp.cfg.client, phases)
     try:
-        for (group, _), (epochs, ccfg) in zip(phases, budgets):
+        for (group, _, adapters), (epochs, ccfg) in zip(phases, budgets):
             if epochs == 0:
                 per[f"{group}_steps"] = 0  # no loss to report (statistics are finite numbers)
                 continue
             for n, p in params.items():
                 p.requires_grad_(split[n] == group)
             mine = {k: v for k, v in state.items() if split[k.rsplit("/", 1)[0]] == group}
-            o, stats = train_client(exp, cid, **kw, opt_state=mine, epochs=epochs, client_cfg=ccfg)
+            with exp.model.adapters_scaled(adapters) if adapters else nullcontext():
+                o, stats = train_client(exp, cid, **kw, opt_state=mine, epochs=epochs, client_cfg=ccfg)
             opt.update(o)
             per.update({f"{group}_loss": stats.get("loss", float("nan")), f"{group}_steps": stats["steps"]})
     finally:
@@ -214,10 +223,9 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     grab = ({"grab": grab_balancer(exp, stored.grab if stored is not None else None, received)}
             if exp.cfg.grab.enabled else {})
     r = exp.recipe
-    branch = {}
-    if r.personalize and r.personalize.persistent:  # the official code's branch, one round a round
-        branch = train_branch(exp, cid, received, stored_branch(exp, stored), range(rnd, rnd + 1),
-                              global_logits(exp, cid, received))
+    branch = stored.branch if stored is not None else {}
+    if r.personalize and r.personalize.fit:  # the method's own stage, before the round's training
+        branch = r.personalize.fit(OnClient(exp, cid), rnd, received, branch)
     exp.model.load_params({**received, **priv})
     # pooled (centralized): its optimizer state persists across rounds, one continuous training run;
     # else client.optimizer_state says whether PRIVATE tensors keep theirs
@@ -247,57 +255,82 @@ def evaluate(exp, store, cid: int, global_params: dict) -> dict:
         return score(exp, exp.data.test_labels[idx], logits, idx)
     stored = ClientState.from_store(store.get(cid))
     priv, _ = split_state(exp, stored)
-    exp.model.load_params({**global_params, **priv})
-    logits = predict_local_test(exp, cid)
-    if exp.recipe.personalize and exp.recipe.personalize.persistent:  # PM = l_G + the stored branch
-        exp.model.load_params(stored_branch(exp, stored))
-        logits = logits + predict_local_test(exp, cid)
+    stage = exp.recipe.personalize
+    if stage and stage.predict:  # the method's own PM
+        logits = stage.predict(OnClient(exp, cid), {**global_params, **priv}, stored.branch if stored else {})
+    else:
+        exp.model.load_params({**global_params, **priv})
+        logits = predict_local_test(exp, cid)
     return score(exp, exp.data.test_labels[idx], logits, idx)
 
 
-def global_logits(exp, cid: int, global_params: dict) -> torch.Tensor:
-    """The frozen global branch l_G on client `cid`'s training data, in a table indexed by
-    training sample id (as the objective looks them up); leaves `global_params` loaded."""
-    d, c = exp.data, exp.clients[cid]
-    exp.model.load_params(global_params)
-    l_g = torch.zeros(len(d.train_texts), len(d.class_names))
-    l_g[torch.as_tensor(c.train_idx)] = exp.model.predict([d.train_texts[i] for i in c.train_idx],
-                                                          exp.cfg.eval.batch_size)
-    return l_g
+@dataclass
+class OnClient:
+    """`ClientOps` (fedsplice.algorithms.recipe) on client `cid`: what a method's Personal hooks
+    may do here, with this client's data and model."""
 
+    exp: Any
+    cid: int
 
-def train_branch(exp, cid: int, global_params: dict, branch: dict, rounds: range, l_g: torch.Tensor) -> dict:
-    """The residual branch l_P: `branch` loaded and trained on the stage's objective for one
-    local budget per round key in `rounds` (one optimizer across them); returns its tensors."""
-    exp.model.load_params(branch)
-    # the official code's phase-2 optimizer: the client's at its lr, without momentum, weight decay or schedule
-    ccfg = dataclasses.replace(exp.cfg.client, momentum=0.0, weight_decay=0.0, schedule="constant")
-    opt: dict = {}
-    for r in rounds:
-        opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r,
-                              torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
-                              ctx=train_context(exp, cid, global_params, global_logits=l_g), client_cfg=ccfg,
-                              step=Step(exp.recipe.personalize.objective), keep_opt=set(branch), opt_state=opt)
-    return clone(exp.model.trainable())
+    def fresh(self) -> dict:
+        return {n: t.clone() for n, t in self.exp.init_params.items()}
 
+    def test_logits(self, params, adapters=None) -> np.ndarray:
+        exp = self.exp
+        exp.model.load_params(params)
+        if not adapters:
+            return predict_local_test(exp, self.cid)
+        idx = exp.clients[self.cid].test_idx
+        factors = np.stack([np.broadcast_to(np.asarray(f, dtype=np.float64), (len(idx),))
+                            for f in adapters.values()], 1)
+        out = np.zeros((len(idx), len(exp.data.class_names)), dtype=np.float32)
+        rows, group = np.unique(factors, axis=0, return_inverse=True)
+        for g, row in enumerate(rows):  # one batch per distinct set of factors
+            members = np.flatnonzero(group.reshape(-1) == g)
+            with exp.model.adapters_scaled(dict(zip(adapters, row.tolist()))):
+                out[members] = exp.model.predict([exp.data.test_texts[idx[i]] for i in members],
+                                                 exp.cfg.eval.batch_size).numpy()
+        return out
 
-def stored_branch(exp, stored: ClientState | None) -> dict:
-    """A client's residual branch from its stored state, or a fresh PEFT (init params)."""
-    return (stored.branch if stored is not None else {}) or {n: t.clone() for n, t in exp.init_params.items()}
+    def features(self, params, on: str, adapters=None) -> np.ndarray:
+        exp, d, c = self.exp, self.exp.data, self.exp.clients[self.cid]
+        if on not in ("test", "train"):
+            raise ValueError(f"features: on must be 'test' or 'train', got {on!r}")
+        texts = [d.test_texts[i] for i in c.test_idx] if on == "test" else [d.train_texts[i] for i in c.train_idx]
+        exp.model.load_params(params)
+        with exp.model.adapters_scaled(adapters) if adapters else nullcontext():
+            return exp.model.features(texts, exp.cfg.eval.batch_size).numpy()
+
+    def rng(self, key: int) -> np.random.Generator:
+        return streams.rng(self.exp.cfg, streams.METHOD, self.cid, key)
+
+    def train_logits(self, params) -> torch.Tensor:
+        exp, d, c = self.exp, self.exp.data, self.exp.clients[self.cid]
+        exp.model.load_params(params)
+        table = torch.zeros(len(d.train_texts), len(d.class_names))
+        table[torch.as_tensor(c.train_idx)] = exp.model.predict([d.train_texts[i] for i in c.train_idx],
+                                                                exp.cfg.eval.batch_size)
+        return table
+
+    def train(self, params, objective, rounds: range, *, received, client, **ctx) -> dict:
+        exp, cid = self.exp, self.cid
+        exp.model.load_params(params)
+        ccfg = dataclasses.replace(exp.cfg.client, **client)
+        opt: dict = {}
+        for r in rounds:  # a stage's own stream keys: never those of the rounds' training
+            opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r,
+                                  torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
+                                  ctx=train_context(exp, cid, received, **ctx), client_cfg=ccfg,
+                                  step=Step(objective), keep_opt=set(params), opt_state=opt)
+        return clone(exp.model.trainable())
 
 
 def personalize(exp, store, cid: int, global_params: dict) -> dict:
-    """The recipe's residual branch (FedPuReL phase 2) scored as l_G + l_P on the local test set:
-    trained now from a fresh PEFT for the stage's T_p rounds, or, persistent, the client's stored
-    branch as the rounds left it."""
-    stage, c = exp.recipe.personalize, exp.clients[cid]
-    l_g = global_logits(exp, cid, global_params)
-    l_g_test = predict_local_test(exp, cid)
-    if stage.persistent:
-        exp.model.load_params(stored_branch(exp, ClientState.from_store(store.get(cid))))
-    else:  # rounds = 0: l_P stays at its fresh init
-        train_branch(exp, cid, global_params, stored_branch(exp, None), range(stage.rounds), l_g)
-    logits = l_g_test + predict_local_test(exp, cid)
+    """The method's own stage after the rounds (recipe.personalize.after: FedPuReL's phase 2),
+    scored on the local test set."""
+    c = exp.clients[cid]
+    stored = ClientState.from_store(store.get(cid))
+    logits = exp.recipe.personalize.after(OnClient(exp, cid), global_params, stored.branch if stored else {})
     return score(exp, exp.data.test_labels[c.test_idx], logits, c.test_idx)
 
 

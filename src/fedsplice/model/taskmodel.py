@@ -225,6 +225,14 @@ class TaskModel(nn.Module):
         finally:
             self._zero_shot = False
 
+    def adapters_scaled(self, factors):
+        """A context in which each LoRA adapter named in `factors` ({adapter: factor}; "default"
+        is the shared one, a method's `LoraParts` add theirs) acts with its output times the factor
+        (0: off). A method mixes its adapters with it (FedDPA)."""
+        if self.pcfg.type != "lora":
+            raise ConfigError(f"adapter factors {dict(factors)} scale LoRA adapters: set peft.type = 'lora'")
+        return peft.adapters_scaled(self.named_modules(), factors)
+
     # ----------------------------------------------------------------- parameters by name
     def trainable(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
@@ -287,6 +295,22 @@ class TaskModel(nn.Module):
         res = torch.empty_like(logits)
         res[torch.as_tensor(order, dtype=torch.long)] = logits
         return res
+
+    @torch.no_grad()
+    def features(self, texts: list, batch_size: int) -> torch.Tensor:
+        """The input side's features E(x) [N, D] in the order given (float32, CPU): what the head
+        or the cosine scorer reads, the model's summary of each input. Encoder and dual-encoder
+        tasks only (a causal LM scores answers, it has no such vector)."""
+        if self.task not in ("encoder_head", "dual_encoder"):
+            raise ConfigError(f"model.task = {self.task!r} has no input features; this needs "
+                              f"model.task = 'encoder_head' or 'dual_encoder'")
+        was = self.training
+        self.eval()
+        with self.autocast():
+            out = [self._inputs(texts[i:i + batch_size], self._zero_shot).float().cpu()
+                   for i in range(0, len(texts), batch_size)]
+        self.train(was)
+        return torch.cat(out) if out else torch.zeros(0, 0)
 
     def cache_stats(self) -> dict:
         img = self._img_prefix.cache if self._img_prefix is not None else None

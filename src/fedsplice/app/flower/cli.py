@@ -66,11 +66,12 @@ def need_flower(feature: str) -> None:
         need(module, "flower", feature)
 
 
-def run_flower(cfg, out: Path, overwrite: bool = False, quiet: bool = False, **kw) -> dict:
+def run_flower(cfg, out: Path, overwrite: bool = False, quiet: bool = False, **launch) -> dict:
+    """`up` with the launch options `launch` (fields of `launcher.Launch`)."""
     need_flower("runtime.kind = 'flower'")
-    from fedsplice.app.flower.launcher import up
+    from fedsplice.app.flower.launcher import Launch, up
 
-    return up(cfg, out, overwrite=overwrite, quiet=quiet, **kw)
+    return up(cfg, out, Launch(overwrite=overwrite, quiet=quiet, **launch))
 
 
 def resume_flower(out: Path, quiet: bool = False) -> dict:
@@ -104,7 +105,8 @@ def resume_flower(out: Path, quiet: bool = False) -> dict:
     cfg = load_config(out / "config.toml")
     return run_flower(cfg, out, quiet=quiet, resume=True, supernodes=cfg.runtime.num_supernodes,
                       insecure=cfg.runtime.insecure, isolation=how["isolation"], node_wait_s=float(how["node_wait_s"]),
-                      site_data=how.get("site_data", []), devices=how.get("devices"))
+                      site_data=tuple(how.get("site_data", [])),
+                      devices=None if how.get("devices") is None else tuple(how["devices"]))
 
 
 def cmd_up(args) -> None:
@@ -114,11 +116,12 @@ def cmd_up(args) -> None:
     need_flower("fedsplice flower up")
     from fedsplice.app.flower.launcher import parse_devices
 
-    devices = None if args.devices is None else parse_devices(args.devices)
+    devices = None if args.devices is None else tuple(parse_devices(args.devices))
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else default_out(cfg)
     results = run_flower(cfg, out, overwrite=args.overwrite, quiet=args.quiet, supernodes=args.supernodes,
-                         insecure=args.insecure, isolation=args.isolation, site_data=args.site_data, devices=devices)
+                         insecure=args.insecure, isolation=args.isolation, site_data=tuple(args.site_data or ()),
+                         devices=devices)
     if not args.quiet:
         print_table(results)
         print(f"results: {out / 'results.json'}", file=sys.stderr)

@@ -28,6 +28,7 @@ Flower App and runs `up`.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import shutil
 import signal
 import sys
@@ -92,25 +93,44 @@ def _printer(quiet: bool) -> Callable[[str], None]:
     return say
 
 
-def up(cfg, out: Path, *, supernodes: int | None = None, insecure: bool | None = None, overwrite: bool = False,
-       isolation: str = "fedsplice", quiet: bool = False, node_wait_s: float = 300.0, timeout: float | None = None,
-       on_cluster: Callable[[Cluster], None] | None = None, on_tick: Callable[[Cluster], None] | None = None,
-       resume: bool = False, site_data: list[str] | None = None, devices: list[str] | None = None) -> dict:
-    """Run `cfg` on a local Flower deployment (SuperLink + `supernodes` SuperNodes); write the
-    run directory `out` as `fedsplice run` does; tear everything down. Returns results.json.
-    `resume`: continue the run in `out` from its last checkpoint (`fedsplice resume`), on new
-    processes over the same SuperNode folders (their PRIVATE state). `site_data`: per-site data
+@dataclass(frozen=True)
+class Launch:
+    """How `up` deploys a run (`fedsplice flower up`'s options; `fedsplice resume` reads them back
+    from the run's launch file). supernodes: None = one per --site-data file, else
+    runtime.num_supernodes; insecure: None = runtime.insecure. `site_data`: per-site data
     (data.dataset = "sites"), SuperNode i's own file (node config data-path), one per SuperNode.
     `devices`: SuperNode p's device is devices[p % len(devices)] (node config device); None:
-    runtime.devices, cycled the same way; neither: every node uses runtime.device."""
+    runtime.devices, cycled the same way; neither: every node uses runtime.device. `resume`:
+    continue the run in `out` from its last checkpoint, on new processes over the same SuperNode
+    folders (their PRIVATE state). `timeout`: seconds for `flwr run` (None: no limit)."""
+
+    supernodes: int | None = None
+    insecure: bool | None = None
+    overwrite: bool = False
+    isolation: str = "fedsplice"
+    quiet: bool = False
+    node_wait_s: float = 300.0
+    timeout: float | None = None
+    resume: bool = False
+    site_data: tuple[str, ...] = ()
+    devices: tuple[str, ...] | None = None
+
+
+def up(cfg, out: Path, launch: Launch = Launch(), *, on_cluster: Callable[[Cluster], None] | None = None,
+       on_tick: Callable[[Cluster], None] | None = None) -> dict:
+    """Run `cfg` on a local Flower deployment (SuperLink + SuperNodes, as `launch` says); write the
+    run directory `out` as `fedsplice run` does; tear everything down. Returns results.json.
+    `on_cluster(cluster)` runs once the nodes are up, `on_tick(cluster)` while the run goes (a
+    caller's fault injection or monitoring)."""
     import dataclasses
 
+    devices = None if launch.devices is None else list(launch.devices)
     rt = cfg.runtime
-    site_data = list(site_data or [])
-    n = supernodes or len(site_data) or rt.num_supernodes
+    site_data = list(launch.site_data)
+    n = launch.supernodes or len(site_data) or rt.num_supernodes
     check_sites(cfg, site_data, n)
     per_node = node_entries(n, site_data, node_devices(cfg, devices, n))
-    insecure = rt.insecure if insecure is None else insecure
+    insecure = rt.insecure if launch.insecure is None else launch.insecure
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     if n > n_train:
         raise ConfigError(f"--supernodes / runtime.num_supernodes = {n} exceeds the {n_train} training clients; "
@@ -118,30 +138,31 @@ def up(cfg, out: Path, *, supernodes: int | None = None, insecure: bool | None =
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(rt, kind="flower", num_supernodes=n,
                                                                insecure=insecure))
     out = Path(out)
-    root = _prepare_out(out, overwrite, resume)
-    say = _printer(quiet)
+    root = _prepare_out(out, launch.overwrite, launch.resume)
+    say = _printer(launch.quiet)
     say(f"flower: SuperLink + {n} SuperNodes on 127.0.0.1 ({'INSECURE' if insecure else 'TLS + node auth'}) -> {out}"
-        + (" (resuming)" if resume else "")
+        + (" (resuming)" if launch.resume else "")
         + (f"; devices {', '.join(e['device'] for e in per_node)}" if devices or rt.devices else ""))
     t0 = time.monotonic()
     old = _install_sigterm()
     try:
-        with Cluster(root, insecure=insecure, isolation=isolation, say=say) as cl:
+        with Cluster(root, insecure=insecure, isolation=launch.isolation, say=say) as cl:
             # how to start it again (`fedsplice resume`), and the tag that finds its processes
-            atomic_write_json(root / LAUNCH_FILE, {"isolation": isolation, "node_wait_s": node_wait_s, "tag": cl.tag,
+            atomic_write_json(root / LAUNCH_FILE, {"isolation": launch.isolation, "node_wait_s": launch.node_wait_s,
+                                                   "tag": cl.tag,
                                                    "site_data": site_data, "devices": devices})
             cl.start_superlink()
             cl.add_supernodes(n, per_node=per_node)
             say(f"flower: up in {time.monotonic() - t0:.1f}s (SuperLink {cl.address}); submitting the run")
             if on_cluster:
                 on_cluster(cl)
-            app = write_app(root / "app", cfg, out, min_nodes=n, node_wait_s=node_wait_s, resume=resume)
+            app = write_app(root / "app", cfg, out, min_nodes=n, node_wait_s=launch.node_wait_s, resume=launch.resume)
 
             def on_line(line: str) -> None:
                 if "[fedsplice]" in line:
                     say(line[line.index("[fedsplice]") + len("[fedsplice] "):])
 
-            rc = cl.run(app, on_line, timeout=timeout, on_tick=(lambda: on_tick(cl)) if on_tick else None)
+            rc = cl.run(app, on_line, timeout=launch.timeout, on_tick=(lambda: on_tick(cl)) if on_tick else None)
             left = cl.close()
     finally:
         _restore_sigterm(old)

@@ -1,0 +1,106 @@
+"""FedDPA (Yang et al., "Dual-Personalizing Adapter for Federated Foundation Models", NeurIPS
+2024, https://arxiv.org/abs/2403.19211; official code Lydia-yang/FedDPA@cf638c1): FedDPA-T, a
+global and a local LoRA adapter on the same modules, trained in turn, mixed per test instance.
+Everything of the method is in this file (its registration aside); docs/fidelity.md has its rows.
+
+- Parameters: the shared LoRA ("default", GLOBAL, averaged) and a local one ("local", PRIVATE,
+  never sent) of rank method.local_r, its LoraParts (the code copies the global adapter's config).
+- Training (the code's iterative FedDPA-T): round 1 trains the global adapter alone, the local
+  one off. Every later round: first the local adapter with the received global frozen, forward
+  W0x + a·ΔW_l x + (1−a)·ΔW_g x (a = method.local_weight = 0.5; the code detaches the global
+  branch, here it is frozen: the same gradient); then the global adapter alone, from the received
+  global, the local one off (W0x + ΔW_g x). Each phase has its own optimizer and runs
+  method.local_epochs (the code: local_num_epochs for each phase); method.budget = "shared" splits
+  one local budget instead.
+- Test time (PM): for each test instance x, α(x) = method.max_weight · mean_j cos(e(x), e(x_j)),
+  over method.instance_num training instances x_j of the client drawn at random for that x, e
+  the input features of the model with the local adapter only (the code: the last token's hidden
+  state, W0 + local). Forward W0x + α·ΔW_g x + (1−α)·ΔW_l x (the code puts α on the GLOBAL
+  adapter; method.alpha_on = "local" is the other reading). GM: the global adapter alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from fedsplice.algorithms.recipe import Algorithm, LoraParts, Personal, Phase, Recipe
+from fedsplice.core import split as S
+from fedsplice.errors import ConfigError
+
+LOCAL = "local"  # the local adapter's name (its tensors' kind: "lora_local")
+SHARED = "default"  # peft's name of the shared adapter
+EVAL_DRAWS = 0  # ClientOps.rng key of the reference draws (the same at every evaluation)
+
+
+@dataclass
+class FedDPAParams:
+    local_r: int = 8  # the code copies the global adapter's config: peft.r = 8
+    local_weight: float = 0.5  # a: the local adapter's weight in the local phase (main.py: local_weight)
+    local_epochs: int = 1  # each phase's epochs (the code: local_num_epochs for both phases)
+    # per_phase: each phase its own epochs (the code: twice a one-phase method's steps); shared:
+    # the two phases split the client's one local budget (for a comparison at equal steps)
+    budget: Literal["per_phase", "shared"] = "per_phase"
+    instance_num: int = 5  # S: training instances drawn per test instance
+    max_weight: float = 0.5  # λ: α = λ · mean cosine similarity (the code: half = True, max_weight 0.5)
+    alpha_on: Literal["global", "local"] = "global"  # which adapter α weights (the code: global)
+
+    def check(self) -> None:
+        if self.local_r < 1:
+            raise ConfigError(f"method.local_r must be >= 1 (the local adapter's rank), got {self.local_r}")
+        if not 0.0 <= self.local_weight <= 1.0:
+            raise ConfigError(f"method.local_weight must be in [0, 1] (the code: 0.5), got {self.local_weight}")
+        if self.local_epochs < 1 or self.instance_num < 1:
+            raise ConfigError(f"method.local_epochs and method.instance_num must be >= 1, got "
+                              f"{self.local_epochs} and {self.instance_num}")
+
+
+def check_config(p: FedDPAParams, cfg) -> None:
+    if cfg.peft.type != "lora":
+        raise ConfigError("algorithm 'feddpa' trains a global and a local LoRA adapter: set peft.type = 'lora'")
+    if cfg.model.task not in ("encoder_head", "dual_encoder"):
+        raise ConfigError(f"algorithm 'feddpa' weighs its adapters by input-feature similarity, which "
+                          f"model.task = {cfg.model.task!r} has not: use 'encoder_head' or 'dual_encoder'")
+
+
+def phases(p: FedDPAParams):
+    """round -> the round's phases: the global adapter alone in round 1, else local then global."""
+    glob = Phase(S.GLOBAL, p.local_epochs, {LOCAL: 0.0})
+    local = Phase(S.PRIVATE, p.local_epochs, {LOCAL: p.local_weight, SHARED: 1.0 - p.local_weight})
+    return lambda rnd: (glob,) if rnd <= 1 else (local, glob)
+
+
+def instance_alpha(test: np.ndarray, bank: np.ndarray, refs: np.ndarray, lam: float) -> np.ndarray:
+    """α_i = λ · mean_j cos(test_i, bank[refs[i, j]]): test [n, D], bank [N, D], refs [n, S]."""
+    def unit(x):
+        return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    cos = np.einsum("nd,nsd->ns", unit(test.astype(np.float64)), unit(bank.astype(np.float64))[refs])
+    return lam * cos.mean(1)
+
+
+def dynamic_mix(p: FedDPAParams) -> Personal:
+    """The PM: each test instance with its own α (instance_alpha), its adapters mixed by it."""
+    def predict(ops, params, slot):
+        only_local = {SHARED: 0.0, LOCAL: 1.0}
+        test, bank = ops.features(params, "test", only_local), ops.features(params, "train", only_local)
+        rng, s = ops.rng(EVAL_DRAWS), min(p.instance_num, len(bank))
+        refs = np.array([rng.choice(len(bank), size=s, replace=False) for _ in range(len(test))],
+                        dtype=np.int64).reshape(len(test), s)
+        alpha = instance_alpha(test, bank, refs, p.max_weight)
+        on_global = p.alpha_on == "global"
+        return ops.test_logits(params, {SHARED: alpha if on_global else 1.0 - alpha,
+                                        LOCAL: 1.0 - alpha if on_global else alpha})
+    return Personal(predict=predict)
+
+
+def build(p: FedDPAParams, infos, *_) -> Recipe:
+    split = {n: S.PRIVATE if i.kind == f"lora_{LOCAL}" else S.GLOBAL for n, i in infos.items()}
+    return Recipe(split, phases=phases(p), phases_share_budget=p.budget == "shared", personalize=dynamic_mix(p))
+
+
+FEDDPA = Algorithm(FedDPAParams, build, "global LoRA averaged, local LoRA kept; trained in turn (local, then "
+                   "global), mixed per test instance by feature similarity (FedDPA-T)",
+                   "https://arxiv.org/abs/2403.19211", check_config,
+                   lora_parts=lambda p: LoraParts({LOCAL: p.local_r}))
