@@ -31,8 +31,8 @@ def block(marker: str, lang: str) -> str:
 
 
 def tiny_sets(model_dir, data) -> list[str]:
-    """The tiny budget as --set items, with an encoder + head model; 2 epochs capped at 8 steps, so
-    an update has 5 head steps (the doc's head_steps) and then 3 adapter steps."""
+    """The tiny budget as --set items, with an encoder + head model; each phase (the doc's
+    head_epochs, body_epochs) capped at 8 steps."""
     sets = {k: v for k, v in TINY_BUDGET.items() if k != "model.task"}
     sets.update({"model.name": json.dumps(str(model_dir)), "data.dataset": json.dumps(f"jsonl:{data}"),
                  "model.task": '"encoder_head"', "client.local_epochs": "2", "client.max_steps": "8"})
@@ -95,7 +95,8 @@ def test_register_route_runs_and_splits_adapters_from_head(mypkg, wire_names, ti
     assert res.algorithm == res.method == "fedrep"
     assert fedsplice.list_algorithms()["fedrep"].paper == "https://arxiv.org/abs/2102.07078"
     cfg = res.config()
-    assert (cfg.algorithm, cfg.method, cfg.model.task) == ("fedrep", {"head_steps": 5}, "encoder_head")
+    assert (cfg.algorithm, cfg.method, cfg.model.task) == ("fedrep", {"head_epochs": 1, "body_epochs": 1},
+                                                           "encoder_head")
     # by hand: LoRA r = 4 on q,k,v,o of every layer (A: r x h, B: h x r) is GLOBAL; the 3-class head PRIVATE
     h, layers = _sizes(tiny_bert_dir)
     r, classes = cfg.peft.r, 3
@@ -114,7 +115,7 @@ def test_config_file_route_runs_the_same_method(mypkg, tiny_bert_dir, toy_jsonl,
     toml.write_text(block("file: fedrep.toml", "toml"))
     sets = tiny_sets(tiny_bert_dir, toy_jsonl)
     by_file = fedsplice.load_config(toml, sets)
-    assert by_file.algorithm == "mypkg.fedrep:build" and by_file.method == {"head_steps": 5}
+    assert by_file.algorithm == "mypkg.fedrep:build" and by_file.method == {"head_epochs": 1, "body_epochs": 1}
     ref = registry.get_algorithm("mypkg.fedrep:build")
     assert ref.params.__name__ == "FedRepParams" and ref.params.__module__ == "mypkg.fedrep"
     a = fedsplice.run(by_file, tmp_path / "by-file")
@@ -148,39 +149,43 @@ def test_entry_point_route(mypkg, tmp_path, monkeypatch, tiny_bert_dir, toy_json
     assert algo.build is fedrep.build and algo.params is fedrep.FedRepParams
     assert fedsplice.list_algorithms()["fedrep"].build is fedrep.build
     cfg = fedsplice.load_config(None, [*tiny_sets(tiny_bert_dir, toy_jsonl), "algorithm=fedrep",
-                                       "method={head_steps=2}"])
-    assert cfg.method == {"head_steps": 2}
+                                       "method={head_epochs=2}"])
+    assert cfg.method == {"head_epochs": 2}
 
 
-@pytest.mark.parametrize("head_steps, head_moves, adapters_move", [(0, False, True), (1, True, True),
-                                                                   (8, True, False)])
-def test_schedule_head_first_then_adapters(mypkg, tiny_bert_dir, toy_jsonl, head_steps, head_moves, adapters_move):
-    """One client's local update (8 steps): with head_steps covering it the uploaded adapters are
-    the received ones, bit for bit, and only the head moved; with 0 the head stays at its init."""
+@pytest.mark.parametrize("head_epochs, body_epochs, head_moves, adapters_move",
+                         [(0, 1, False, True), (1, 1, True, True), (2, 0, True, False)])
+def test_schedule_head_first_then_adapters(mypkg, tiny_bert_dir, toy_jsonl, head_epochs, body_epochs, head_moves,
+                                           adapters_move):
+    """One client's local update: the head's epochs, then the adapters' (each phase capped at 8
+    steps); with body_epochs = 0 the uploaded adapters are the received ones, bit for bit, and
+    only the head moved; with head_epochs = 0 the head stays at its init."""
     cfg = fedsplice.load_config(None, [*tiny_sets(tiny_bert_dir, toy_jsonl), 'algorithm="mypkg.fedrep:build"',
-                                       f"method={{head_steps={head_steps}}}"])
+                                       f"method={{head_epochs={head_epochs}, body_epochs={body_epochs}}}"])
     exp = build(cfg)
     assert exp.private_names == ["head.bias", "head.weight"]
     assert exp.global_names and all("lora_" in n for n in exp.global_names)
     store = MemoryStore()
     down = {n: exp.init_params[n] for n in exp.global_names}
-    up, stats = fit_client(exp, store, exp.train_ids[0], 0, wire.encode(down))
+    up, stats = fit_client(exp, store, exp.train_ids[0], 1, wire.encode(down))
     n = len(exp.clients[exp.train_ids[0]].train_idx)
-    assert stats["steps"] == min(8, 2 * -(-n // 8)) > 1  # 2 epochs of batches of 8, capped at 8 steps
+    per_epoch = -(-n // 8)  # batches of 8
+    assert (stats["private_steps"], stats["global_steps"]) == (min(8, head_epochs * per_epoch),
+                                                             min(8, body_epochs * per_epoch))
     sent = wire.decode(up)
     assert sorted(sent) == exp.global_names
     kept = store.get(exp.train_ids[0])
     moved_head = any(not torch.equal(kept[f"param/{n}"], exp.init_params[n]) for n in exp.private_names)
     moved_adapters = any(not torch.equal(sent[n], down[n]) for n in exp.global_names)
     assert (moved_head, moved_adapters) == (head_moves, adapters_move)
-    assert all(p.requires_grad for p in exp.model.trainable().values())  # the objective restored them
+    assert all(p.requires_grad for p in exp.model.trainable().values())  # the phases restored them
     assert sorted(exp.model.trainable()) == sorted(exp.init_params)
 
 
 def test_fedrep_errors_name_the_fix(mypkg, tiny_bert_dir, toy_jsonl, tmp_path):
-    with pytest.raises(fedsplice.ConfigError, match="method.head_steps must be >= 0"):
+    with pytest.raises(fedsplice.ConfigError, match="method.head_epochs and method.body_epochs must be >= 0"):
         fedsplice.load_config(None, [*tiny_sets(tiny_bert_dir, toy_jsonl), 'algorithm="mypkg.fedrep:build"',
-                                     "method={head_steps=-1}"])
+                                     "method={head_epochs=-1}"])
     cfg = fedsplice.load_config(None, [*tiny_sets(tiny_bert_dir, toy_jsonl), 'algorithm="mypkg.fedrep:build"',
                                        "method={}", "model.task=dual_encoder"])  # validates: no model yet
     with pytest.raises(fedsplice.ConfigError, match="model.task = 'encoder_head'"):

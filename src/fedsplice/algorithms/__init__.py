@@ -1,7 +1,7 @@
 """Algorithms: one file per method family, each a `build` over typed hyperparameters that
 composes a `Recipe` from core parts (a split, loss terms, an objective, a grad transform).
 
-- `recipe`: Recipe, Algorithm, Personal, Phase, ClientOps, PromptParts, LoraParts, NoParams — what a method
+- `recipe`: Recipe, Algorithm, Personal, Phase, Exchange, ClientOps, PromptParts, LoraParts, NoParams — what a method
   is; `refuse_grab`, the rule a method with its own objective declares in its `check_config`.
 - `pfadapter`, `fedpurel`: the two methods fedsplice implements exactly.
 - `baselines`: the methods the papers compare against; `fedotp`, `fedpgp`, `promptfolio`,
@@ -9,11 +9,11 @@ composes a `Recipe` from core parts (a split, loss terms, an objective, a grad t
 - `registry`: names -> algorithms; `register_algorithm` for users' own methods.
 """
 
-from fedsplice.algorithms.recipe import (Algorithm, ClientOps, LoraParts, NoParams, Personal, Phase, PromptParts,
-                                         Recipe, clone, refuse_grab)
+from fedsplice.algorithms.recipe import (Algorithm, ClientOps, Exchange, LoraParts, NoParams, Personal, Phase,
+                                         PromptParts, Recipe, clone, refuse_grab)
 from fedsplice.algorithms.registry import (available, build_recipe, display_name, get_algorithm, lora_parts,
                                            method_params, prompt_parts, register_algorithm)
 
-__all__ = ["Algorithm", "ClientOps", "LoraParts", "NoParams", "Personal", "Phase", "PromptParts", "Recipe", "available",
-           "build_recipe", "clone", "display_name", "get_algorithm", "lora_parts", "method_params", "prompt_parts",
-           "refuse_grab", "register_algorithm"]
+__all__ = ["Algorithm", "ClientOps", "Exchange", "LoraParts", "NoParams", "Personal", "Phase", "PromptParts",
+           "Recipe", "available", "build_recipe", "clone", "display_name", "get_algorithm", "lora_parts",
+           "method_params", "prompt_parts", "refuse_grab", "register_algorithm"]

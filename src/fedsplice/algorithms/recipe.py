@@ -89,6 +89,25 @@ class Personal:
 
 
 @dataclass(frozen=True)
+class Exchange:
+    """A method's own rules for what travels (HetLoRA), around the generic round: every hook is
+    optional and sees the method's client slot (the tensor dict `Personal` uses too).
+
+    receive(ops, rnd, received, slot) -> (tensors, slot): on the client, the GLOBAL tensors it
+      trains from (e.g. truncated to its rank) instead of those received; TrainContext.state is
+      the returned slot during the round's training.
+    send(ops, rnd, trained, slot) -> (upload, slot, stats): on the client, what it uploads of its
+      trained GLOBAL tensors (same names and shapes), and scalar statistics for the round record.
+    weights(uploads, num_examples) -> {tensor name: [weight per upload]}: on the server, the
+      aggregation weights of each GLOBAL tensor (normalized there; names left out keep the
+      sample-size weights), instead of FedAvg's n_k (server.aggregation = "mean" only)."""
+
+    receive: Callable | None = None
+    send: Callable | None = None
+    weights: Callable | None = None
+
+
+@dataclass(frozen=True)
 class PromptParts:
     """What a method adds to a CoOp prompt model (peft.type = "prompt"); the model builds it from
     these callables (nothing here imports fedsplice.model). Its tensors' kind (ParamInfo.kind,
@@ -141,6 +160,7 @@ class Recipe:
     grad_transform: Callable | None = None  # combines per-loss gradients (FedPuReL purification)
     trains: bool = True  # False: evaluation only (zero-shot)
     personalize: Personal | None = None  # the method's own local stage (FedPuReL phase 2)
+    exchange: Exchange | None = None  # the method's own download, upload and aggregation weights (HetLoRA)
     # Alternating local training (pFedLoRA, FedDPA): Phase(group, epochs[, adapters]) tuples, in
     # order; each phase trains only that group's tensors, with its own optimizer. Or a function
     # round -> those phases (FedDPA: round 0 has no local phase). Empty: one phase, all tensors.

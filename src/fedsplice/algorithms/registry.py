@@ -23,6 +23,7 @@ from fedsplice.algorithms.feddpa import FEDDPA
 from fedsplice.algorithms.fedotp import FEDOTP
 from fedsplice.algorithms.fedpgp import FEDPGP
 from fedsplice.algorithms.fedpurel import FEDPUREL
+from fedsplice.algorithms.hetlora import HETLORA
 from fedsplice.algorithms.pfadapter import PFADAPTER
 from fedsplice.algorithms.pfedlora import PFEDLORA
 from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe, default_label
@@ -33,7 +34,7 @@ from fedsplice.errors import ConfigError
 
 ENTRY_POINT_GROUP = "fedsplice.algorithms"
 ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp": FEDOTP, "fedpgp": FEDPGP,
-                                    "pfadapter": PFADAPTER, "pfedlora": PFEDLORA, "feddpa": FEDDPA,
+                                    "pfadapter": PFADAPTER, "pfedlora": PFEDLORA, "feddpa": FEDDPA, "hetlora": HETLORA,
                                     **LORA_BASELINES,
                                     **REFERENCES}  # references last: the sanity rows of a table
 

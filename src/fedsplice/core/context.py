@@ -29,6 +29,9 @@ class TrainContext:
     grab: Any = None  # Fed-GraB's balancer (fedsplice.core.grab.Balancer) when grab.enabled
     # a method's own state within one local update (e.g. a step counter): empty at its start
     scratch: dict[str, Any] = field(default_factory=dict)
+    # the method's client slot as its Exchange.receive left it this round (HetLoRA: the client's
+    # rank), read-only: what persists is what the method's hooks return
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device) -> TrainContext:
         """A copy with every tensor on `device` (the balancer moves its own state) and an empty

@@ -139,11 +139,14 @@ def _distance(a: dict, b: dict, names) -> float:
 
 def movement(exp, global_params: dict, store) -> dict:
     """How far training moved the tensors from where they started (L2 norms of the change):
-    GLOBAL (the final aggregate), PRIVATE and the residual branch (mean over the training clients
+    GLOBAL (the final aggregate), PRIVATE and the model tensors of a method's slot, e.g. FedPuReL's
+    residual branch (mean over the training clients
     whose state `store` holds; None where it holds none, as on Flower, whose clients keep theirs)."""
     out = {"global": _distance(global_params, exp.init_params, exp.global_names) if exp.global_names else None}
     states = [s for s in (ClientState.from_store(store.get(c)) for c in exp.train_ids) if s is not None]
     for key, slot in (("private", "params"), ("branch", "branch")):
-        per = [_distance(t, exp.init_params, t) for t in (getattr(s, slot) for s in states) if t]
+        # a method's slot may hold more than model tensors (HetLoRA: a rank): its model tensors only
+        held = ([n for n in getattr(s, slot) if n in exp.init_params] for s in states)
+        per = [_distance(getattr(s, slot), exp.init_params, names) for s, names in zip(states, held) if names]
         out[key] = sum(per) / len(per) if per else None
     return out

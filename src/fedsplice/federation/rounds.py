@@ -21,7 +21,7 @@ import numpy as np
 
 from fedsplice.core import wire
 from fedsplice.core.robust import aggregate
-from fedsplice.core.server import deltas
+from fedsplice.core.server import deltas, weighted_mean
 from fedsplice.federation.calls import ask
 from fedsplice.federation.checkpoint import RoundState
 from fedsplice.federation.evaluation import evaluate_global, pooled_gm, summarize_pm
@@ -107,6 +107,17 @@ def round_record(rnd: int, got, ok: bool, t0: float) -> dict:
     return record
 
 
+def aggregate_round(exp, accepted, global_params: dict) -> dict:
+    """The aggregate of the accepted updates' deltas: server.aggregation over them, or with the
+    method's own weights per tensor (recipe.exchange.weights; the rest by sample size)."""
+    sc, ex = exp.cfg.server, exp.recipe.exchange
+    ds, n = [deltas(u, global_params) for _, u in accepted], [r.num_examples for r, _ in accepted]
+    if not (ex and ex.weights):
+        return aggregate(ds, n, sc.aggregation, sc.trim_fraction)
+    w = ex.weights([u for _, u in accepted], n)
+    return {k: weighted_mean([{k: d[k]} for d in ds], w.get(k, n))[k] for k in ds[0]}
+
+
 def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, start: RoundState | None = None,
                on_state: Callable[[RoundState], None] | None = None) -> dict:
     """The one round loop. Calls on_round(record) after every round, then on_state(state) with
@@ -135,8 +146,7 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
         up_total, down_total = up_total + got.up_bytes, down_total + got.down_bytes
         ok = len(got.accepted) >= sc.min_replies
         if ok and exp.global_names:
-            agg = aggregate([deltas(u, global_params) for _, u in got.accepted],
-                            [r.num_examples for r, _ in got.accepted], sc.aggregation, sc.trim_fraction)
+            agg = aggregate_round(exp, got.accepted, global_params)
             global_params, server_state = exp.server_opt.update(agg, server_state, global_params)
         record = round_record(rnd, got, ok, t0)
         if rnd % exp.cfg.eval.every == 0 or rnd == sc.rounds:

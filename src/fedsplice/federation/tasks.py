@@ -222,26 +222,33 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     priv, opt_state = split_state(exp, stored)
     grab = ({"grab": grab_balancer(exp, stored.grab if stored is not None else None, received)}
             if exp.cfg.grab.enabled else {})
-    r = exp.recipe
-    branch = stored.branch if stored is not None else {}
+    r, ex = exp.recipe, exp.recipe.exchange
+    slot = stored.branch if stored is not None else {}  # the method's own slot
     if r.personalize and r.personalize.fit:  # the method's own stage, before the round's training
-        branch = r.personalize.fit(OnClient(exp, cid), rnd, received, branch)
-    exp.model.load_params({**received, **priv})
+        slot = r.personalize.fit(OnClient(exp, cid), rnd, received, slot)
+    start = received
+    if ex and ex.receive:  # the method's own download rule (e.g. truncated to the client's rank)
+        start, slot = ex.receive(OnClient(exp, cid), rnd, received, slot)
+    exp.model.load_params({**start, **priv})
     # pooled (centralized): its optimizer state persists across rounds, one continuous training run;
     # else client.optimizer_state says whether PRIVATE tensors keep theirs
     keep = (exp.global_names + exp.private_names if r.pooled
             else exp.private_names if exp.cfg.client.optimizer_state == "keep_private" else [])
     new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd,
-                                  ctx=train_context(exp, cid, received, round=rnd, **grab),
+                                  ctx=train_context(exp, cid, start, round=rnd, state=dict(slot), **grab),
                                   step=Step.of(r),
                                   keep_opt=keep, opt_state=opt_state,
                                   client_cfg=round_config(exp, cid, rnd))
     params = clone(exp.model.trainable())  # on the CPU: the wire and the store never hold device tensors
+    trained = {n: params[n] for n in exp.global_names}
+    if ex and ex.send:  # the method's own upload rule (e.g. its rank pruned)
+        trained, slot, extra = ex.send(OnClient(exp, cid), rnd, trained, slot)
+        stats = {**stats, **extra}
     codec = exp.cfg.client.upload
     residual = dict(stored.ef) if stored is not None and codec == "int8" else {}
-    up, residual = wire.compress({n: params[n] for n in exp.global_names}, received, codec, residual)
+    up, residual = wire.compress(trained, received, codec, residual)
     store.put(cid, ClientState(params={n: params[n] for n in exp.private_names}, opt=new_opt, ef=residual,
-                               grab=dict(grab["grab"].state) if grab else {}, branch=branch).to_store())
+                               grab=dict(grab["grab"].state) if grab else {}, branch=slot).to_store())
     return up, stats
 
 
@@ -335,10 +342,14 @@ def personalize(exp, store, cid: int, global_params: dict) -> dict:
 
 
 def cold_start(exp, store, cid: int, global_params: dict) -> dict:
-    """A held-out client: the final GLOBAL tensors and fresh PRIVATE ones; accuracy on its local
-    test set at step 0 and after each of 1..N local epochs (PFAdapter §V)."""
+    """A held-out client: the final GLOBAL tensors (through the method's download rule, if it
+    has one) and fresh PRIVATE ones; accuracy on its local test set at step 0 and after each of
+    1..N local epochs (PFAdapter §V)."""
     fresh = {n: exp.init_params[n].clone() for n in exp.private_names}
     grab = {"grab": grab_balancer(exp, None, global_params)} if exp.cfg.grab.enabled else {}
+    ex, slot = exp.recipe.exchange, dict[str, torch.Tensor]()
+    if ex and ex.receive:  # a new client receives what a training client would (HetLoRA: its rank)
+        global_params, slot = ex.receive(OnClient(exp, cid), 0, global_params, slot)
     exp.model.load_params({**global_params, **fresh})
     labels, r = exp.data.test_labels[exp.clients[cid].test_idx], exp.recipe
     accs: list[float] = []
@@ -347,7 +358,7 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
         if e > 0:
             opt_state, _ = train_client(
                 exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e,
-                ctx=train_context(exp, cid, global_params, **grab),
+                ctx=train_context(exp, cid, global_params, state=dict(slot), **grab),
                 step=Step.of(r), keep_opt=set(exp.model.trainable()), opt_state=opt_state, epochs=1)
         accs.append(classification_metrics(labels, predict_local_test(exp, cid), len(exp.data.class_names))["accuracy"])
     return {"accuracy": accs}

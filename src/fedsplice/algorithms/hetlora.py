@@ -1,0 +1,138 @@
+"""HetLoRA (Cho et al., "Heterogeneous LoRA for Federated Fine-tuning of On-Device Foundation
+Models", EMNLP 2024, https://arxiv.org/abs/2401.06432; no official code public): clients with
+LoRA ranks of their own, aggregated by zero-padding with sparsity weights, with rank self-pruning.
+Everything of the method is in this file (its registration aside); docs/fidelity.md has its rows.
+
+- Ranks: the server's LoRA has rank r_max = peft.r. Client k has rank r_k: method.ranks[k mod
+  len] when given, else uniform in [method.r_min, r_max] from the client's own seeded stream.
+  One fixed LoRA scale for every rank (peft.alpha / r_max): truncation keeps the leading
+  components' meaning (the paper does not say; its reimplementations and FLoRA's code fix it).
+- Download: the client trains from the global A[:r_k], B[:, :r_k] (the rest zero; a zero rank
+  gets no gradient, so it stays zero through local training, under SGD and AdamW alike).
+- Local loss: + λ Σ_modules ‖B[:, T]‖_F·‖A[T, :]‖_F over the tail T = [⌊γ r_k⌋, r_k) (the
+  reimplementations' bound of ‖B_T A_T‖), λ = method.lam, γ = method.gamma.
+- Self-pruning: if the trained tail norm is below the received one, r_k ← max(r_min, ⌊γ r_k⌋),
+  the pruned ranks zeroed in the upload; ranks never grow.
+- Aggregation: per module, w_k = ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F (uniform when all are 0) for both
+  A and B (the zero tails are the padding); other GLOBAL tensors (a head) by sample size.
+- Evaluation: GM the full-rank global adapter; PM the client's own model, the global adapter
+  truncated to its current rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from fedsplice.algorithms.recipe import Algorithm, Exchange, Personal, Recipe
+from fedsplice.core import split as S
+from fedsplice.errors import ConfigError
+
+RANK_DRAW = 1  # ClientOps.rng key of a client's rank
+
+
+@dataclass
+class HetLoRAParams:
+    r_min: int = 2  # the smallest rank (the paper: 5 of r_max = 50 on PaLM 2)
+    ranks: list[int] = field(default_factory=list)  # per client, cycled; empty: uniform in [r_min, peft.r]
+    gamma: float = 0.99  # pruning decay (the reimplementations: 0.99; one rank per prune below r = 100)
+    lam: float = 0.01  # weight of the tail-norm penalty (the reimplementations: 0.01)
+    prune: bool = True  # rank self-pruning (False: ranks fixed, the penalty still trains)
+
+    def check(self) -> None:
+        if self.r_min < 1 or any(r < 1 for r in self.ranks):
+            raise ConfigError(f"method.r_min and method.ranks must be >= 1, got {self.r_min} and {self.ranks}")
+        if not 0.0 < self.gamma < 1.0:
+            raise ConfigError(f"method.gamma must be in (0, 1) (the pruning decay; 0.99), got {self.gamma}")
+        if self.lam < 0:
+            raise ConfigError(f"method.lam must be >= 0, got {self.lam}")
+
+
+def check_config(p: HetLoRAParams, cfg) -> None:
+    if cfg.peft.type != "lora":
+        raise ConfigError("algorithm 'hetlora' gives each client a LoRA rank of its own: set peft.type = 'lora'")
+    if max([p.r_min, *p.ranks]) > cfg.peft.r:
+        raise ConfigError(f"method.r_min and method.ranks must be <= peft.r = {cfg.peft.r} (the server's rank "
+                          f"r_max), got {p.r_min} and {p.ranks}; lower them or raise peft.r")
+    if cfg.server.aggregation != "mean":
+        raise ConfigError("algorithm 'hetlora' weighs clients by their update's norm: set server.aggregation = 'mean'")
+    if cfg.client.upload != "fp32":
+        raise ConfigError("algorithm 'hetlora' uploads zero-padded adapters: set client.upload = 'fp32'")
+
+
+def pairs_of(infos) -> dict[str, str]:
+    """Each GLOBAL LoRA A tensor's name -> its B's (the same module)."""
+    return {n: n.replace("lora_A", "lora_B") for n, i in infos.items() if i.kind == "lora" and i.factor == "A"}
+
+
+def truncate(tensors: dict, pairs: dict[str, str], r: int) -> dict:
+    """The tensors with each adapter's ranks >= r zeroed: A's rows, B's columns."""
+    out = dict(tensors)
+    for a, b in pairs.items():
+        out[a], out[b] = tensors[a].clone(), tensors[b].clone()
+        out[a][r:] = 0
+        out[b][:, r:] = 0
+    return out
+
+
+def tail_norm(tensors: dict, pairs: dict[str, str], r: int, gamma: float) -> torch.Tensor:
+    """Σ_modules ‖B[:, T]‖_F · ‖A[T, :]‖_F over the tail T = [⌊γ r⌋, r)."""
+    lo = math.floor(gamma * r)
+    return sum((torch.linalg.norm(tensors[b][:, lo:r]) * torch.linalg.norm(tensors[a][lo:r])
+                for a, b in pairs.items()), torch.zeros(()))
+
+
+def sparsity_weights(uploads: list[dict], pairs: dict[str, str]) -> dict[str, list[float]]:
+    """Per module, w_k = ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F (uniform if all are 0), for A and B."""
+    out = {}
+    for a, b in pairs.items():
+        norms = [float(torch.linalg.norm(u[b].double() @ u[a].double())) for u in uploads]
+        z = sum(norms)
+        out[a] = out[b] = [x / z for x in norms] if z > 0 else [1.0 / len(uploads)] * len(uploads)
+    return out
+
+
+class SelfPruning:
+    """λ · tail_norm of the trained adapters at the client's rank (TrainContext.state)."""
+
+    def __init__(self, pairs: dict[str, str], gamma: float, lam: float):
+        self.pairs, self.gamma, self.weight = pairs, gamma, lam
+
+    def __call__(self, params, ctx) -> torch.Tensor:
+        return self.weight * tail_norm(params, self.pairs, int(ctx.state["rank"]), self.gamma)
+
+
+def build(p: HetLoRAParams, infos, shapes, *_) -> Recipe:
+    pairs = pairs_of(infos)
+    r_max = shapes[next(iter(pairs))][0]
+
+    def rank(ops, slot) -> int:
+        if "rank" in slot:
+            return int(slot["rank"])
+        return p.ranks[ops.cid % len(p.ranks)] if p.ranks else int(ops.rng(RANK_DRAW).integers(p.r_min, r_max + 1))
+
+    def receive(ops, rnd, received, slot):
+        r = rank(ops, slot)
+        start = truncate(received, pairs, r)
+        return start, {**slot, "rank": torch.tensor(r), "tail_before": tail_norm(start, pairs, r, p.gamma)}
+
+    def send(ops, rnd, trained, slot):
+        r = int(slot["rank"])
+        if p.prune and float(tail_norm(trained, pairs, r, p.gamma)) < float(slot["tail_before"]):
+            r = max(p.r_min, math.floor(p.gamma * r))
+        return truncate(trained, pairs, r), {"rank": torch.tensor(r)}, {"rank": float(r)}
+
+    def predict(ops, params, slot):
+        return ops.test_logits(truncate(params, pairs, rank(ops, slot)))
+
+    terms: list[Callable] = [SelfPruning(pairs, p.gamma, p.lam)] if p.lam > 0 else []
+    return Recipe(S.all_global(infos), terms, personalize=Personal(predict=predict),
+                  exchange=Exchange(receive, send, lambda ups, n: sparsity_weights(ups, pairs)))
+
+
+HETLORA = Algorithm(HetLoRAParams, build, "a LoRA rank per client: truncated download, rank self-pruning, "
+                    "zero-padded aggregation with sparsity weights (HetLoRA)", "https://arxiv.org/abs/2401.06432",
+                    check_config)
