@@ -6,6 +6,7 @@ import html
 import json
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -413,3 +414,20 @@ def test_the_committed_suite_loads_and_every_run_plans(tmp_path):
     kinds = {cl["kind"] for tb in s.tables for cl in tb.get("claim", [])}
     assert {"greater", "best", "balanced", "ratio", "benchmark", "untestable"} <= kinds
     assert not any("cold-start e5" == cl.get("metric") for tb in s.tables for cl in tb.get("claim", []))
+
+
+def test_goldens_of_configs_added_since_do_not_make_a_run_stale(monkeypatch):
+    """A run stays valid while every golden that existed at its commit is unchanged: the golden of
+    a config added later (a new method) pins other numbers."""
+    from fedsplice.app import provenance as P
+
+    root = Path(__file__).parents[1]
+    now = {p.name for p in (root / P.GOLDEN).iterdir() if p.is_dir()}
+    older = now - {"feddpa-minilm"}
+    prov = {"commit": "abc1234 with uncommitted changes", "goldens": P.goldens_hash(root, only=older)}
+    assert prov["goldens"] != P.goldens_hash(root)
+    monkeypatch.setattr(P, "goldens_at", lambda c: older if c == "abc1234" else None)
+    assert P.goldens_kept(prov, root)
+    monkeypatch.setattr(P, "goldens_at", lambda c: now)  # then as now: the hash differs, so one changed
+    assert not P.goldens_kept(prov, root)
+    assert not P.goldens_kept({"commit": "unknown", "goldens": prov["goldens"]}, root)

@@ -4,7 +4,8 @@ Each finished run of `fedsplice results` gets provenance.json: the commit it ran
 of the regression goldens (tests/regression/golden, which pin the numbers of every shipped
 config: a change to a method's math changes them). A finished run is reused only while its
 config equals the one planned now (a setting added since takes its default) and the goldens
-hash is unchanged; otherwise it is moved aside (OUT/stale/...) and run again. Nothing is deleted.
+that existed at its commit are unchanged (goldens of configs added since do not count);
+otherwise it is moved aside (OUT/stale/...) and run again. Nothing is deleted.
 
 With a records folder (`--records`, `make results`: docs/results/records, committed), the small
 files of every finished run (results.json, metrics.jsonl, config.toml, provenance.json) are
@@ -49,13 +50,15 @@ def commit() -> str:
     return sha + (" with uncommitted changes" if dirty else "")
 
 
-def goldens_hash(root: Path | None = None) -> str | None:
-    """SHA-256 (first 16 hex digits) over the golden files' paths and bytes; None without them."""
+def goldens_hash(root: Path | None = None, only: set[str] | None = None) -> str | None:
+    """SHA-256 (first 16 hex digits) over the golden files' paths and bytes (`only`: of those
+    config folders); None without them."""
     if root is None:
         top = _git("rev-parse", "--show-toplevel")
         root = Path(top) if top else Path.cwd()
     gold = Path(root) / GOLDEN
-    files = sorted(p for p in gold.rglob("*") if p.is_file()) if gold.is_dir() else []
+    files = sorted(p for p in gold.rglob("*") if p.is_file()
+                   and (only is None or p.relative_to(gold).parts[0] in only)) if gold.is_dir() else []
     if not files:
         return None
     h = hashlib.sha256()
@@ -77,9 +80,23 @@ def stale(run_dir: Path, cfg, goldens: str | None) -> str | None:
         return f"its config no longer parses ({e})"
     if saved != to_dict(cfg):
         return "its config differs from the suite's"
-    if prov.get("goldens") != goldens:
+    if prov.get("goldens") != goldens and not goldens_kept(prov):
         return f"the regression goldens changed since its commit {prov.get('commit')}"
     return None
+
+
+def goldens_at(commit: str) -> set[str] | None:
+    """The config folders of the goldens at `commit` (None: not in this checkout's history)."""
+    names = _git("ls-tree", "--name-only", f"{commit}:{GOLDEN.as_posix()}")
+    return set(names.split()) if names else None
+
+
+def goldens_kept(prov: dict, root: Path | None = None) -> bool:
+    """Whether every golden that existed at the run's commit is unchanged now: goldens of configs
+    added since (a new method) pin other numbers and do not make the run stale."""
+    sha = str(prov.get("commit") or "").split(" ")[0]
+    then = goldens_at(sha) if sha and sha != "unknown" else None
+    return then is not None and prov.get("goldens") is not None and goldens_hash(root, only=then) == prov["goldens"]
 
 
 def prepare(runs, out: Path, records: Path | None, goldens: str | None) -> dict[str, int]:
