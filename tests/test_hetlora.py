@@ -95,6 +95,8 @@ def test_pruning_rule(tiny_cfg, monkeypatch):
     (["method.gamma=1.0"], "method.gamma must be in (0, 1)"),
     (["server.aggregation=\"median\""], "set server.aggregation = 'mean'"),
     (["peft.type=\"prompt\""], "algorithm 'hetlora' gives each client a LoRA rank of its own: set peft.type"),
+    # another method with this [method] table: the line says whose settings they are
+    (["algorithm=\"pfedlora\""], "(a setting of algorithm 'hetlora': switching algorithms with --set? add"),
 ])
 def test_bad_parameters_exit_2_with_one_line(sets, match, tiny_cfg, cli_refuses):
     cli_refuses(tiny_cfg(**HET), sets, match)

@@ -149,6 +149,11 @@ def method_params(cfg):
         if not dataclasses.fields(algo.params):
             raise ConfigError(f"{e}: algorithm {cfg.algorithm!r} has no [method] fields "
                               f"(switching algorithms with --set? add --set method={{}})") from None
+        theirs = sorted(n for n, a in ALGORITHMS.items() if n != cfg.algorithm
+                        and any(f"method.{f.name}:" in str(e) for f in dataclasses.fields(a.params)))
+        if theirs:  # the table of the method the config was written for
+            raise ConfigError(f"{e} (a setting of algorithm {theirs[0]!r}: switching algorithms with --set? "
+                              f"add --set method={{}})") from None
         raise
     if hasattr(params, "check"):
         params.check()
