@@ -125,6 +125,12 @@ def test_dynamic_pm_is_the_per_instance_mix(tiny_cfg):
     assert tasks.evaluate(exp, store, cid, glob)["accuracy"] == want["accuracy"]
     # the local adapter matters: the plain sum of both adapters scores otherwise
     assert not np.allclose(ops.test_logits(params), one_by_one, atol=1e-5)
+    # method.alpha_grid: α rounded to the grid, the instances of one grid value in one batch
+    grid = D.dynamic_mix(D.FedDPAParams(alpha_grid=0.05)).predict(ops, params, {})
+    a = np.round(alpha / 0.05) * 0.05
+    assert len(np.unique(a)) < len(alpha)
+    assert np.allclose(grid, ops.test_logits(params, {"default": a, "local": 1 - a}), atol=1e-6)
+    assert np.allclose(grid[[0]], ops.test_logits(params, {"default": a[0], "local": 1 - a[0]})[[0]], atol=1e-5)
 
 
 @pytest.mark.parametrize("sets,match", [

@@ -17,6 +17,7 @@ Everything of the method is in this file (its registration aside); docs/fidelity
   the input features of the model with the local adapter only (the code: the last token's hidden
   state, W0 + local). Forward W0x + α·ΔW_g x + (1−α)·ΔW_l x (the code puts α on the GLOBAL
   adapter; method.alpha_on = "local" is the other reading). GM: the global adapter alone.
+  method.alpha_grid > 0 (ours) rounds α to a grid so that instances share forwards.
 """
 
 from __future__ import annotations
@@ -46,12 +47,17 @@ class FedDPAParams:
     instance_num: int = 5  # S: training instances drawn per test instance
     max_weight: float = 0.5  # λ: α = λ · mean cosine similarity (the code: half = True, max_weight 0.5)
     alpha_on: Literal["global", "local"] = "global"  # which adapter α weights (the code: global)
+    # > 0: α rounded to this grid (Ext.), so that test instances of equal α share a forward: on a
+    # dual encoder every distinct α also re-encodes the class side (LoRA is in its text tower)
+    alpha_grid: float = 0.0
 
     def check(self) -> None:
         if self.local_r < 1:
             raise ConfigError(f"method.local_r must be >= 1 (the local adapter's rank), got {self.local_r}")
         if not 0.0 <= self.local_weight <= 1.0:
             raise ConfigError(f"method.local_weight must be in [0, 1] (the code: 0.5), got {self.local_weight}")
+        if self.alpha_grid < 0:
+            raise ConfigError(f"method.alpha_grid must be >= 0 (0: every instance its exact α), got {self.alpha_grid}")
         if self.local_epochs < 1 or self.instance_num < 1:
             raise ConfigError(f"method.local_epochs and method.instance_num must be >= 1, got "
                               f"{self.local_epochs} and {self.instance_num}")
@@ -89,6 +95,8 @@ def dynamic_mix(p: FedDPAParams) -> Personal:
         refs = np.array([rng.choice(len(bank), size=s, replace=False) for _ in range(len(test))],
                         dtype=np.int64).reshape(len(test), s)
         alpha = instance_alpha(test, bank, refs, p.max_weight)
+        if p.alpha_grid > 0:
+            alpha = np.round(alpha / p.alpha_grid) * p.alpha_grid
         on_global = p.alpha_on == "global"
         return ops.test_logits(params, {SHARED: alpha if on_global else 1.0 - alpha,
                                         LOCAL: 1.0 - alpha if on_global else alpha})
