@@ -93,3 +93,43 @@ def test_compare_bad_input(configs, tmp_path, capsys):
     assert "server.roundz" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # nothing written before the plan is valid
 
+
+
+@pytest.mark.integration
+def test_workers_end_when_the_suite_is_killed(tmp_path):
+    """`kill` of a compare/results process (SIGTERM, no handler) leaves no worker running: each
+    worker ends itself once its parent is gone (compare.exit_with_parent)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "suite.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from multiprocessing import get_context\n"
+        "from fedsplice.app.compare import exit_with_parent\n"
+        "def work(_):\n"
+        "    print(os.getpid(), flush=True); time.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    with ProcessPoolExecutor(2, mp_context=get_context('spawn'), initializer=exit_with_parent,\n"
+        "                             initargs=(os.getpid(),)) as pool:\n"
+        "        list(pool.map(work, range(2)))\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers = [int(proc.stdout.readline()) for _ in range(2)]
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 30
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(alive(w) for w in workers)

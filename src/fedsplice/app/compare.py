@@ -104,6 +104,21 @@ def _one(cfg, d: Path, threads: int, lines: RunLines | None = None) -> dict:
                           echo=lines.data if lines is not None else None)
 
 
+def exit_with_parent(parent: int) -> None:
+    """A worker's initializer: a daemon thread ends the worker once its parent is gone (a `kill`
+    of `fedsplice compare/results` would otherwise leave its runs going, writing where a restarted
+    suite resumes)."""
+    import os
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(2)
+        os._exit(143)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def run_all(runs, quiet: bool = False, jobs: int = 1, on_done=None) -> list[dict]:
     """Run (or resume, or skip) every planned run; returns their results in plan order. Unless
     quiet, each run streams its progress lines (`RunLines`) and a line with its result.
@@ -150,7 +165,8 @@ def run_all(runs, quiet: bool = False, jobs: int = 1, on_done=None) -> list[dict
             report(i)
         return cast(list[dict], results)  # every run has its result now
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"), initializer=exit_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         futs = {pool.submit(_one, runs[i][2], runs[i][3], threads, lines[i]): i for i in todo}
         try:
             for f in as_completed(futs):
