@@ -93,7 +93,7 @@ def test_the_contracts_can_fail(tmp_path, bad, rule):
 
 GENERIC = ("model", "federation", "core", "runtimes", "config", "data")  # no method is named in their code
 METHOD = (r"fedotp|fedpgp|pfedlora|feddpa|fedpurel|pfadapter|promptfolio|fedclip|promptfl|fedsa|fedper|fedprox|"
-          r"fedrep|cliplora|hetlora")
+          r"fedrep|cliplora|hetlora|flora")
 
 
 def _method_branches(tree: ast.AST, path: str) -> list[str]:

@@ -134,12 +134,12 @@ def test_a_users_check_config_runs_in_validate(capsys):
 def test_the_peft_settings_a_method_misreads_are_declared_by_the_method(capsys):
     """Algorithm.full_ok, not a list of names in the registry: a built-in says False unless it
     declares True; a registered method (None) is not checked. A method's own LoRA adapters are its
-    LoraParts (pFedLoRA's and FedDPA's)."""
+    LoraParts (pFedLoRA's, FedDPA's and FLoRA's dense base)."""
     from fedsplice.app.cli import main
 
     full = {n for n, a in R.ALGORITHMS.items() if a.full_ok}
     assert full == {"full-ft", "fedprox", "fedper", "local", "zeroshot", "centralized", "majority", "local-prior"}
-    assert {n for n, a in R.ALGORITHMS.items() if a.lora_parts} == {"pfedlora", "feddpa"}
+    assert {n for n, a in R.ALGORITHMS.items() if a.lora_parts} == {"pfedlora", "feddpa", "flora"}
     assert main(["validate", "--no-data", "--set", "peft.type=full"]) == 2  # the default is PFAdapter
     assert "peft.type = 'full' trains the whole backbone" in capsys.readouterr().err
     register_algorithm("mine", build=lambda p, infos, *_: Recipe({n: "global" for n in infos}), replace=True)

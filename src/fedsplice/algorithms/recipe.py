@@ -93,11 +93,13 @@ class Exchange:
     """A method's own rules for what travels (HetLoRA), around the generic round: every hook is
     optional and sees the method's client slot (the tensor dict `Personal` uses too).
 
-    receive(ops, rnd, received, slot) -> (tensors, slot): on the client, the GLOBAL tensors it
-      trains from (e.g. truncated to its rank) instead of those received; TrainContext.state is
-      the returned slot during the round's training.
-    send(ops, rnd, trained, slot) -> (upload, slot, stats): on the client, what it uploads of its
-      trained GLOBAL tensors (same names and shapes), and scalar statistics for the round record.
+    receive(ops, rnd, received, slot) -> (tensors, slot): on the client, the tensors it trains
+      from: the GLOBAL ones (e.g. truncated to its rank) instead of those received, and any
+      PRIVATE ones to reset (e.g. a fresh LoRA); TrainContext.state is the returned slot during
+      the round's training.
+    send(ops, rnd, trained, slot) -> (upload, slot, stats): on the client, from every trainable
+      tensor as trained, the GLOBAL tensors it uploads (same names and shapes as received), and
+      scalar statistics for the round record.
     weights(uploads, num_examples) -> {tensor name: [weight per upload]}: on the server, the
       aggregation weights of each GLOBAL tensor (normalized there; names left out keep the
       sample-size weights), instead of FedAvg's n_k (server.aggregation = "mean" only)."""
@@ -134,9 +136,13 @@ class PromptParts:
 class LoraParts:
     """More LoRA adapters a method puts on the modules the shared one adapts (peft.type = "lora"):
     {adapter name: rank}, each with peft.alpha / dropout / rsLoRA, all active in every forward.
-    Their tensors' kind is "lora_<name>" (the shared adapter's is "lora")."""
+    Their tensors' kind is "lora_<name>" (the shared adapter's is "lora"). `dense`: also a dense
+    ΔW per adapted module ("<module>.lora_dense", kind "lora_dense", zeros at the start), added
+    to the frozen weight in the forward (off with the adapters, as in zero-shot): a merged base
+    that a method updates in place of a low-rank one (FLoRA)."""
 
     adapters: dict[str, int]
+    dense: bool = False
 
 
 class Phase(NamedTuple):

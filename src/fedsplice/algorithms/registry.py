@@ -22,6 +22,7 @@ from fedsplice.algorithms.baselines import BASELINES, LORA_BASELINES
 from fedsplice.algorithms.feddpa import FEDDPA
 from fedsplice.algorithms.fedotp import FEDOTP
 from fedsplice.algorithms.fedpgp import FEDPGP
+from fedsplice.algorithms.flora import FLORA
 from fedsplice.algorithms.fedpurel import FEDPUREL
 from fedsplice.algorithms.hetlora import HETLORA
 from fedsplice.algorithms.pfadapter import PFADAPTER
@@ -35,7 +36,7 @@ from fedsplice.errors import ConfigError
 ENTRY_POINT_GROUP = "fedsplice.algorithms"
 ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp": FEDOTP, "fedpgp": FEDPGP,
                                     "pfadapter": PFADAPTER, "pfedlora": PFEDLORA, "feddpa": FEDDPA, "hetlora": HETLORA,
-                                    **LORA_BASELINES,
+                                    "flora": FLORA, **LORA_BASELINES,
                                     **REFERENCES}  # references last: the sanity rows of a table
 
 

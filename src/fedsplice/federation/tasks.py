@@ -229,7 +229,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     start = received
     if ex and ex.receive:  # the method's own download rule (e.g. truncated to the client's rank)
         start, slot = ex.receive(OnClient(exp, cid), rnd, received, slot)
-    exp.model.load_params({**start, **priv})
+    exp.model.load_params({**priv, **start})  # receive may also reset PRIVATE tensors (FLoRA's fresh LoRA)
     # pooled (centralized): its optimizer state persists across rounds, one continuous training run;
     # else client.optimizer_state says whether PRIVATE tensors keep theirs
     keep = (exp.global_names + exp.private_names if r.pooled
@@ -241,9 +241,9 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
                                   client_cfg=round_config(exp, cid, rnd))
     params = clone(exp.model.trainable())  # on the CPU: the wire and the store never hold device tensors
     trained = {n: params[n] for n in exp.global_names}
-    if ex and ex.send:  # the method's own upload rule (e.g. its rank pruned)
-        trained, slot, extra = ex.send(OnClient(exp, cid), rnd, trained, slot)
-        stats = {**stats, **extra}
+    if ex and ex.send:  # the method's own upload rule (e.g. its rank pruned), from all it trained
+        sent, slot, extra = ex.send(OnClient(exp, cid), rnd, params, slot)
+        trained, stats = {n: sent[n] for n in exp.global_names}, {**stats, **extra}
     codec = exp.cfg.client.upload
     residual = dict(stored.ef) if stored is not None and codec == "int8" else {}
     up, residual = wire.compress(trained, received, codec, residual)

@@ -20,6 +20,7 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedsplice.config import PeftConfig
@@ -54,11 +55,30 @@ def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int
             if parts is not None and parts.adapters:
                 # peft types base_model as nn.Module; under a LoraConfig it is the LoraModel
                 cast("LoraModel", model.base_model).set_adapter(["default", *parts.adapters])
+            if parts is not None and parts.dense:
+                add_dense(model)
             return model
         except ValueError as e:
             raise ConfigError(f"peft: no module of this {mtype} backbone matches roles {pc.roles}, "
                               f"layers {pc.layers or 'all'}, tower {pc.tower or '(any)'} ({e}); "
                               f"check peft.layers / peft.tower") from None
+
+
+def _plus_dense(mod: nn.Module, args, out):
+    if getattr(mod, "disable_adapters", False):  # zero-shot: the frozen weight alone
+        return out
+    return out + F.linear(args[0], cast(torch.Tensor, mod.lora_dense).to(args[0].dtype))
+
+
+def add_dense(model: nn.Module) -> None:
+    """A dense ΔW (zeros) beside the LoRA of every adapted Linear, as its parameter "lora_dense"
+    (LoraParts.dense): the module's output becomes W0 x + ΔW x + its LoRA."""
+    for mod in model.modules():
+        base = getattr(mod, "base_layer", None)
+        if isinstance(base, nn.Linear) and hasattr(mod, "lora_A"):
+            # by the features, not weight.shape: a 4-bit base packs its weight
+            mod.lora_dense = nn.Parameter(torch.zeros(base.out_features, base.in_features, device=base.weight.device))
+            mod.register_forward_hook(_plus_dense)
 
 
 def unfreeze(base: nn.Module) -> nn.Module:
@@ -129,6 +149,11 @@ def param_infos(names, rmap: dict[str, str]) -> dict[str, ParamInfo]:
             adapter = name.split(f".lora_{factor}.")[1].split(".")[0]
             kind = "lora" if adapter == "default" else f"lora_{adapter}"  # a method's own adapter (LoraParts)
             infos[name] = ParamInfo(role, factor, m.group(1) if m else module, kind)
+        elif name.endswith(".lora_dense"):  # a method's dense ΔW on an adapted module (LoraParts.dense)
+            module = name[:-len(".lora_dense")]
+            role = next((r for r, s in rmap.items() if module.endswith("." + s)), None)
+            m = LAYER.match(module)
+            infos[name] = ParamInfo(role, None, m.group(1) if m else module, "lora_dense")
         else:  # head, prompt, adapter, projector, backbone ("full"), a method's modules: named by their module
             infos[name] = ParamInfo(None, None, None, name.split(".")[0])
     return infos
