@@ -8,7 +8,7 @@ group's setting text is generated from its runs' configs (`fedsplice.app.setting
 
 All runs share OUT/runs/<experiment>/seed-<s> and go through `compare.run_all`, so a
 suite that is stopped and started again runs only what is missing; a finished run is reused
-only while its config and the regression goldens are unchanged (`fedsplice.app.provenance`).
+only while its config and the goldens that existed at its commit are unchanged (`fedsplice.app.provenance`).
 """
 
 from __future__ import annotations
@@ -255,7 +255,8 @@ def provenance_line(meta: dict) -> str:
     commits = ", ".join(f"{n} at {c}" for c, n in sorted(meta["by_commit"].items(), key=lambda x: -x[1]))
     reuse = meta.get("reuse", {})
     return (f"Runs by commit: {commits}. A run from an earlier commit is reused only while its config is the one "
-            f"planned now and the regression goldens are unchanged (hash {meta.get('goldens') or 'none: no goldens'}); "
+            f"planned now and the regression goldens that existed at its commit are unchanged (goldens added "
+            f"since, for new configs, do not count; hash now {meta.get('goldens') or 'none: no goldens'}); "
             f"{reuse.get('restored', 0)} were restored from the committed records, {reuse.get('stale', 0)} were stale "
             f"and ran again.")
 
