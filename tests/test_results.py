@@ -385,7 +385,15 @@ def test_records_restore_a_suite_and_stale_runs_run_again(suite, tmp_path, monke
     # stale: other goldens, or another config; moved to OUT/stale/<time>/runs/...
     runs = R.plan_suite(R.load_suite(suite), tmp_path / "fresh")
     assert P.stale(runs[0][3], runs[0][2], P.goldens_hash()) is None
-    assert "goldens changed" in P.stale(runs[0][3], runs[0][2], "0" * 16)
+    # goldens changed: the hash recorded at the run's commit no longer matches those files now
+    def recorded_goldens(value):
+        for *_, d in runs:
+            f = d / "provenance.json"
+            f.write_text(json.dumps({**json.loads(f.read_text()), "goldens": value}))
+    now = P.goldens_hash()
+    recorded_goldens("0" * 16)
+    assert "goldens changed" in P.stale(runs[0][3], runs[0][2], now)
+    recorded_goldens(now)
     # a setting added after the run (absent from its config.toml) takes its default: still valid
     saved = runs[0][3] / "config.toml"
     text = saved.read_text()
@@ -397,7 +405,8 @@ def test_records_restore_a_suite_and_stale_runs_run_again(suite, tmp_path, monke
     other = R.plan_suite(R.load_suite(suite), tmp_path / "fresh", seeds=1)
     other[0][2].client.lr *= 2
     assert P.stale(other[0][3], other[0][2], P.goldens_hash()) == "its config differs from the suite's"
-    assert P.prepare(runs, tmp_path / "fresh", None, "0" * 16) == {"restored": 0, "stale": 4}
+    recorded_goldens("0" * 16)
+    assert P.prepare(runs, tmp_path / "fresh", None, now) == {"restored": 0, "stale": 4}
     moved = list((tmp_path / "fresh" / "stale").glob("*/runs/pf/seed-0/results.json"))
     assert len(moved) == 1 and not (tmp_path / "fresh" / "runs" / "pf" / "seed-0").exists()
 
