@@ -37,6 +37,8 @@ def round_line(r: dict, refs: dict | None = None) -> str:
     s = f"{r['phase']} (after round {r['round']})" if "phase" in r else f"round {r['round']:>3}"
     if "train_loss" in r:
         s += f"  loss {r['train_loss']:.3f}  up {r['up_bytes'] / 1e3:.1f} kB  {r['time_s']:.1f}s"
+    if "dp_epsilon" in r:
+        s += f"  ε {r['dp_epsilon']:.2f}"
     if r.get("skipped"):
         s += "  SKIPPED (too few valid replies)"
     failed = {k: r[k] for k in ("dropped", "late", "rejected") if r.get(k)}

@@ -76,6 +76,8 @@ def results_table(cfg: ExperimentConfig, exp, name: str, records: list[dict], fi
     results["data"] = data_table(exp)
     results["references"] = refs
     results["warnings"] = learning_warnings(cfg, exp, results)
+    if exp.privacy is not None:  # the ε spent by the rounds run (metrics.jsonl has it per round)
+        results["privacy"] = exp.privacy.summary(rounds)
     purified = [r["purified_steps"] for r in records if "purified_steps" in r]
     if purified:
         results["purified_fraction"] = float(sum(purified) / len(purified))
@@ -179,6 +181,11 @@ def print_table(results: dict) -> None:
     c = results["communication"]
     t.caption = (f"upload {c['up_bytes'] / 1e6:.2f} MB total, {c['up_bytes_per_round'] / 1e3:.1f} kB/round; "
                  f"download {c['down_bytes'] / 1e6:.2f} MB")
+    if "privacy" in results:
+        p = results["privacy"]
+        t.caption += (f"\nDP ({p['mode']}): ε = {p['epsilon']:.2f} at δ = {p['delta']:g} after {p['rounds']} rounds "
+                      f"(clip {p['clip']:g}, noise multiplier {p['noise_multiplier']:.3f}, q = {p['sample_rate']:.3f}, "
+                      f"{p['accountant'].upper()} accountant; GLOBAL tensors only)")
     out = make_console()
     out.print(t)
     for w in results.get("warnings", []):

@@ -12,6 +12,7 @@ need a registry (zoo models, data sets, algorithms' `[method]` tables, server op
     checks      ROLES and the shared field checks (check_positive, check_roles)
     task        model, peft, data, scenario: what is learned on which data
     rounds      client, server, eval, runtime, faults: how the rounds run
+    privacy     [privacy]: differential privacy on the GLOBAL updates
     experiment  ExperimentConfig, the embedded default, the leaf `load_config`, `to_dict`
     parsing     TOML tables -> dataclasses (`from_dict`), `--set` overrides, reading files
 """
@@ -19,13 +20,14 @@ need a registry (zoo models, data sets, algorithms' `[method]` tables, server op
 from fedsplice.config.checks import ROLES, check_positive, check_roles
 from fedsplice.config.experiment import DEFAULT_CONFIG, ExperimentConfig, load_config, saved_as_current, to_dict
 from fedsplice.config.parsing import apply_overrides, from_dict, parse_value, read_toml
+from fedsplice.config.privacy import PrivacyConfig
 from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, GrabConfig, RuntimeConfig, ServerConfig
 from fedsplice.config.task import (SITES, USER_DATA_KINDS, DataConfig, ModelConfig, PeftConfig, ScenarioConfig,
                                    check_user_path, user_data)
 
 
 __all__ = ["DEFAULT_CONFIG", "ROLES", "SITES", "USER_DATA_KINDS", "ClientConfig", "DataConfig", "EvalConfig",
-           "ExperimentConfig", "FaultsConfig", "GrabConfig", "ModelConfig", "PeftConfig", "RuntimeConfig",
-           "ScenarioConfig", "ServerConfig", "apply_overrides", "check_positive", "check_roles",
+           "ExperimentConfig", "FaultsConfig", "GrabConfig", "ModelConfig", "PeftConfig", "PrivacyConfig",
+           "RuntimeConfig", "ScenarioConfig", "ServerConfig", "apply_overrides", "check_positive", "check_roles",
            "check_user_path", "from_dict", "load_config", "parse_value", "read_toml", "saved_as_current", "to_dict",
            "user_data"]

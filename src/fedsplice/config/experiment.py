@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedsplice.config.parsing import apply_overrides, from_dict, read_toml
+from fedsplice.config.privacy import PrivacyConfig
 from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, GrabConfig, RuntimeConfig, ServerConfig
 from fedsplice.config.task import DataConfig, ModelConfig, PeftConfig, ScenarioConfig
 from fedsplice.errors import ConfigError
@@ -35,6 +36,7 @@ class ExperimentConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def check(self) -> None:
         """Every section's own checks, then the checks across sections. The checks against the
@@ -72,6 +74,10 @@ class ExperimentConfig:
         if self.client.upload != "fp32" and self.runtime.kind == "flower":
             raise ConfigError(f"client.upload = {self.client.upload!r} is implemented by the simulation "
                               f"runtime only; use client.upload = 'fp32' with runtime.kind = 'flower'")
+        if self.privacy.enabled and self.server.aggregation != "mean":
+            raise ConfigError(f"privacy.mode = {self.privacy.mode!r} bounds the sum of clipped updates; "
+                              f"server.aggregation = {self.server.aggregation!r} is not a sum: set "
+                              f"server.aggregation = 'mean'")
         self.check_hardware()
 
     def check_hardware(self) -> None:

@@ -26,6 +26,7 @@ import torch
 
 PARTITION, SAMPLING, CLIENT, LOCAL_TEST, FAULTS, LONG_TAIL, SCENARIO, VALIDATION = 0, 1, 2, 3, 4, 5, 6, 7
 METHOD = 8  # a method's own draws on a client (ClientOps.rng): [seed, METHOD, client, key]
+PRIVACY = 9  # DP noise under privacy.noise = "seeded": [seed, PRIVACY, round] (+ client, distributed)
 
 COLD_START_ROUND = 10**6  # client stream of cold-start epoch e: round key COLD_START_ROUND + e
 PERSONALIZE_ROUND = 10**7  # client stream of FedPuReL's phase 2

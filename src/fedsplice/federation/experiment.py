@@ -15,6 +15,8 @@ import torch
 from fedsplice.data import partition as P
 from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.algorithms import Recipe, build_recipe, clone
+from fedsplice.federation.privacy import Plan, check_recipe
+from fedsplice.federation.privacy import plan as privacy_plan
 from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, VALIDATION, rng
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.config import ExperimentConfig
@@ -42,6 +44,7 @@ class Experiment:
     sampling: list[list[int]]  # pre-generated: round r trains clients sampling[r]
     caches: dict = field(default_factory=dict)  # frozen work: e.g. "zero_shot" train logits
     scenario: dict = field(default_factory=dict)  # realised scenario statistics; {}: none
+    privacy: Plan | None = None  # [privacy] resolved (noise multiplier chosen); None: off
 
 
 def make_clients(cfg: ExperimentConfig, data: TextDataset) -> list[Client]:
@@ -153,6 +156,8 @@ def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experim
     exp = Experiment(cfg, data, clients, train_ids, holdout_ids, model, recipe,
                      names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE),
                      clone(params), server_opt, sampling_stream(cfg, train_ids), scenario=scenario)
+    check_recipe(cfg, recipe, exp.global_names)
+    exp.privacy = privacy_plan(cfg, len(train_ids))
     if recipe.pooled or recipe.prior:  # the reference rows: centralized's pooled client; checks
         prepare_reference(exp)
     exp.caches.update(zero_shot_caches(exp))

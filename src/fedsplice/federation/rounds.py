@@ -26,6 +26,7 @@ from fedsplice.federation.calls import ask
 from fedsplice.federation.checkpoint import RoundState
 from fedsplice.federation.evaluation import evaluate_global, pooled_gm, summarize_pm
 from fedsplice.federation.gather import gather
+from fedsplice.federation.privacy import server_aggregate
 
 
 @dataclass
@@ -107,15 +108,18 @@ def round_record(rnd: int, got, ok: bool, t0: float) -> dict:
     return record
 
 
-def aggregate_round(exp, accepted, global_params: dict) -> dict:
-    """The aggregate of the accepted updates' deltas: server.aggregation over them, or with the
-    method's own weights per tensor (recipe.exchange.weights; the rest by sample size)."""
+def aggregate_round(exp, accepted, global_params: dict, rnd: int = 0) -> tuple[dict, dict]:
+    """The aggregate of the accepted updates' deltas: server.aggregation over them, with the
+    method's own weights per tensor (recipe.exchange.weights; the rest by sample size), or
+    DP-FedAvg's clipped, noised sum over m (federation.privacy); and what the round logs of it."""
     sc, ex = exp.cfg.server, exp.recipe.exchange
     ds, n = [deltas(u, global_params) for _, u in accepted], [r.num_examples for r, _ in accepted]
+    if exp.privacy is not None:
+        return server_aggregate(exp.privacy, exp.cfg, rnd, ds)
     if not (ex and ex.weights):
-        return aggregate(ds, n, sc.aggregation, sc.trim_fraction)
+        return aggregate(ds, n, sc.aggregation, sc.trim_fraction), {}
     w = ex.weights([u for _, u in accepted], n)
-    return {k: weighted_mean([{k: d[k]} for d in ds], w.get(k, n))[k] for k in ds[0]}
+    return {k: weighted_mean([{k: d[k]} for d in ds], w.get(k, n))[k] for k in ds[0]}, {}
 
 
 def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, start: RoundState | None = None,
@@ -145,10 +149,13 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
             got.up_bytes = got.down_bytes = 0
         up_total, down_total = up_total + got.up_bytes, down_total + got.down_bytes
         ok = len(got.accepted) >= sc.min_replies
+        logged: dict[str, float] = {}
         if ok and exp.global_names:
-            agg = aggregate_round(exp, got.accepted, global_params)
+            agg, logged = aggregate_round(exp, got.accepted, global_params, rnd)
             global_params, server_state = exp.server_opt.update(agg, server_state, global_params)
         record = round_record(rnd, got, ok, t0)
+        if exp.privacy is not None:  # every round's uploads count, a skipped one too (conservative)
+            record.update(logged, dp_epsilon=exp.privacy.epsilon(rnd))
         if rnd % exp.cfg.eval.every == 0 or rnd == sc.rounds:
             record.update(gm_and_pm(exp, transport, global_params))
         on_round(record)

@@ -41,6 +41,7 @@ from fedsplice.data.partition import Client
 from fedsplice.errors import ConfigError
 from fedsplice.federation.evaluation import prior_logits, score
 from fedsplice.federation.metrics import classification_metrics
+from fedsplice.federation.privacy import client_release
 from fedsplice.federation.state import ClientState
 from fedsplice.federation.train import PLAIN, Step, local_train, planned_steps
 
@@ -244,6 +245,8 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     if ex and ex.send:  # the method's own upload rule (e.g. its rank pruned), from all it trained
         sent, slot, extra = ex.send(OnClient(exp, cid), rnd, params, slot)
         trained, stats = {n: sent[n] for n in exp.global_names}, {**stats, **extra}
+    if exp.privacy is not None:  # distributed DP: clipped and noised here, before anything leaves
+        trained = client_release(exp.privacy, exp.cfg, cid, rnd, trained, received)
     codec = exp.cfg.client.upload
     residual = dict(stored.ef) if stored is not None and codec == "int8" else {}
     up, residual = wire.compress(trained, received, codec, residual)

@@ -1,0 +1,48 @@
+"""[privacy]: client-level differential privacy on what leaves a client (DP-FedAvg).
+
+Only the GLOBAL tensors travel, so only their update is clipped and noised; PRIVATE tensors never
+leave a client and take no noise. docs/privacy.md states the guarantee and its limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fedsplice.errors import ConfigError
+
+
+@dataclass
+class PrivacyConfig:
+    # off; central: the server clips each client's GLOBAL update and adds the noise once to the
+    # clipped sum; distributed: each client clips its own and adds a 1/m share of the noise
+    # variance (m = server.clients_per_round), so that the sum carries the full noise
+    mode: Literal["off", "central", "distributed"] = "off"
+    clip: float = 0.0  # S: the L2 bound of one client's whole GLOBAL update (all tensors together)
+    noise_multiplier: float = 0.0  # z: the sum's noise is N(0, (z·S)^2) per coordinate
+    target_epsilon: float = 0.0  # > 0: z is chosen so that the planned rounds spend this ε
+    delta: float = 1e-5
+    accountant: Literal["rdp", "prv"] = "rdp"  # Opacus' accountants
+    # secure: noise from the OS's entropy (a deployment); seeded: from the run's seed, so that a
+    # run reproduces (research; whoever has the config can subtract the noise: no guarantee)
+    noise: Literal["secure", "seeded"] = "secure"
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def check(self) -> None:
+        if not self.enabled:
+            return
+        if self.clip <= 0:
+            raise ConfigError(f"privacy.clip must be > 0 (the L2 bound of a client's GLOBAL update), got {self.clip}")
+        if self.noise_multiplier < 0 or self.target_epsilon < 0:
+            raise ConfigError("privacy.noise_multiplier and privacy.target_epsilon must be >= 0")
+        if self.noise_multiplier > 0 and self.target_epsilon > 0:
+            raise ConfigError("privacy.noise_multiplier and privacy.target_epsilon are both set: keep one "
+                              "(target_epsilon chooses the noise multiplier)")
+        if self.noise_multiplier == 0 and self.target_epsilon == 0:
+            raise ConfigError(f"privacy.mode = {self.mode!r} with no noise gives no privacy (ε = ∞): set "
+                              f"privacy.noise_multiplier > 0 or privacy.target_epsilon > 0")
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"privacy.delta must be in (0, 1), e.g. 1e-5, got {self.delta}")

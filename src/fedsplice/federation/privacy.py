@@ -1,0 +1,102 @@
+"""DP-FedAvg in the round loop: what [privacy] does to the GLOBAL updates, and the ε it spends.
+
+central:     the server clips each accepted update to S, sums, adds N(0, (z·S)²) once, divides by m.
+distributed: each client clips its own update and adds N(0, (z·S)²/m) before it uploads; the server
+             only sums and divides by m (with secure aggregation it sees nothing else).
+m is server.clients_per_round, fixed in advance: every accepted update weighs 1/m whatever its
+sample count (DP needs weights that do not depend on the data), and a round with dropouts
+releases a smaller sum rather than a mean over fewer clients. q = m / training clients.
+PRIVATE tensors never leave a client: they take no clipping and no noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from fedsplice.core import privacy as dp
+from fedsplice.core.streams import PRIVACY
+from fedsplice.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    clip: float
+    noise_multiplier: float  # z, given or chosen for target_epsilon
+    clients_per_round: int  # m
+    sample_rate: float  # q
+    delta: float
+    accountant: str
+    seeded: bool
+
+    def epsilon(self, rounds: int) -> float:
+        return _epsilon(self.noise_multiplier, self.sample_rate, rounds, self.delta, self.accountant)
+
+    def summary(self, rounds: int) -> dict:
+        """results.json's "privacy": the setting and the ε spent after `rounds`."""
+        return {"mode": self.mode, "clip": self.clip, "noise_multiplier": self.noise_multiplier,
+                "clients_per_round": self.clients_per_round, "sample_rate": self.sample_rate,
+                "delta": self.delta, "accountant": self.accountant, "rounds": rounds,
+                "epsilon": self.epsilon(rounds), "noise": "seeded" if self.seeded else "secure"}
+
+
+@lru_cache(maxsize=256)  # a resumed or long run asks for the same rounds again
+def _epsilon(z: float, q: float, rounds: int, delta: float, kind: str) -> float:
+    return dp.epsilon(z, q, rounds, delta, kind)
+
+
+def plan(cfg, n_train: int) -> Plan | None:
+    """The run's DP setting, with the noise multiplier resolved; None when [privacy] is off."""
+    p = cfg.privacy
+    if not p.enabled:
+        return None
+    m, rounds = cfg.server.clients_per_round, cfg.server.rounds
+    q = m / n_train
+    z = p.noise_multiplier or dp.noise_for(p.target_epsilon, p.delta, q, rounds, p.accountant)
+    return Plan(p.mode, p.clip, z, m, q, p.delta, p.accountant, p.noise == "seeded")
+
+
+def check_recipe(cfg, recipe, global_names: list[str]) -> None:
+    """What DP-FedAvg cannot bound: a method's own per-tensor weights, a pooled reference, nothing sent."""
+    if not cfg.privacy.enabled:
+        return
+    where = f"privacy.mode = {cfg.privacy.mode!r}"
+    if recipe.pooled or not global_names:
+        raise ConfigError(f"{where}: algorithm {cfg.algorithm!r} sends nothing to a server (nothing to protect); "
+                          f"set privacy.mode = 'off'")
+    if recipe.exchange is not None and recipe.exchange.weights is not None:
+        raise ConfigError(f"{where} needs fixed weights, and algorithm {cfg.algorithm!r} weighs each tensor by its "
+                          f"own rule; set privacy.mode = 'off' or use another algorithm")
+
+
+def _gen(pl: Plan, cfg, *keys: int) -> torch.Generator:
+    return dp.generator([cfg.seed, PRIVACY, *keys] if pl.seeded else None)
+
+
+def server_aggregate(pl: Plan, cfg, rnd: int, updates: list[dict]) -> tuple[dict, dict]:
+    """The released mean delta of a round's accepted updates, and what the server logs about it
+    (central mode: the fraction of updates clipped and their median norm)."""
+    stats: dict = {}
+    if pl.mode == "central":
+        clipped, norms = zip(*(dp.clip(u, pl.clip) for u in updates))
+        total = {n: sum(c[n] for c in clipped) for n in updates[0]}
+        total = dp.add_noise(total, pl.noise_multiplier * pl.clip, _gen(pl, cfg, rnd))
+        srt = sorted(norms)
+        stats = {"dp_clipped": sum(x > pl.clip for x in norms) / len(norms), "dp_norm": srt[len(srt) // 2]}
+    else:
+        total = {n: sum(u[n].double() for u in updates) for n in updates[0]}
+    return {n: total[n] / pl.clients_per_round for n in updates[0]}, stats
+
+
+def client_release(pl: Plan, cfg, cid: int, rnd: int, trained: dict, received: dict) -> dict:
+    """Distributed mode: the GLOBAL tensors a client uploads, received + its clipped, noised update
+    (noise std z·S/√m: the m shares add up to the central noise). Other modes: `trained` as is."""
+    if pl.mode != "distributed":
+        return trained
+    update, _ = dp.clip({n: trained[n].double() - received[n].double() for n in trained}, pl.clip)
+    noisy = dp.add_noise(update, pl.noise_multiplier * pl.clip / pl.clients_per_round ** 0.5,
+                         _gen(pl, cfg, rnd, cid))
+    return {n: (received[n].double() + noisy[n]).to(trained[n].dtype) for n in trained}
