@@ -386,11 +386,18 @@ def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
     Node._cached, Node._key = None, ()  # the in-process "node" kept an experiment alive
 
 
-def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_bert_dir, toy_jsonl):
+# the DP cases: a client's noise share (distributed) and the server's noise (central) are seeded by
+# (seed, round, client), so Flower's run releases the same noised aggregates as the simulation
+@pytest.mark.parametrize("privacy", [{}, {"mode": "distributed", "clip": 0.05, "noise_multiplier": 1.0},
+                                     {"mode": "central", "clip": 0.05, "noise_multiplier": 1.0}])
+def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_bert_dir, toy_jsonl, privacy):
     from fedsplice.runtimes.inprocess import run_rounds
     from fedsplice.federation.store import MemoryStore
 
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl)
+    if privacy:
+        for k, v in {**privacy, "noise": "seeded"}.items():
+            setattr(cfg.privacy, k, v)
     exp_s, sim = build(cfg), []
     run_rounds(exp_s, MemoryStore(), sim.append)
     _, fl, events, _ = in_process(cfg)
@@ -398,6 +405,8 @@ def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_b
     for a, b in zip(sim, fl, strict=True):
         assert (a["gm"], a["pm"], a.get("clients"), a.get("train_loss")) == (b["gm"], b["pm"], b.get("clients"),
                                                                               b.get("train_loss"))
+        assert a.get("dp_epsilon") == b.get("dp_epsilon")
+        assert (a.get("dp_epsilon") is not None) == (bool(privacy) and a["round"] > 0)
 
 
 def test_bad_replies_are_refused_and_logged_with_the_node_id(in_process, cfg_factory, tiny_bert_dir, toy_jsonl):

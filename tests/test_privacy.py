@@ -122,6 +122,9 @@ def test_cli_run_reports_epsilon_in_results_and_metrics(tiny_cfg, tmp_path):
     assert eps[0] is None and eps[-1] == p["epsilon"] and eps[1] < eps[2]
     assert p["mode"] == "distributed" and p["rounds"] == 2 and p["noise_multiplier"] == 1.0
     assert p["epsilon"] == pytest.approx(dp.epsilon(1.0, 2 / 3, 2, 1e-5)) and math.isfinite(p["epsilon"])
+    # a server reading each upload sees noise z/√m = 1/√2 and knows who it sampled: q = 1
+    assert p["server_view_epsilon"] == pytest.approx(dp.epsilon(2 ** -0.5, 1.0, 2, 1e-5))
+    assert p["server_view_epsilon"] > p["epsilon"]
 
 
 @pytest.mark.parametrize("sets,match", [

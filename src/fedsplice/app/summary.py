@@ -185,7 +185,9 @@ def print_table(results: dict) -> None:
         p = results["privacy"]
         t.caption += (f"\nDP ({p['mode']}): ε = {p['epsilon']:.2f} at δ = {p['delta']:g} after {p['rounds']} rounds "
                       f"(clip {p['clip']:g}, noise multiplier {p['noise_multiplier']:.3f}, q = {p['sample_rate']:.3f}, "
-                      f"{p['accountant'].upper()} accountant; GLOBAL tensors only)")
+                      f"{p['accountant'].upper()} accountant; GLOBAL tensors only; against the server itself: "
+                      + ("none, it sees clipped updates in the clear)" if p["server_view_epsilon"] is None
+                         else f"ε = {p['server_view_epsilon']:.2f} without secure aggregation)"))
     out = make_console()
     out.print(t)
     for w in results.get("warnings", []):

@@ -35,12 +35,22 @@ class Plan:
     def epsilon(self, rounds: int) -> float:
         return _epsilon(self.noise_multiplier, self.sample_rate, rounds, self.delta, self.accountant)
 
+    def server_view_epsilon(self, rounds: int) -> float | None:
+        """ε against a server that reads each upload on its own (no secure aggregation): central
+        mode gives it clipped updates in the clear (None: no guarantee); distributed mode gives
+        it each client's update with noise z/√m, and the server knows who it sampled (q = 1)."""
+        if self.mode != "distributed":
+            return None
+        return _epsilon(self.noise_multiplier / self.clients_per_round ** 0.5, 1.0, rounds, self.delta,
+                        self.accountant)
+
     def summary(self, rounds: int) -> dict:
         """results.json's "privacy": the setting and the ε spent after `rounds`."""
         return {"mode": self.mode, "clip": self.clip, "noise_multiplier": self.noise_multiplier,
                 "clients_per_round": self.clients_per_round, "sample_rate": self.sample_rate,
                 "delta": self.delta, "accountant": self.accountant, "rounds": rounds,
-                "epsilon": self.epsilon(rounds), "noise": "seeded" if self.seeded else "secure"}
+                "epsilon": self.epsilon(rounds), "server_view_epsilon": self.server_view_epsilon(rounds),
+                "noise": "seeded" if self.seeded else "secure"}
 
 
 @lru_cache(maxsize=256)  # a resumed or long run asks for the same rounds again
