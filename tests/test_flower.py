@@ -165,6 +165,21 @@ def test_wire_audit_of_the_real_messages(runs, algo):
     assert not (r["flower"] / "client_state").exists() or not any((r["flower"] / "client_state").iterdir())
 
 
+@pytest.mark.parametrize("algo", ["pfadapter", "lora"])
+@pytest.mark.integration
+def test_the_sites_ledgers_match_the_servers_view(runs, algo, capsys):
+    from fedsplice.app.cli import main
+
+    fl = runs[algo]["flower"]
+    # each SuperNode wrote its own ledger beside its PRIVATE state; the server only its view
+    sites = sorted((fl / "flower" / "nodes").glob("node-*/state/run-*/ledger/site-*.jsonl"))
+    assert len(sites) == len({c for ids in build(runs[algo]["cfg"]).sampling for c in ids})
+    assert not list((fl / "ledger").glob("site-*.jsonl"))
+    capsys.readouterr()
+    assert main(["audit", str(fl)]) == 0
+    assert capsys.readouterr().out.strip().endswith("audit: ok")
+
+
 @pytest.mark.integration
 def test_no_process_outlives_the_runs(runs):
     for r in runs.values():

@@ -1,4 +1,4 @@
-"""`fedsplice run | resume | compare | report | results | validate | list`. User errors print one
+"""`fedsplice run | resume | compare | report | results | validate | list | audit`. User errors print one
 line and exit 2, never a traceback."""
 
 from __future__ import annotations
@@ -127,6 +127,12 @@ def cmd_list(args) -> None:
             print(f"{m['name']:14s} {m['description']}  {'fetched' if m['fetched'] else 'not fetched'}")
 
 
+def cmd_audit(args) -> int:
+    from fedsplice.app.audit import audit
+
+    return audit(Path(args.run_dir), [Path(p) for p in args.sites])
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     p = argparse.ArgumentParser(prog="fedsplice", description=__doc__)
@@ -174,19 +180,24 @@ def main(argv=None) -> int:
     ls = sub.add_parser("list", help="list algorithms, datasets or models")
     ls.add_argument("what", choices=["algorithms", "datasets", "models"])
     ls.set_defaults(fn=cmd_list)
+    au = sub.add_parser("audit", help="check what left each site (its ledger) against the server's view and the split")
+    au.add_argument("run_dir", metavar="RUN_DIR", help="the --out of a run or of `fedsplice flower up`")
+    au.add_argument("--sites", action="append", default=[], metavar="PATH",
+                    help="a site's ledger folder or site-*.jsonl from another host (repeatable)")
+    au.set_defaults(fn=cmd_audit)
     from fedsplice.app.flower.cli import add_parser as add_flower_parser  # `fedsplice flower up|app|certs|executor`
 
     add_flower_parser(sub)
     args = p.parse_args(argv)
     try:
-        args.fn(args)
+        rc = args.fn(args)  # audit: 1 on a mismatch
     except FedspliceError as e:
         print(f"fedsplice: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedsplice: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

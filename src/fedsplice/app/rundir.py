@@ -42,6 +42,7 @@ def prepare(out: Path, overwrite: bool) -> Path:
     for stale in ("metrics.jsonl", "results.json", "results.csv", "accuracy.png"):
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / "client_state", ignore_errors=True)  # PRIVATE state of the old run
+    shutil.rmtree(out / "ledger", ignore_errors=True)  # what the old run's clients sent
     return out
 
 

@@ -200,6 +200,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         if random_label(cfg):
             console.print(f"[bold red]{random_label(cfg)}[/]")
     exp = build(cfg)  # a missing or broken asset (model, data set) fails here, before training
+    exp.ledger = out / "ledger"  # what each client sent, and what the server received (`fedsplice audit`)
     if not quiet:
         console.print(hardware_line(cfg, exp), markup=False, highlight=False)
     data, refs = data_table(exp), references(exp)

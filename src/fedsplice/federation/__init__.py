@@ -9,6 +9,8 @@ loop, evaluation, the client-state store and checkpoints. Runtimes use only the 
 - `evaluation`, `metrics`: GM, PM and the long-tail metrics. `gather`: one round's replies.
 - `store`, `checkpoint`: PRIVATE state per client; resumable server state.
 - `validate`: config checks across sections (algorithm, server, zoo, data set names).
+- `ledger`: what each client sent and what the server received, per tensor (`fedsplice audit`);
+  `privacy`: DP-FedAvg's clipping, noise and ε.
 """
 
 import tomllib
@@ -16,6 +18,7 @@ import tomllib
 from fedsplice.config import SITES, ExperimentConfig, from_dict
 from fedsplice.core import wire
 from fedsplice.core.robust import check_update
+from fedsplice.federation import ledger
 from fedsplice.federation.calls import Observer
 from fedsplice.federation.evaluation import movement, references
 from fedsplice.federation.experiment import Client, Experiment, build
@@ -29,10 +32,10 @@ from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation.validate import load_config
 from fedsplice.federation.validate import validate as validate_config
 
-__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Observer", "Reply", "SITES", "Store", "TASKS", "Transport",
-           "accepts", "build", "check_update", "client_task", "cold_start", "config_from_text", "evaluate_only",
-           "fit_client", "gm_and_pm", "load_config", "make_store", "movement", "personalization", "references", "rng",
-           "run_rounds", "validate_config", "wire"]
+__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Observer", "Reply", "SITES", "Store", "TASKS",
+           "Transport", "accepts", "build", "check_update", "client_task", "cold_start", "config_from_text",
+           "evaluate_only", "fit_client", "gm_and_pm", "ledger", "load_config", "make_store", "movement",
+           "personalization", "references", "rng", "run_rounds", "validate_config", "wire"]
 
 
 def config_from_text(text: str) -> ExperimentConfig:

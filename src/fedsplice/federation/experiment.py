@@ -7,6 +7,7 @@ the same seed see the same partition, the same local test sets and the same samp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,8 @@ class Experiment:
     caches: dict = field(default_factory=dict)  # frozen work: e.g. "zero_shot" train logits
     scenario: dict = field(default_factory=dict)  # realised scenario statistics; {}: none
     privacy: Plan | None = None  # [privacy] resolved (noise multiplier chosen); None: off
+    # where this process's side writes the ledger of uploads (federation.ledger); None: no ledger
+    ledger: Path | None = None
 
 
 def make_clients(cfg: ExperimentConfig, data: TextDataset) -> list[Client]:

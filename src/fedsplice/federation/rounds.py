@@ -25,6 +25,9 @@ from fedsplice.core.server import deltas, weighted_mean
 from fedsplice.federation.calls import ask
 from fedsplice.federation.checkpoint import RoundState
 from fedsplice.federation.evaluation import evaluate_global, pooled_gm, summarize_pm
+from fedsplice.federation.ledger import SERVER, write_split
+from fedsplice.federation.ledger import append as ledger_append
+from fedsplice.federation.ledger import rows as ledger_rows
 from fedsplice.federation.gather import gather
 from fedsplice.federation.privacy import server_aggregate
 
@@ -133,6 +136,8 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
     tensors and server state unchanged) and marked `"skipped": true`.
     """
     sc = exp.cfg.server
+    if exp.ledger is not None:
+        write_split(exp.ledger, exp.global_names, exp.private_names)
     if start is None:
         global_params = initial_global(exp)
         server_state, up_total, down_total = exp.server_opt.init(global_params), 0, 0
@@ -148,6 +153,10 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
         if exp.recipe.pooled:  # centralized: the data are pooled where the model is; nothing is federated
             got.up_bytes = got.down_bytes = 0
         up_total, down_total = up_total + got.up_bytes, down_total + got.down_bytes
+        if exp.ledger is not None:  # the server's view: what it accepted, as it received it
+            eps = exp.privacy.epsilon(rnd) if exp.privacy is not None else None
+            ledger_append(exp.ledger / SERVER,
+                          [row for r, _ in got.accepted for row in ledger_rows(r.payload, rnd, r.cid, eps)])
         ok = len(got.accepted) >= sc.min_replies
         logged: dict[str, float] = {}
         if ok and exp.global_names:

@@ -145,7 +145,7 @@ def _report(conn, e: BaseException) -> None:
         pass  # the main process is gone
 
 
-def serve(parent: int, cfg_text: str, threads: int, store_root: str, conn) -> None:
+def serve(parent: int, cfg_text: str, threads: int, store_root: str, ledger: str, conn) -> None:
     """A worker process: build the experiment once, then serve requests until "close" (or the
     main process goes away)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process stops us
@@ -153,6 +153,7 @@ def serve(parent: int, cfg_text: str, threads: int, store_root: str, conn) -> No
     try:
         torch.set_num_threads(threads)
         exp = build(config_from_text(cfg_text))
+        exp.ledger = Path(ledger) if ledger else None  # the clients' side of the ledger is written here
         store = make_store("disk", Path(store_root)) if store_root else make_store("memory", Path())
         send(conn, {"op": "end"})
     except BaseException as e:  # noqa: BLE001 - reported to the main process, which raises it
@@ -215,7 +216,7 @@ class Workers:
         self._conns: list = []
         shared = store if isinstance(store, DiskStore) else None
         try:
-            self._start(cfg, str(shared.root) if shared is not None else "")
+            self._start(cfg, str(shared.root) if shared is not None else "", str(exp.ledger or ""))
             self.store = shared if shared is not None else WorkerStore(self)
             for cid in (store.clients() if store is not None and shared is None else ()):
                 self.store.put(cid, store.get(cid))
@@ -223,12 +224,12 @@ class Workers:
             self.close(now=True)
             raise
 
-    def _start(self, cfg, store_root: str) -> None:
+    def _start(self, cfg, store_root: str, ledger: str) -> None:
         ctx = get_context("spawn")
         for i in range(self.n):
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=serve, name=f"fedsplice-worker-{i}", daemon=True,
-                            args=(os.getpid(), worker_config(cfg, i), worker_threads(cfg), store_root, theirs))
+                            args=(os.getpid(), worker_config(cfg, i), worker_threads(cfg), store_root, ledger, theirs))
             p.start()
             theirs.close()
             self._procs.append(p)

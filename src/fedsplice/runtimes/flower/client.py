@@ -292,6 +292,7 @@ def node_train(msg: Message, context: Context) -> Message:
     arrays, res = {}, {}
     allowed = set(node.exp.global_names)
     store, rt = node.store(msg), node.exp.cfg.runtime
+    node.exp.ledger = store.root / "ledger"  # the site's own ledger of what it sends, beside its PRIVATE state
     for cid in cids:
         up, stats = fit_client(node.exp, store, cid, rnd, down)
         if rt.checkpoint_every:  # kept until no checkpoint the server keeps can need it

@@ -1,0 +1,117 @@
+"""A ledger of what left each site: one JSON line per tensor sent, per client, per round.
+
+Each client appends to `site-<cid>.jsonl` in its own ledger folder (the run's `ledger/` in a
+simulation; the SuperNode's state folder on Flower) the rows of every upload it makes; the
+server appends to `server.jsonl` the rows of every upload it accepted, and writes `split.json`
+(the run's GLOBAL and PRIVATE names). A row: round, client, tensor name, shape, dtype, bytes
+(the tensor's data, without the envelope), the SHA-256 of those bytes, the ε spent after that
+round (null without [privacy]) and whether it went through secure aggregation (never, yet).
+`check` compares the two views and the split: `fedsplice audit RUN`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from fedsplice.core import wire
+
+SPLIT, SERVER = "split.json", "server.jsonl"
+
+
+def rows(payload: bytes, rnd: int, cid: int, epsilon: float | None) -> list[dict]:
+    """The ledger rows of one upload: its tensors as serialized, in name order."""
+    out = []
+    for name, t in sorted(wire.decode(payload).items()):
+        data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        out.append({"round": rnd, "client": cid, "name": name, "shape": list(t.shape),
+                    "dtype": str(t.dtype).removeprefix("torch."), "bytes": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest(), "epsilon": epsilon, "secagg": False})
+    return out
+
+
+def append(path: Path, new: list[dict]) -> None:
+    """Append rows as JSON lines, in one write (a killed process leaves whole lines only)."""
+    if not new:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in new))
+
+
+def site_file(folder: Path, cid: int) -> Path:
+    return Path(folder) / f"site-{cid}.jsonl"
+
+
+def write_split(folder: Path, global_names: list[str], private_names: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{SPLIT}.tmp"
+    tmp.write_text(json.dumps({"global": sorted(global_names), "private": sorted(private_names)}))
+    os.replace(tmp, folder / SPLIT)
+
+
+def read(path: Path) -> list[dict]:
+    """The rows of a ledger file; a line that is not a JSON object is an error naming it."""
+    out = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i}: not a ledger row (a JSON object per line)")
+        out.append(row)
+    return out
+
+
+_KEY = ("round", "client", "name")
+_SAME = ("shape", "dtype", "bytes", "sha256")
+
+
+def check(split: dict, server: list[dict], sites: dict[str, list[dict]]) -> tuple[list[str], dict]:
+    """(every mismatch, a summary per site) of the server's view against the sites' ledgers and
+    the split: no PRIVATE name, nor any name outside the GLOBAL ones, in any row; every row the
+    server received equal to a row its client wrote. A row a client wrote and the server never
+    accepted (a dropped or late reply) is counted, not a mismatch. A redone round (a resumed run)
+    leaves a client's row more than once: the server's row must equal one of them."""
+    private, allowed = set(split["private"]), set(split["global"])
+    bad: list[str] = []
+    sent: dict[tuple, list[dict]] = defaultdict(list)
+    summary: dict[int, dict] = {}
+    for where, rs in [*sites.items(), ("server", server)]:
+        for r in rs:
+            if r["name"] in private:
+                bad.append(f"{where}: round {r['round']} client {r['client']}: PRIVATE tensor {r['name']} "
+                           f"left the site")
+            elif r["name"] not in allowed:
+                bad.append(f"{where}: round {r['round']} client {r['client']}: {r['name']} is not a GLOBAL tensor")
+    for where, rs in sites.items():
+        for r in rs:
+            sent[tuple(r[k] for k in _KEY)].append(r)
+            s = summary.setdefault(r["client"], {"rounds": set(), "tensors": 0, "bytes": 0, "epsilon": None,
+                                                 "received": 0, "file": where})
+            s["rounds"].add(r["round"])
+            s["tensors"] += 1
+            s["bytes"] += r["bytes"]
+            if r.get("epsilon") is not None:
+                s["epsilon"] = max(s["epsilon"] or 0.0, r["epsilon"])
+    for r in server:
+        key = tuple(r[k] for k in _KEY)
+        mine = sent.get(key)
+        if not mine:
+            bad.append(f"server: round {r['round']} client {r['client']}: {r['name']} received, but the "
+                       f"client's ledger has no such row")
+        elif not any(all(m[k] == r[k] for k in _SAME) for m in mine):
+            diff = [k for k in _SAME if mine[-1][k] != r[k]]
+            bad.append(f"server: round {r['round']} client {r['client']}: {r['name']} differs from what the "
+                       f"client sent ({', '.join(diff)})")
+        else:
+            summary[r["client"]]["received"] += 1
+    for s in summary.values():
+        s["rounds"] = len(s["rounds"])
+    return bad, dict(sorted(summary.items()))
