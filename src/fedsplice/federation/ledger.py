@@ -48,6 +48,11 @@ def site_file(folder: Path, cid: int) -> Path:
     return Path(folder) / f"site-{cid}.jsonl"
 
 
+def site_upload(folder: Path, cid: int, rnd: int, payload: bytes, epsilon: float | None) -> None:
+    """A client's own record of an upload, written before it leaves."""
+    append(site_file(folder, cid), rows(payload, rnd, cid, epsilon))
+
+
 def write_split(folder: Path, global_names: list[str], private_names: list[str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{SPLIT}.tmp"

@@ -41,9 +41,7 @@ from fedsplice.data.partition import Client
 from fedsplice.errors import ConfigError
 from fedsplice.federation.evaluation import prior_logits, score
 from fedsplice.federation.metrics import classification_metrics
-from fedsplice.federation.ledger import append as ledger_append
-from fedsplice.federation.ledger import rows as ledger_rows
-from fedsplice.federation.ledger import site_file
+from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.privacy import client_release
 from fedsplice.federation.state import ClientState
 from fedsplice.federation.train import PLAIN, Step, local_train, planned_steps
@@ -253,9 +251,8 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     codec = exp.cfg.client.upload
     residual = dict(stored.ef) if stored is not None and codec == "int8" else {}
     up, residual = wire.compress(trained, received, codec, residual)
-    if exp.ledger is not None:  # the site's own record of what it sends, before it leaves
-        eps = exp.privacy.epsilon(rnd) if exp.privacy is not None else None
-        ledger_append(site_file(exp.ledger, cid), ledger_rows(up, rnd, cid, eps))
+    if exp.ledger is not None:  # the site's record of what it sends (federation.ledger)
+        site_upload(exp.ledger, cid, rnd, up, exp.privacy.epsilon(rnd) if exp.privacy is not None else None)
     store.put(cid, ClientState(params={n: params[n] for n in exp.private_names}, opt=new_opt, ef=residual,
                                grab=dict(grab["grab"].state) if grab else {}, branch=slot).to_store())
     return up, stats
