@@ -59,6 +59,7 @@ def main() -> None:
         "setup_s": setup, "round_s": per_round,
         "mean_train_s": sum(r["time_s"] for r in records[1:]) / max(len(records) - 1, 1), "mean_round_s": sum(per_round) / max(len(per_round), 1),
         "gm_accuracy": last.get("gm", {}).get("accuracy"), "pm_accuracy": last.get("pm", {}).get("accuracy"),
+        "dp_epsilon": last.get("dp_epsilon"),  # only with [privacy]
         "up_bytes_per_round": sum(r.get("up_bytes", 0) for r in records[1:]) / max(len(records) - 1, 1),
         # workers: this process's peak plus each worker's, bounded by the largest reaped child's
         "peak_rss_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -109,14 +109,17 @@ def test_target_epsilon_picks_the_noise_for_the_planned_rounds(tiny_cfg):
     assert FP.plan(tiny_cfg(), 3) is None
 
 
-def test_cli_run_reports_epsilon_in_results_and_metrics(tiny_cfg, tmp_path):
+def test_cli_run_reports_epsilon_in_results_and_metrics(tiny_cfg, tmp_path, capsys):
     from fedsplice.app.cli import main
     from fedsplice.app.rundir import write_config
 
     write_config(tmp_path, tiny_cfg(privacy__mode='"distributed"', privacy__clip=0.5,
                                     privacy__noise_multiplier=1.0, privacy__noise='"seeded"'))
-    assert main(["run", str(tmp_path / "config.toml"), "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    assert main(["run", str(tmp_path / "config.toml"), "--out", str(tmp_path / "run")]) == 0
     res = json.loads((tmp_path / "run" / "results.json").read_text())
+    shown = " ".join(capsys.readouterr().out.split())  # the final table's caption
+    assert f"DP (distributed): ε = {res['privacy']['epsilon']:.4g} at δ = 1e-05 after 2 rounds" in shown
+    assert f"ε = {res['privacy']['server_view_epsilon']:.4g} without secure aggregation" in shown
     eps = [json.loads(x).get("dp_epsilon") for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     p = res["privacy"]
     assert eps[0] is None and eps[-1] == p["epsilon"] and eps[1] < eps[2]

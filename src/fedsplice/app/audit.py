@@ -41,7 +41,7 @@ def audit(run: Path, extra: list[Path], say=print) -> int:
         raise ConfigError(f"ledger: {e}") from None
     bad, summary = ledger.check(split, server, sites)
     for cid, s in summary.items():
-        eps = f", ε {s['epsilon']:.2f}" if s["epsilon"] is not None else ""
+        eps = f", ε {s['epsilon']:.4g}" if s["epsilon"] is not None else ""
         say(f"client {cid}: {s['rounds']} rounds, {s['tensors']} tensors, {s['bytes'] / 1e6:.2f} MB sent, "
             f"{s['received']} matched on the server{eps}  ({s['file']})")
     say(f"server: {len(server)} tensors received; {len(split['global'])} GLOBAL and "

@@ -183,11 +183,11 @@ def print_table(results: dict) -> None:
                  f"download {c['down_bytes'] / 1e6:.2f} MB")
     if "privacy" in results:
         p = results["privacy"]
-        t.caption += (f"\nDP ({p['mode']}): ε = {p['epsilon']:.2f} at δ = {p['delta']:g} after {p['rounds']} rounds "
+        t.caption += (f"\nDP ({p['mode']}): ε = {p['epsilon']:.4g} at δ = {p['delta']:g} after {p['rounds']} rounds "
                       f"(clip {p['clip']:g}, noise multiplier {p['noise_multiplier']:.3f}, q = {p['sample_rate']:.3f}, "
                       f"{p['accountant'].upper()} accountant; GLOBAL tensors only; against the server itself: "
                       + ("none, it sees clipped updates in the clear)" if p["server_view_epsilon"] is None
-                         else f"ε = {p['server_view_epsilon']:.2f} without secure aggregation)"))
+                         else f"ε = {p['server_view_epsilon']:.4g} without secure aggregation)"))
     out = make_console()
     out.print(t)
     for w in results.get("warnings", []):
