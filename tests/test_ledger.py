@@ -102,3 +102,13 @@ def test_audit_refuses_a_folder_without_a_ledger(tmp_path, capsys):
     assert main(["audit", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("fedsplice: error:") and "no ledger" in err and "\n" not in err
+
+
+def test_a_run_that_sends_nothing_has_an_empty_ledger_that_audits(tiny_cfg, tmp_path, capsys):
+    from fedsplice.app.cli import main
+
+    run = _run(tiny_cfg, tmp_path, algorithm='"local"', method="{}")
+    assert (run / "ledger" / "server.jsonl").read_text() == ""
+    assert all(f.read_text() == "" for f in (run / "ledger").glob("site-*.jsonl"))
+    assert main(["audit", str(run)]) == 0
+    assert "server: 0 tensors received" in capsys.readouterr().out

@@ -32,7 +32,7 @@ def audit(run: Path, extra: list[Path], say=print) -> int:
     folder = run / "ledger"
     if not (folder / ledger.SPLIT).is_file() or not (folder / ledger.SERVER).is_file():
         raise ConfigError(f"{run}: no ledger ({folder}/{ledger.SPLIT} and {ledger.SERVER}); give the --out of a "
-                          f"`fedsplice run` or `fedsplice flower up` that trained at least one round")
+                          f"`fedsplice run` or `fedsplice flower up` (runs made before the ledger existed have none)")
     try:
         split = json.loads((folder / ledger.SPLIT).read_text())
         server = ledger.read(folder / ledger.SERVER)

@@ -58,6 +58,7 @@ def write_split(folder: Path, global_names: list[str], private_names: list[str])
     tmp = folder / f".{SPLIT}.tmp"
     tmp.write_text(json.dumps({"global": sorted(global_names), "private": sorted(private_names)}))
     os.replace(tmp, folder / SPLIT)
+    (folder / SERVER).touch(exist_ok=True)  # a run that sends nothing (local-only) has an empty ledger
 
 
 def read(path: Path) -> list[dict]:

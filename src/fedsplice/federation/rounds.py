@@ -153,7 +153,7 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
         if exp.recipe.pooled:  # centralized: the data are pooled where the model is; nothing is federated
             got.up_bytes = got.down_bytes = 0
         up_total, down_total = up_total + got.up_bytes, down_total + got.down_bytes
-        if exp.ledger is not None:  # the server's view: what it accepted, as it received it
+        if exp.ledger is not None and not exp.recipe.pooled:  # the server's view: what it accepted, as received
             eps = exp.privacy.epsilon(rnd) if exp.privacy is not None else None
             ledger_append(exp.ledger / SERVER,
                           [row for r, _ in got.accepted for row in ledger_rows(r.payload, rnd, r.cid, eps)])
