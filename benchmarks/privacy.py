@@ -27,6 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 short rounds per run")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per run (default 10, quick 2)")
+    ap.add_argument("--noise", default=",".join(map(str, NOISE)), help="noise multipliers z, 0 = no DP (comma list)")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 10)
     common = [f"server.rounds={rounds}", f"eval.every={rounds}", "eval.cold_start_epochs=0", "data.holdout_clients=0"]
@@ -34,7 +35,7 @@ def main() -> None:
         common += ["client.max_steps=4", "data.test_per_class=10"]
     rows = []
     for method, cfg in METHODS.items():
-        for z in NOISE:
+        for z in [float(x) for x in args.noise.split(",")]:
             dp = [] if z == 0 else ["privacy.mode='central'", f"privacy.clip={CLIP}", f"privacy.noise_multiplier={z}"]
             r = in_subprocess("_run", {"config": str(ROOT / "configs" / cfg), "set": common + dp})
             rows.append({"method": method, "noise_multiplier": z or "off", "epsilon": r.get("dp_epsilon"),

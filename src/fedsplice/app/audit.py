@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fedsplice.app.console import plural
 from fedsplice.errors import ConfigError
 from fedsplice.federation import ledger
 
@@ -41,8 +42,8 @@ def audit(run: Path, extra: list[Path], say=print) -> int:
         raise ConfigError(f"ledger: {e}") from None
     bad, summary = ledger.check(split, server, sites)
     for cid, s in summary.items():
-        eps = f", ε {s['epsilon']:.4g}" if s["epsilon"] is not None else ""
-        say(f"client {cid}: {s['rounds']} rounds, {s['tensors']} tensors, {s['bytes'] / 1e6:.2f} MB sent, "
+        eps = f", the run's ε {s['epsilon']:.4g} at its last upload" if s["epsilon"] is not None else ""
+        say(f"client {cid}: {plural(s['rounds'], 'round')}, {s['tensors']} tensors, {s['bytes'] / 1e6:.2f} MB sent, "
             f"{s['received']} matched on the server{eps}  ({s['file']})")
     say(f"server: {len(server)} tensors received; {len(split['global'])} GLOBAL and "
         f"{len(split['private'])} PRIVATE names in the split")
