@@ -74,13 +74,13 @@ def test_client_release_clips_the_update_not_the_tensors():
 
 def test_epsilon_against_opacus_published_values():
     # opacus/tests/accountants_test.py: σ = 1.5, q = 0.04, 90 epochs (2250 steps), δ = 1e-5
-    assert dp.epsilon(1.5, 0.04, 2250, 1e-5) == pytest.approx(7.32911117143, rel=1e-6)
+    assert FP.epsilon(1.5, 0.04, 2250, 1e-5) == pytest.approx(7.32911117143, rel=1e-6)
     # the search stops within Opacus' tolerance (0.01) below the target, never above it
-    z = dp.noise_for(8.0, 1e-5, 0.04, 2250)
-    assert 8.0 - 0.01 <= dp.epsilon(z, 0.04, 2250, 1e-5) <= 8.0
-    assert dp.epsilon(1.5, 0.04, 0, 1e-5) == 0.0
+    z = FP.noise_for(8.0, 1e-5, 0.04, 2250)
+    assert 8.0 - 0.01 <= FP.epsilon(z, 0.04, 2250, 1e-5) <= 8.0
+    assert FP.epsilon(1.5, 0.04, 0, 1e-5) == 0.0
     # PRV is the tighter accountant
-    assert dp.epsilon(1.0, 0.25, 20, 1e-5, "prv") < dp.epsilon(1.0, 0.25, 20, 1e-5, "rdp")
+    assert FP.epsilon(1.0, 0.25, 20, 1e-5, "prv") < FP.epsilon(1.0, 0.25, 20, 1e-5, "rdp")
 
 
 def test_a_run_releases_the_fixed_weight_sum_and_logs_epsilon(tiny_cfg, capture_uploads):
@@ -96,7 +96,7 @@ def test_a_run_releases_the_fixed_weight_sum_and_logs_epsilon(tiny_cfg, capture_
     for n in exp.global_names:
         want = start[n].double() + sum(u[n].double() - start[n].double() for u in ups) / 2
         assert torch.allclose(state["global_params"][n].double(), want, atol=1e-6)
-    assert records[1]["dp_epsilon"] == pytest.approx(dp.epsilon(1e-12, 2 / 3, 1, 1e-5))
+    assert records[1]["dp_epsilon"] == pytest.approx(FP.epsilon(1e-12, 2 / 3, 1, 1e-5))
     assert records[1]["dp_clipped"] == 0.0 and records[1]["dp_norm"] > 0
 
 
@@ -124,9 +124,9 @@ def test_cli_run_reports_epsilon_in_results_and_metrics(tiny_cfg, tmp_path, caps
     p = res["privacy"]
     assert eps[0] is None and eps[-1] == p["epsilon"] and eps[1] < eps[2]
     assert p["mode"] == "distributed" and p["rounds"] == 2 and p["noise_multiplier"] == 1.0
-    assert p["epsilon"] == pytest.approx(dp.epsilon(1.0, 2 / 3, 2, 1e-5)) and math.isfinite(p["epsilon"])
+    assert p["epsilon"] == pytest.approx(FP.epsilon(1.0, 2 / 3, 2, 1e-5)) and math.isfinite(p["epsilon"])
     # a server reading each upload sees noise z/√m = 1/√2 and knows who it sampled: q = 1
-    assert p["server_view_epsilon"] == pytest.approx(dp.epsilon(2 ** -0.5, 1.0, 2, 1e-5))
+    assert p["server_view_epsilon"] == pytest.approx(FP.epsilon(2 ** -0.5, 1.0, 2, 1e-5))
     assert p["server_view_epsilon"] > p["epsilon"]
 
 

@@ -4,14 +4,13 @@ A client's update Δ_k (its GLOBAL tensors minus what it received) is clipped as
 norm S: Δ_k · min(1, S / ‖Δ_k‖). The server releases (Σ_k clipped Δ_k + N(0, (z·S)² I)) / m with
 m fixed in advance (the planned clients a round), so one client's presence moves the sum by at
 most S: the Gaussian mechanism with noise multiplier z, once per round, on a sampled fraction
-q of the clients. The privacy spent is counted by Opacus' accountants, never by our own math.
+q of the clients. The privacy spent is counted by Opacus' accountants (federation.privacy), never by our own math.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-import warnings
 
 import torch
 
@@ -44,31 +43,3 @@ def add_noise(tensors: Params, std: float, gen: torch.Generator) -> Params:
     """tensors + N(0, std²) per coordinate, in float64, drawn in name order."""
     return {n: tensors[n].double() + std * torch.randn(tensors[n].shape, generator=gen, dtype=torch.float64)
             for n in sorted(tensors)}
-
-
-def _accountant(kind: str):
-    from opacus.accountants import PRVAccountant, RDPAccountant  # heavy import: only when DP is on
-
-    return RDPAccountant() if kind == "rdp" else PRVAccountant()
-
-
-def epsilon(noise_multiplier: float, sample_rate: float, rounds: int, delta: float, kind: str = "rdp") -> float:
-    """ε spent after `rounds` releases of the subsampled Gaussian mechanism (Opacus' `kind`
-    accountant; it assumes Poisson sampling of the clients at rate `sample_rate`)."""
-    if rounds <= 0:
-        return 0.0
-    acc = _accountant(kind)
-    acc.history = [(noise_multiplier, sample_rate, rounds)]
-    with warnings.catch_warnings():  # "optimal order is the largest alpha": the bound is still valid
-        warnings.simplefilter("ignore", UserWarning)
-        return float(acc.get_epsilon(delta=delta))
-
-
-def noise_for(target_epsilon: float, delta: float, sample_rate: float, rounds: int, kind: str = "rdp") -> float:
-    """The noise multiplier with which `rounds` releases spend `target_epsilon` (Opacus' search)."""
-    from opacus.accountants.utils import get_noise_multiplier
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
-                                          sample_rate=sample_rate, steps=rounds, accountant=kind))

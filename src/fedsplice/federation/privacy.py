@@ -11,6 +11,7 @@ PRIVATE tensors never leave a client: they take no clipping and no noise.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -55,7 +56,7 @@ class Plan:
 
 @lru_cache(maxsize=256)  # a resumed or long run asks for the same rounds again
 def _epsilon(z: float, q: float, rounds: int, delta: float, kind: str) -> float:
-    return dp.epsilon(z, q, rounds, delta, kind)
+    return epsilon(z, q, rounds, delta, kind)
 
 
 def plan(cfg, n_train: int) -> Plan | None:
@@ -65,7 +66,7 @@ def plan(cfg, n_train: int) -> Plan | None:
         return None
     m, rounds = cfg.server.clients_per_round, cfg.server.rounds
     q = m / n_train
-    z = p.noise_multiplier or dp.noise_for(p.target_epsilon, p.delta, q, rounds, p.accountant)
+    z = p.noise_multiplier or noise_for(p.target_epsilon, p.delta, q, rounds, p.accountant)
     return Plan(p.mode, p.clip, z, m, q, p.delta, p.accountant, p.noise == "seeded")
 
 
@@ -110,3 +111,31 @@ def client_release(pl: Plan, cfg, cid: int, rnd: int, trained: dict, received: d
     noisy = dp.add_noise(update, pl.noise_multiplier * pl.clip / pl.clients_per_round ** 0.5,
                          _gen(pl, cfg, rnd, cid))
     return {n: (received[n].double() + noisy[n]).to(trained[n].dtype) for n in trained}
+
+
+def _accountant(kind: str):
+    from opacus.accountants import PRVAccountant, RDPAccountant  # heavy import: only when DP is on
+
+    return RDPAccountant() if kind == "rdp" else PRVAccountant()
+
+
+def epsilon(noise_multiplier: float, sample_rate: float, rounds: int, delta: float, kind: str = "rdp") -> float:
+    """ε spent after `rounds` releases of the subsampled Gaussian mechanism (Opacus' `kind`
+    accountant; it assumes Poisson sampling of the clients at rate `sample_rate`)."""
+    if rounds <= 0:
+        return 0.0
+    acc = _accountant(kind)
+    acc.history = [(noise_multiplier, sample_rate, rounds)]
+    with warnings.catch_warnings():  # "optimal order is the largest alpha": the bound is still valid
+        warnings.simplefilter("ignore", UserWarning)
+        return float(acc.get_epsilon(delta=delta))
+
+
+def noise_for(target_epsilon: float, delta: float, sample_rate: float, rounds: int, kind: str = "rdp") -> float:
+    """The noise multiplier with which `rounds` releases spend `target_epsilon` (Opacus' search)."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
+                                          sample_rate=sample_rate, steps=rounds, accountant=kind))
