@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from fedsplice.core import wire
+from fedsplice.data.assets import atomic_write_json
 
 SPLIT, SERVER = "split.json", "server.jsonl"
 
@@ -54,10 +54,7 @@ def site_upload(folder: Path, cid: int, rnd: int, payload: bytes, epsilon: float
 
 
 def write_split(folder: Path, global_names: list[str], private_names: list[str]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{SPLIT}.tmp"
-    tmp.write_text(json.dumps({"global": sorted(global_names), "private": sorted(private_names)}))
-    os.replace(tmp, folder / SPLIT)
+    atomic_write_json(folder / SPLIT, {"global": sorted(global_names), "private": sorted(private_names)})
     (folder / SERVER).touch(exist_ok=True)  # a run that sends nothing (local-only) has an empty ledger
 
 
