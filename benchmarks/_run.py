@@ -60,6 +60,8 @@ def main() -> None:
         "mean_train_s": sum(r["time_s"] for r in records[1:]) / max(len(records) - 1, 1), "mean_round_s": sum(per_round) / max(len(per_round), 1),
         "gm_accuracy": last.get("gm", {}).get("accuracy"), "pm_accuracy": last.get("pm", {}).get("accuracy"),
         "dp_epsilon": last.get("dp_epsilon"),  # only with [privacy]
+        # DP-SGD: the largest ε any client spent (ε only grows: the max over the rounds' worst clients)
+        "dp_local_epsilon": max((r["dp_local_epsilon"] for r in records if "dp_local_epsilon" in r), default=None),
         "up_bytes_per_round": sum(r.get("up_bytes", 0) for r in records[1:]) / max(len(records) - 1, 1),
         # workers: this process's peak plus each worker's, bounded by the largest reaped child's
         "peak_rss_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

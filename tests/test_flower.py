@@ -401,10 +401,12 @@ def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
     Node._cached, Node._key = None, ()  # the in-process "node" kept an experiment alive
 
 
-# the DP cases: a client's noise share (distributed) and the server's noise (central) are seeded by
-# (seed, round, client), so Flower's run releases the same noised aggregates as the simulation
+# the DP cases: a client's noise share (distributed), the server's noise (central) and DP-SGD's
+# (local, with its step count kept in the SuperNode's client state) are seeded by (seed, round,
+# client), so Flower's run releases the same noised aggregates as the simulation
 @pytest.mark.parametrize("privacy", [{}, {"mode": "distributed", "clip": 0.05, "noise_multiplier": 1.0},
-                                     {"mode": "central", "clip": 0.05, "noise_multiplier": 1.0}])
+                                     {"mode": "central", "clip": 0.05, "noise_multiplier": 1.0},
+                                     {"local": "dpsgd", "local_noise_multiplier": 1.0}])
 def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_bert_dir, toy_jsonl, privacy):
     from fedsplice.runtimes.inprocess import run_rounds
     from fedsplice.federation.store import MemoryStore
@@ -420,8 +422,9 @@ def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_b
     for a, b in zip(sim, fl, strict=True):
         assert (a["gm"], a["pm"], a.get("clients"), a.get("train_loss")) == (b["gm"], b["pm"], b.get("clients"),
                                                                               b.get("train_loss"))
-        assert a.get("dp_epsilon") == b.get("dp_epsilon")
-        assert (a.get("dp_epsilon") is not None) == (bool(privacy) and a["round"] > 0)
+        assert a.get("dp_epsilon") == b.get("dp_epsilon") and a.get("dp_local_epsilon") == b.get("dp_local_epsilon")
+        assert (a.get("dp_epsilon") is not None) == ("mode" in privacy and a["round"] > 0)
+        assert (a.get("dp_local_epsilon") is not None) == ("local" in privacy and a["round"] > 0)
 
 
 def test_bad_replies_are_refused_and_logged_with_the_node_id(in_process, cfg_factory, tiny_bert_dir, toy_jsonl):

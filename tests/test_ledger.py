@@ -20,7 +20,8 @@ def test_rows_hash_each_tensor_as_serialized():
     rows = ledger.rows(wire.encode({"b": b, "a": a}), 3, 5, None)
     assert [r["name"] for r in rows] == ["a", "b"]
     assert rows[0] == {"round": 3, "client": 5, "name": "a", "shape": [2, 2], "dtype": "float32", "bytes": 16,
-                       "sha256": hashlib.sha256(a.numpy().tobytes()).hexdigest(), "epsilon": None, "secagg": False}
+                       "sha256": hashlib.sha256(a.numpy().tobytes()).hexdigest(), "epsilon": None,
+                       "local_epsilon": None, "secagg": False}
     assert rows[1]["bytes"] == 1 and rows[1]["sha256"] == hashlib.sha256(b"\x07").hexdigest()
     # bf16 has no numpy type: hashed through its raw bytes, 2 a value
     assert ledger.rows(wire.encode({"c": torch.ones(3, dtype=torch.bfloat16)}), 0, 0, 1.5)[0]["bytes"] == 6

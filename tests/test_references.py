@@ -17,7 +17,7 @@ from fedsplice.app.cli import main
 from fedsplice.config import EvalConfig
 from fedsplice.data.partition import Client
 from fedsplice.errors import ConfigError
-from fedsplice.federation import build, evaluate_only, tasks
+from fedsplice.federation import build, evaluate_only, pooled, tasks
 from fedsplice.federation.evaluation import evaluate_global, summarize_pm
 from fedsplice.runtimes.inprocess import InProcess
 
@@ -87,7 +87,7 @@ def test_priors_refuse_per_site_data():
     exp = hand_exp("global")
     exp.cfg = SimpleNamespace(algorithm="majority", data=SimpleNamespace(dataset="sites"))
     with pytest.raises(ConfigError, match="pooled training labels"):
-        tasks.prepare_reference(exp)
+        pooled.prepare_reference(exp)
 
 
 # ----------------------------------------------------------------------------- tiny model, end to end

@@ -39,6 +39,8 @@ def round_line(r: dict, refs: dict | None = None) -> str:
         s += f"  loss {r['train_loss']:.3f}  up {r['up_bytes'] / 1e3:.1f} kB  {r['time_s']:.1f}s"
     if "dp_epsilon" in r:
         s += f"  ε {r['dp_epsilon']:.4g}"
+    if "dp_local_epsilon" in r:  # DP-SGD: the worst ε among this round's clients
+        s += f"  local ε ≤ {r['dp_local_epsilon']:.4g}"
     if r.get("skipped"):
         s += "  SKIPPED (too few valid replies)"
     failed = {k: r[k] for k in ("dropped", "late", "rejected") if r.get(k)}

@@ -11,13 +11,14 @@ from fedsplice.config import SITES, ExperimentConfig
 from fedsplice.data.datasets import class_prompt_of
 from fedsplice.data.report import data_report
 from fedsplice.data.zoo import random_weights
+from fedsplice.federation.dpsgd import summary as dpsgd_summary
 
 
 def data_table(exp) -> dict:
     """results.json's "data": sizes per class and per client, the split, drops, warnings. With
     per-site data the server knows no site's sizes: only its own evaluation file's."""
     # the data's clients only: centralized appends a stand-in that pools the training clients'
-    # data (federation.tasks.prepare_reference), which would count them twice
+    # data (federation.pooled.prepare_reference), which would count them twice
     rep = data_report(exp.data, exp.clients[:exp.cfg.data.num_clients], exp.holdout_ids)
     if len(exp.clients) > exp.cfg.data.num_clients:
         rep["notes"] = rep["notes"] + [f"one model trains on the pooled data of the {len(exp.train_ids)} "
@@ -78,6 +79,8 @@ def results_table(cfg: ExperimentConfig, exp, name: str, records: list[dict], fi
     results["warnings"] = learning_warnings(cfg, exp, results)
     if exp.privacy is not None:  # the ε spent by the rounds run (metrics.jsonl has it per round)
         results["privacy"] = exp.privacy.summary(rounds)
+    if cfg.privacy.local == "dpsgd":  # sample-level: the largest ε any client spent (each site's in its ledger)
+        results["privacy_local"] = dpsgd_summary(cfg, records)
     purified = [r["purified_steps"] for r in records if "purified_steps" in r]
     if purified:
         results["purified_fraction"] = float(sum(purified) / len(purified))
@@ -188,6 +191,13 @@ def print_table(results: dict) -> None:
                       f"{p['accountant'].upper()} accountant; GLOBAL tensors only; against the server itself: "
                       + ("none, it sees clipped updates in the clear)" if p["server_view_epsilon"] is None
                          else f"ε = {p['server_view_epsilon']:.4g} without secure aggregation)"))
+    if "privacy_local" in results:
+        p = results["privacy_local"]
+        z = (f"noise multiplier {p['noise_multiplier']:.3f}" if p["noise_multiplier"]
+             else f"noise for ε {p['target_epsilon']:g} a client")
+        t.caption += (f"\nDP-SGD in each client: ε ≤ {p['epsilon_max']:.4g} at δ = {p['delta']:g} for every client "
+                      f"(per-example clip {p['clip']:g}, {z}, {p['accountant'].upper()} accountant; each site's ε "
+                      f"in its ledger)")
     out = make_console()
     out.print(t)
     for w in results.get("warnings", []):

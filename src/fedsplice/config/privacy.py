@@ -1,7 +1,8 @@
-"""[privacy]: client-level differential privacy on what leaves a client (DP-FedAvg).
-
-Only the GLOBAL tensors travel, so only their update is clipped and noised; PRIVATE tensors never
-leave a client and take no noise. docs/privacy.md states the guarantee and its limits.
+"""[privacy]: differential privacy. Client-level (DP-FedAvg, `mode`) on what leaves a client:
+only the GLOBAL tensors travel, so only their update is clipped and noised; PRIVATE tensors never
+leave a client and take no noise. Sample-level (DP-SGD, `local`) inside each client: Opacus clips
+every training example's gradient of every trainable tensor and adds noise to each step.
+docs/privacy.md states the guarantees and their limits.
 """
 
 from __future__ import annotations
@@ -26,12 +27,22 @@ class PrivacyConfig:
     # secure: noise from the OS's entropy (a deployment); seeded: from the run's seed, so that a
     # run reproduces (research; whoever has the config can subtract the noise: no guarantee)
     noise: Literal["secure", "seeded"] = "secure"
+    # dpsgd: every local step of every client is DP-SGD (Abadi et al. 2016) through Opacus: each
+    # example's gradient clipped to local_clip, N(0, (z·local_clip)²) added to their sum; each
+    # client's own accountant (q = batch_size / its examples, δ = delta) gives its ε
+    local: Literal["off", "dpsgd"] = "off"
+    local_clip: float = 1.0  # C: the L2 bound of one example's gradient (all trainable tensors)
+    local_noise_multiplier: float = 0.0  # z of every DP-SGD step
+    # > 0: each client's z is chosen so that a client trained in every planned round spends this ε
+    local_target_epsilon: float = 0.0
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
 
     def check(self) -> None:
+        if self.local == "dpsgd":
+            self._check_local()
         if not self.enabled:
             return
         if self.clip <= 0:
@@ -44,5 +55,20 @@ class PrivacyConfig:
         if self.noise_multiplier == 0 and self.target_epsilon == 0:
             raise ConfigError(f"privacy.mode = {self.mode!r} with no noise gives no privacy (ε = ∞): set "
                               f"privacy.noise_multiplier > 0 or privacy.target_epsilon > 0")
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"privacy.delta must be in (0, 1), e.g. 1e-5, got {self.delta}")
+
+    def _check_local(self) -> None:
+        if self.local_clip <= 0:
+            raise ConfigError(f"privacy.local_clip must be > 0 (the L2 bound of one example's gradient), "
+                              f"got {self.local_clip}")
+        if self.local_noise_multiplier < 0 or self.local_target_epsilon < 0:
+            raise ConfigError("privacy.local_noise_multiplier and privacy.local_target_epsilon must be >= 0")
+        if self.local_noise_multiplier > 0 and self.local_target_epsilon > 0:
+            raise ConfigError("privacy.local_noise_multiplier and privacy.local_target_epsilon are both set: keep "
+                              "one (local_target_epsilon chooses the noise multiplier)")
+        if self.local_noise_multiplier == 0 and self.local_target_epsilon == 0:
+            raise ConfigError("privacy.local = 'dpsgd' with no noise gives no privacy (ε = ∞): set "
+                              "privacy.local_noise_multiplier > 0 or privacy.local_target_epsilon > 0")
         if not 0 < self.delta < 1:
             raise ConfigError(f"privacy.delta must be in (0, 1), e.g. 1e-5, got {self.delta}")

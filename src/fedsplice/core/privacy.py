@@ -29,9 +29,10 @@ def clip(update: Params, bound: float) -> tuple[Params, float]:
     return {n: t.double() * scale for n, t in update.items()}, norm
 
 
-def generator(seed: list[int] | None) -> torch.Generator:
-    """The noise's RNG: from `seed` (reproducible, no secret) or, with None, from the OS's entropy."""
-    g = torch.Generator()
+def generator(seed: list[int] | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """The noise's RNG on `device`: from `seed` (reproducible, no secret) or, with None, from the
+    OS's entropy."""
+    g = torch.Generator(device=device)
     if seed is None:
         g.manual_seed(secrets.randbits(63))
     else:

@@ -16,6 +16,7 @@ import torch
 from fedsplice.data import partition as P
 from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.algorithms import Recipe, build_recipe, clone
+from fedsplice.federation.dpsgd import check as dpsgd_check
 from fedsplice.federation.privacy import Plan, check_recipe
 from fedsplice.federation.privacy import plan as privacy_plan
 from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, VALIDATION, rng
@@ -26,7 +27,7 @@ from fedsplice.data.sites import SITES, load_server_test, load_site
 from fedsplice.data.scenarios import apply_scenario
 from fedsplice.core.server import ServerOptimizer, make_server_optimizer
 from fedsplice.core.split import GLOBAL, PRIVATE, names_in
-from fedsplice.federation.tasks import prepare_reference
+from fedsplice.federation.pooled import prepare_reference
 
 
 @dataclass
@@ -160,6 +161,7 @@ def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experim
                      names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE),
                      clone(params), server_opt, sampling_stream(cfg, train_ids), scenario=scenario)
     check_recipe(cfg, recipe, exp.global_names)
+    dpsgd_check(cfg, recipe, model)
     exp.privacy = privacy_plan(cfg, len(train_ids))
     if recipe.pooled or recipe.prior:  # the reference rows: centralized's pooled client; checks
         prepare_reference(exp)

@@ -24,14 +24,16 @@ from fedsplice.data.assets import atomic_write_json
 SPLIT, SERVER = "split.json", "server.jsonl"
 
 
-def rows(payload: bytes, rnd: int, cid: int, epsilon: float | None) -> list[dict]:
-    """The ledger rows of one upload: its tensors as serialized, in name order."""
+def rows(payload: bytes, rnd: int, cid: int, epsilon: float | None, local_epsilon: float | None = None) -> list[dict]:
+    """The ledger rows of one upload: its tensors as serialized, in name order; `epsilon`: the
+    client-level ε spent so far ([privacy] mode), `local_epsilon`: this client's DP-SGD ε."""
     out = []
     for name, t in sorted(wire.decode(payload).items()):
         data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         out.append({"round": rnd, "client": cid, "name": name, "shape": list(t.shape),
                     "dtype": str(t.dtype).removeprefix("torch."), "bytes": len(data),
-                    "sha256": hashlib.sha256(data).hexdigest(), "epsilon": epsilon, "secagg": False})
+                    "sha256": hashlib.sha256(data).hexdigest(), "epsilon": epsilon, "local_epsilon": local_epsilon,
+                    "secagg": False})
     return out
 
 
@@ -48,9 +50,10 @@ def site_file(folder: Path, cid: int) -> Path:
     return Path(folder) / f"site-{cid}.jsonl"
 
 
-def site_upload(folder: Path, cid: int, rnd: int, payload: bytes, epsilon: float | None) -> None:
+def site_upload(folder: Path, cid: int, rnd: int, payload: bytes, epsilon: float | None,
+                local_epsilon: float | None = None) -> None:
     """A client's own record of an upload, written before it leaves."""
-    append(site_file(folder, cid), rows(payload, rnd, cid, epsilon))
+    append(site_file(folder, cid), rows(payload, rnd, cid, epsilon, local_epsilon))
 
 
 def write_split(folder: Path, global_names: list[str], private_names: list[str]) -> None:

@@ -106,8 +106,8 @@ def round_record(rnd: int, got, ok: bool, t0: float) -> dict:
     if got.events:
         record["events"] = got.events
     for k in (stats[0] if stats else ()):  # in a fixed order: metrics.jsonl is compared bytewise
-        if k not in ("steps", "loss") and all(k in s for s in stats):
-            record[k] = float(np.mean([s[k] for s in stats]))
+        if k not in ("steps", "loss") and all(k in s for s in stats):  # ε: the worst client's, not a mean
+            record[k] = float((np.max if k == "dp_local_epsilon" else np.mean)([s[k] for s in stats]))
     return record
 
 
@@ -156,7 +156,8 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
         if exp.ledger is not None and not exp.recipe.pooled:  # the server's view: what it accepted, as received
             eps = exp.privacy.epsilon(rnd) if exp.privacy is not None else None
             ledger_append(exp.ledger / SERVER,
-                          [row for r, _ in got.accepted for row in ledger_rows(r.payload, rnd, r.cid, eps)])
+                          [row for r, _ in got.accepted
+                           for row in ledger_rows(r.payload, rnd, r.cid, eps, r.stats.get("dp_local_epsilon"))])
         ok = len(got.accepted) >= sc.min_replies
         logged: dict[str, float] = {}
         if ok and exp.global_names:

@@ -21,9 +21,10 @@ class ClientState:
     ef: Tensors = field(default_factory=dict)  # the int8 upload's error-feedback residual (never sent)
     grab: Tensors = field(default_factory=dict)  # Fed-GraB's balancer state ([grab])
     branch: Tensors = field(default_factory=dict)  # the method's `Personal` slot (FedPuReL: its branch)
+    dp: Tensors = field(default_factory=dict)  # DP-SGD's steps so far (federation.dpsgd), never sent
 
     # slot -> prefix in the store's tensor dict, in the order they are written
-    PREFIXES = {"params": "param/", "opt": "opt/", "ef": "ef/", "grab": "grab/", "branch": "branch/"}
+    PREFIXES = {"params": "param/", "opt": "opt/", "ef": "ef/", "grab": "grab/", "branch": "branch/", "dp": "dp/"}
 
     @classmethod
     def from_store(cls, tensors: Tensors | None) -> "ClientState | None":

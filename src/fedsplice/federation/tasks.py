@@ -14,16 +14,14 @@ returns. The tasks:
 
 All training goes through `train_client`: load params -> seed -> the one training loop.
 
-References (`fedsplice.algorithms.references`) use the same tasks: a pooled recipe
-(centralized) trains one stand-in client that holds every training client's data
-(`prepare_reference`), and
-a prior recipe (majority, local-prior) scores constant log-prior logits in `evaluate`.
+References (`fedsplice.algorithms.references`) use the same tasks: a pooled recipe (centralized)
+trains one stand-in client that holds every training client's data (`fedsplice.federation.pooled`),
+and a prior recipe (majority, local-prior) scores constant log-prior logits in `evaluate`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +34,10 @@ from fedsplice.core import grab as G
 from fedsplice.core import wire
 from fedsplice.core import streams
 from fedsplice.core.context import TrainContext
-from fedsplice.config import SITES
-from fedsplice.data.partition import Client
-from fedsplice.errors import ConfigError
+from fedsplice.federation.dpsgd import session as dpsgd_session
 from fedsplice.federation.evaluation import prior_logits, score
 from fedsplice.federation.metrics import classification_metrics
+from fedsplice.federation.pooled import pooled_budget
 from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.privacy import client_release
 from fedsplice.federation.state import ClientState
@@ -92,16 +89,17 @@ def grab_balancer(exp, stored: dict | None, global_params: dict):  # stored: Cli
 
 
 def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: TrainContext, step: Step = PLAIN,
-                 keep_opt=frozenset(), opt_state=None, client_cfg=None, epochs: int | None = None) -> tuple[dict, dict]:
+                 keep_opt=frozenset(), opt_state=None, client_cfg=None, epochs: int | None = None,
+                 private=None) -> tuple[dict, dict]:
     """The one client driver: seed, then the one training loop on client `cid`'s training data,
     from the parameters already loaded into the model. `rnd` keys the client's data-order stream,
-    `torch_round` its dropout seed (both from `streams`)."""
+    `torch_round` its dropout seed (both from `streams`); `private`: DP-SGD (federation.dpsgd)."""
     c, d = exp.clients[cid], exp.data
     streams.seed_torch(exp.cfg, torch_round, cid)
     return local_train(
         exp.model, [d.train_texts[i] for i in c.train_idx], d.train_labels[c.train_idx],
         cfg=client_cfg or exp.cfg.client, step=step, ids=c.train_idx, keep_opt=set(keep_opt), opt_state=opt_state or {},
-        rng=streams.rng(exp.cfg, streams.CLIENT, rnd, cid), ctx=ctx, epochs=epochs)
+        rng=streams.rng(exp.cfg, streams.CLIENT, rnd, cid), ctx=ctx, epochs=epochs, private=private)
 
 
 def round_phases(exp, rnd: int) -> list[Phase]:
@@ -157,54 +155,6 @@ def train_phases(exp, cid: int, **kw) -> tuple[dict, dict]:
     return opt, {**stats, **per}
 
 
-def check_pooled(cfg) -> None:
-    """A pooled recipe trains one model on data gathered in one place: refuse what only a
-    federation has (a deployment, a server step, codecs, failing or rejected clients)."""
-    s, f = cfg.server, cfg.faults
-    for wrong, need in ((cfg.runtime.kind != "simulation", "runtime.kind = 'simulation'"),
-                        (s.optimizer != "fedavg" or s.lr not in (0.0, 1.0),
-                         "server.optimizer = 'fedavg' (server.lr 0)"),
-                        (s.min_replies != 1, "server.min_replies = 1"),
-                        (s.update_norm_bound > 0, "server.update_norm_bound = 0"),
-                        (cfg.client.upload != "fp32", "client.upload = 'fp32'"),
-                        (f.dropout > 0 or f.straggler > 0, "faults.dropout = faults.straggler = 0")):
-        if wrong:
-            raise ConfigError(f"algorithm {cfg.algorithm!r} trains one model on the pooled data of all training "
-                              f"clients (nothing is federated): it needs {need}")
-
-
-def prepare_reference(exp) -> None:
-    """A reference recipe at build time. Pooled (centralized): a stand-in client, id
-    data.num_clients, holds the union of the training clients' data (its test set: the global
-    one) and trains alone in every round; it is not a training client (PM is still scored on
-    every client in `exp.train_ids`). Prior (majority, local-prior): the pooled training labels
-    must be here, which per-site data never gather."""
-    if exp.recipe.prior and exp.cfg.data.dataset == SITES:
-        raise ConfigError(f"algorithm {exp.cfg.algorithm!r} predicts from the pooled training labels, which "
-                          f"data.dataset = 'sites' keeps on the sites; use a data set the server can read")
-    if not exp.recipe.pooled:
-        return
-    check_pooled(exp.cfg)
-    cid = len(exp.clients)
-    pooled = np.sort(np.concatenate([exp.clients[k].train_idx for k in exp.train_ids]))
-    exp.clients.append(Client(cid, pooled, np.arange(exp.data.global_test_size)))
-    exp.sampling = [[cid] for _ in exp.sampling]
-
-
-def pooled_budget(exp, cid: int):
-    """The pooled model's client config for one round: as many steps of client.batch_size as the
-    server.clients_per_round clients of a federated round take together on average, i.e.
-    clients_per_round × mean_k min(client.max_steps, client.local_epochs·⌈n_k/batch⌉) (rounded),
-    over as many passes of the pooled data as that needs."""
-    cc = exp.cfg.client
-    per_client = [cc.local_epochs * math.ceil(len(exp.clients[k].train_idx) / cc.batch_size) for k in exp.train_ids]
-    if cc.max_steps:
-        per_client = [min(n, cc.max_steps) for n in per_client]
-    steps = max(1, round(exp.cfg.server.clients_per_round * float(np.mean(per_client))))
-    epoch = max(1, math.ceil(len(exp.clients[cid].train_idx) / cc.batch_size))
-    return dataclasses.replace(cc, max_steps=steps, local_epochs=math.ceil(steps / epoch))
-
-
 def round_config(exp, cid: int, rnd: int):
     """The client config of round `rnd`: the pooled budget for a pooled recipe, and the round's
     lr under client.schedule (cosine annealing over server.rounds)."""
@@ -236,11 +186,14 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     # else client.optimizer_state says whether PRIVATE tensors keep theirs
     keep = (exp.global_names + exp.private_names if r.pooled
             else exp.private_names if exp.cfg.client.optimizer_state == "keep_private" else [])
+    private = dpsgd_session(exp, cid, rnd, stored.dp if stored is not None else None)  # None: no DP-SGD
     new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd,
                                   ctx=train_context(exp, cid, start, round=rnd, state=dict(slot), **grab),
-                                  step=Step.of(r),
-                                  keep_opt=keep, opt_state=opt_state,
-                                  client_cfg=round_config(exp, cid, rnd))
+                                  step=Step.of(r), keep_opt=keep, opt_state=opt_state,
+                                  client_cfg=round_config(exp, cid, rnd), private=private)
+    local_eps = None if private is None else private.epsilon()
+    if local_eps is not None:
+        stats["dp_local_epsilon"] = local_eps
     params = clone(exp.model.trainable())  # on the CPU: the wire and the store never hold device tensors
     trained = {n: params[n] for n in exp.global_names}
     if ex and ex.send:  # the method's own upload rule (e.g. its rank pruned), from all it trained
@@ -252,9 +205,11 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     residual = dict(stored.ef) if stored is not None and codec == "int8" else {}
     up, residual = wire.compress(trained, received, codec, residual)
     if exp.ledger is not None and not exp.recipe.pooled:  # the site's record of what it sends (federation.ledger)
-        site_upload(exp.ledger, cid, rnd, up, exp.privacy.epsilon(rnd) if exp.privacy is not None else None)
+        site_upload(exp.ledger, cid, rnd, up, exp.privacy.epsilon(rnd) if exp.privacy is not None else None,
+                    local_eps)
     store.put(cid, ClientState(params={n: params[n] for n in exp.private_names}, opt=new_opt, ef=residual,
-                               grab=dict(grab["grab"].state) if grab else {}, branch=slot).to_store())
+                               grab=dict(grab["grab"].state) if grab else {}, branch=slot,
+                               dp=private.state() if private is not None else {}).to_store())
     return up, stats
 
 
@@ -360,11 +315,12 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
     labels, r = exp.data.test_labels[exp.clients[cid].test_idx], exp.recipe
     accs: list[float] = []
     opt_state: dict = {}
+    private = dpsgd_session(exp, cid, streams.COLD_START_ROUND)  # its data is protected as a training client's
     for e in range(exp.cfg.eval.cold_start_epochs + 1):
         if e > 0:
             opt_state, _ = train_client(
                 exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e,
-                ctx=train_context(exp, cid, global_params, state=dict(slot), **grab),
+                ctx=train_context(exp, cid, global_params, state=dict(slot), **grab), private=private,
                 step=Step.of(r), keep_opt=set(exp.model.trainable()), opt_state=opt_state, epochs=1)
         accs.append(classification_metrics(labels, predict_local_test(exp, cid), len(exp.data.class_names))["accuracy"])
     return {"accuracy": accs}

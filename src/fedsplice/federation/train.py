@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -125,10 +125,11 @@ def optimizer_step(opt, scaler) -> None:
     scaler.update()
 
 
-def add_terms(losses: dict, loss_terms, params: dict, ctx: TrainContext, sums: dict, last: bool) -> dict:
-    """Add the parameter-only loss terms to losses["task"] (their values to `sums`); on the
-    round's `last` step, {name: (term, weight)} of the weighted ones, for term_diagnostics."""
-    weighted = {}
+def add_terms(losses: dict, loss_terms, params: dict, ctx: TrainContext, sums: dict, last: bool) -> tuple[dict, Any]:
+    """Add the parameter-only loss terms to losses["task"] (their values to `sums`); return, on
+    the round's `last` step, {name: (term, weight)} of the weighted ones, for term_diagnostics;
+    and the terms' sum (0.0 without terms: DP-SGD adds its gradient after the noise)."""
+    weighted, reg = {}, 0.0
     for term in loss_terms:
         v = term(params, ctx)
         key = type(term).__name__.lower()
@@ -136,7 +137,8 @@ def add_terms(losses: dict, loss_terms, params: dict, ctx: TrainContext, sums: d
         if last and getattr(term, "weight", 0) > 0 and v.requires_grad:
             weighted[key] = (v, term.weight)
         losses["task"] = losses["task"] + v
-    return weighted
+        reg = reg + v
+    return weighted, reg
 
 
 @dataclass(frozen=True)
@@ -164,21 +166,20 @@ PLAIN = Step()  # cross-entropy, no loss terms, the plain gradient
 
 def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, step: Step = PLAIN,
                 keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: TrainContext,
-                ids: np.ndarray | None = None, epochs: int | None = None) -> tuple[dict, dict]:
+                ids: np.ndarray | None = None, epochs: int | None = None, private=None) -> tuple[dict, dict]:
     """Train the model's trainable tensors in place on one client's data, one `Step` at a time.
 
     Returns the optimizer state of the `keep_opt` names (PRIVATE tensors: their Adam moments
     persist across rounds; GLOBAL tensors start each round fresh, as they are replaced by the
-    server's) and training statistics (means over steps).
+    server's) and training statistics (means over steps). `private` (a federation.dpsgd.LocalDP)
+    makes every step DP-SGD.
     """
     objective = step.objective or cross_entropy_objective
-    loss_terms, grad_transform = step.loss_terms, step.grad_transform
     params = model.trainable()
     names = sorted(params)
     plist = [params[n] for n in names]
     opt = make_optimizer(plist, cfg)
     import_opt_state(opt, params, opt_state)
-    by_param = {params[n]: n for n in names}
     dev = getattr(model, "device", torch.device("cpu"))  # a TaskModel's; plain modules: CPU, fp32
     amp = getattr(model, "autocast", nullcontext)
     scaler = grad_scaler(dev, getattr(model, "amp_dtype", torch.float32))
@@ -187,30 +188,36 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
     ids = np.arange(len(texts)) if ids is None else np.asarray(ids)
     sums: dict[str, list] = {}
     steps, diag = 0, {}
-    last = planned_steps(len(texts), cfg, epochs) - 1 if cfg.diagnostics else -1  # -1: no step is measured
+    # -1: no step is measured (nor under DP-SGD, whose hooks would take the extra gradients as a step's)
+    last = planned_steps(len(texts), cfg, epochs) - 1 if cfg.diagnostics and not private else -1
     model.train()
-    for _ in range(epochs or cfg.local_epochs):
-        order = rng.permutation(len(texts))
-        order_dev = torch.from_numpy(order).to(dev)  # the labels are picked on the device, one copy an epoch
-        for i in range(0, len(order), cfg.batch_size):
-            idx, y = order[i:i + cfg.batch_size], y_all[order_dev[i:i + cfg.batch_size]]
-            with amp():  # runtime.precision: the forward and its losses under autocast
-                losses = objective(model, [texts[j] for j in idx], y, ids[idx], ctx)
-            # parameter-only terms in fp32 (PFAdapter's orthogonality products are ~1e-9 early on)
-            task, weighted = losses["task"], add_terms(losses, loss_terms, params, ctx, sums, steps == last)
-            total = sum(losses.values())
-            if weighted:  # measured once a round, on its last step (where the terms have grown most)
-                diag = term_diagnostics(task, weighted, plist, names, ctx.split)
-            opt.zero_grad(set_to_none=True)
-            backward(losses, total, plist, grad_transform, sums, scaler)
-            optimizer_step(opt, scaler)
-            steps += 1
-            accumulate(sums, "loss", total)
-            for k, v in losses.items():
-                accumulate(sums, f"{k}_loss", v)
+    with private.attached(model, opt, min(cfg.batch_size, len(texts))) if private else nullcontext() as dp_step:
+        for _ in range(epochs or cfg.local_epochs):
+            order = rng.permutation(len(texts))
+            order_dev = torch.from_numpy(order).to(dev)  # the labels are picked on the device, one copy an epoch
+            for i in range(0, len(order), cfg.batch_size):
+                idx, y = order[i:i + cfg.batch_size], y_all[order_dev[i:i + cfg.batch_size]]
+                with amp():  # runtime.precision: the forward and its losses under autocast
+                    losses = objective(model, [texts[j] for j in idx], y, ids[idx], ctx)
+                # parameter-only terms in fp32 (PFAdapter's orthogonality products are ~1e-9 early on)
+                task, (weighted, reg) = losses["task"], add_terms(losses, step.loss_terms, params, ctx, sums,
+                                                                  steps == last)
+                total = sum(losses.values())
+                if weighted:  # measured once a round, on its last step (where the terms have grown most)
+                    diag = term_diagnostics(task, weighted, plist, names, ctx.split)
+                if dp_step is not None:  # DP-SGD (federation.dpsgd): per-example clipping and noise
+                    dp_step(task, reg, plist, len(idx))
+                else:
+                    opt.zero_grad(set_to_none=True)
+                    backward(losses, total, plist, step.grad_transform, sums, scaler)
+                    optimizer_step(opt, scaler)
+                steps += 1
+                accumulate(sums, "loss", total)
+                for k, v in losses.items():
+                    accumulate(sums, f"{k}_loss", v)
+                if cfg.max_steps and steps >= cfg.max_steps:
+                    break
             if cfg.max_steps and steps >= cfg.max_steps:
                 break
-        if cfg.max_steps and steps >= cfg.max_steps:
-            break
     stats = {"steps": steps, **means(sums, steps), **diag}
-    return export_opt_state(opt, by_param, keep_opt), stats
+    return export_opt_state(opt, {params[n]: n for n in names}, keep_opt), stats

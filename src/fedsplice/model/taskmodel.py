@@ -74,6 +74,7 @@ class TaskModel(nn.Module):
         self._parts = prompt_parts(cfg)  # what the method adds to a prompt model (None: nothing)
         self._build_trainables(cfg, bb)
         self._zero_shot = False
+        self._per_sample = False  # per_sample(): each example's own gradient is taken (DP-SGD)
         self.cache_on = cfg.runtime.cache
         # the base was placed as it loaded (device_map; a quantized one cannot move afterwards)
         # and peft put its LoRA beside it; everything else moves now
@@ -133,6 +134,7 @@ class TaskModel(nn.Module):
         # keeps no frozen copy of the encoder, so the class side goes through the trained one
         trains_text = cfg.model.class_side_adapters or pc.type == "full" or (
             self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
+        self.class_side_trains = trains_text or pc.type == "prompt"  # its tensors see classes, not examples
         self._classes = ClassSide(self._text, self.class_names, [self.class_prompt, *cfg.data.class_prompts],
                                   pc.type, trains_text, self.cache_on, self.prompt)
         if self._parts is not None:  # the method composes the class side from its prompt modules
@@ -198,6 +200,8 @@ class TaskModel(nn.Module):
         for name, mod in self.backbone.named_modules():
             if "lora_dropout" in name:
                 mod.train(mode)
+            elif self._per_sample and any(p.requires_grad for p in mod.parameters(recurse=False)):
+                mod.training = mode  # Opacus records a module's inputs only in training (no-op modules here)
             elif ckpt and isinstance(mod, ckpt):
                 mod.training = mode  # HF checkpoints a layer only in training; its dropouts stay off
         return self
@@ -205,12 +209,25 @@ class TaskModel(nn.Module):
     def _set_unpad(self, training: bool) -> None:
         """runtime.unpad for this mode: "auto" unpads on the CPU (benchmarks/unpad.py), but not
         while LoRA dropout trains (its masks are drawn per padded position: another stream)."""
-        on = self._unpad == "on" or (self._unpad == "auto" and self.device.type == "cpu"
-                                     and not (training and self.pcfg.dropout > 0))
+        on = not (training and self._per_sample) and (self._unpad == "on" or (
+            self._unpad == "auto" and self.device.type == "cpu" and not (training and self.pcfg.dropout > 0)))
         self._text.overhead = CPU_OVERHEAD if on else None
         lm = self._scorer.lm if isinstance(self._scorer, VLMScorer) else self._scorer
         if isinstance(lm, CausalLMScorer):
             lm.overhead = self._text.overhead
+
+    @contextmanager
+    def per_sample(self):
+        """A context in which training batches stay padded, one row per example, and the trainable
+        modules inside the frozen backbone count as training: Opacus (DP-SGD) then sees each
+        example's inputs to every trainable layer."""
+        self._per_sample = True
+        self.train(self.training)
+        try:
+            yield self
+        finally:
+            self._per_sample = False
+            self.train(self.training)
 
     @contextmanager
     def zero_shot(self):
