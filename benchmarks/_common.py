@@ -107,15 +107,17 @@ def fmt(v) -> str:
     return str(v)
 
 
-def report(name: str, rows: list[dict], cols: list[str], quick: bool, notes: list[str]) -> str:
-    """Print the table and write <name>[-quick].csv / .md under benchmarks/results (atomically)."""
+def report(name: str, rows: list[dict], cols: list[str], quick: bool, notes: list[str], script: str = "") -> str:
+    """Print the table and write <name>[-quick].csv / .md under benchmarks/results (atomically);
+    `script`: the benchmark's file stem when one script writes several tables (default: name)."""
+    script = script or name
     from fedsplice.data.assets import atomic_write_bytes
 
     stem = name + ("-quick" if quick else "")
-    head = [f"# benchmarks/{name}.py{' --quick' if quick else ''}",
+    head = [f"# benchmarks/{script}.py{' --quick' if quick else ''}",
             f"date {dt.datetime.now().isoformat(timespec='seconds')}, commit {COMMIT}, "
             f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}",
-            f"command: python benchmarks/{name}.py {' '.join(sys.argv[1:])}".rstrip(), ""]
+            f"command: python benchmarks/{script}.py {' '.join(sys.argv[1:])}".rstrip(), ""]
     table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     table += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     md = "\n".join(head + table + [""] + [f"- {n}" for n in notes]) + "\n"

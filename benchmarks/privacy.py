@@ -55,7 +55,7 @@ def main() -> None:
         r["pm_loss_pts"] = 100 * (base[r["method"]]["pm_accuracy"] - r["pm_accuracy"])
     cols = ["method", "noise_multiplier", "epsilon", "gm_accuracy", "gm_loss_pts", "pm_accuracy", "pm_loss_pts",
             "up_bytes_per_round"]
-    report("privacy-dpsgd" if args.dpsgd else "privacy", rows, cols, args.quick, notes(args.dpsgd, rounds))
+    report("privacy-dpsgd" if args.dpsgd else "privacy", rows, cols, args.quick, notes(args.dpsgd, rounds), "privacy")
 
 
 def notes(dpsgd: bool, rounds: int) -> list[str]:

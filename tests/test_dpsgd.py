@@ -17,6 +17,7 @@ from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
 from fedsplice.federation.train import local_train
 from fedsplice.config import ClientConfig
+from fedsplice.errors import ConfigError
 from fedsplice.runtimes.inprocess import run_rounds
 
 pytestmark = pytest.mark.unit
@@ -85,6 +86,22 @@ def test_noise_has_std_z_c_over_the_batch_and_seeded_noise_reproduces():
         ups.append(-m.lin.weight.detach().reshape(-1))
     assert float(ups[0].std()) == pytest.approx(2.0 * 0.5 / 8, rel=0.02) and abs(float(ups[0].mean())) < 2e-3
     assert torch.equal(ups[0], ups[1]) and not torch.equal(ups[0], ups[2])
+
+
+def test_a_forward_that_mixes_examples_is_refused():
+    class Pairs(Toy):  # each example's logits from two rows (as B·C verbalizer sequences would be)
+        def forward(self, texts):
+            rows = self.lin(self.feats[[int(t) for t in texts] * 2])
+            return rows[:len(texts)] + rows[len(texts):]
+
+    with pytest.raises(ConfigError, match="per-example gradients over \\[8\\] rows for a batch of 4 examples"):
+        train(Pairs(), local(z=1.0))
+
+
+def test_flora_trains_only_lora_locally_so_its_dense_delta_is_no_obstacle(tiny_cfg):
+    cfg = tiny_cfg(algorithm='"flora"', method__ranks="[4, 2]", privacy__local='"dpsgd"',
+                   privacy__local_noise_multiplier=1.0)
+    assert dpsgd.trained_groups(build(cfg).recipe) == {"private"}  # the GLOBAL dense ΔW is frozen locally
 
 
 def test_dpsgd_without_clipping_or_noise_is_the_plain_step_with_the_orthogonality_term(tiny_cfg):

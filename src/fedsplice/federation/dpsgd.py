@@ -60,13 +60,25 @@ def check(cfg, recipe, model) -> None:
     if getattr(model, "amp_dtype", torch.float32) != torch.float32:
         raise ConfigError(f"{WHERE} clips per-example gradients in fp32: set runtime.precision = 'fp32' "
                           f"(it resolved to {str(model.amp_dtype).removeprefix('torch.')})")
-    samplers = _samplers()
+    samplers, groups = _samplers(), trained_groups(recipe)
     for mname, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            if groups is not None and recipe.split.get(name) not in groups:
+                continue  # never trained locally (FLoRA's merged dense ΔW)
             if p.requires_grad and (type(mod) not in samplers or pname not in ("weight", "bias")):
-                raise ConfigError(f"{WHERE}: Opacus has no per-example gradient for {mname}.{pname} (in a "
+                raise ConfigError(f"{WHERE}: Opacus has no per-example gradient rule for {mname}.{pname} (in a "
                                   f"{type(mod).__name__}; peft.type = {cfg.peft.type!r}): use peft.type = "
                                   f"'lora', 'adapter' or 'head', or {off}")
+
+
+def trained_groups(recipe) -> set | None:
+    """The split groups a method's local phases train (None: every trainable tensor trains);
+    phases that change with the round are read at rounds 1 and 2 (FedDPA's first and later)."""
+    phases = recipe.phases
+    if not phases:
+        return None
+    return {ph[0] for r in (1, 2) for ph in (phases(r) if callable(phases) else phases)}
 
 
 @dataclass
@@ -105,7 +117,7 @@ class LocalDP:
                 yield lambda task, reg, plist, size: self._step(dpo, task, reg, plist, size)
             finally:
                 dpo.zero_grad(set_to_none=True)
-                gsm._close()  # removes its hooks and per-example buffers: the model is plain again
+                gsm.to_standard_module()  # removes its hooks and per-example buffers: the model is plain again
 
     def _step(self, dpo, task: torch.Tensor, reg, plist: list, size: int) -> None:
         """One DP-SGD step on a batch of `size` examples: the data loss's per-example gradients
@@ -117,6 +129,11 @@ class LocalDP:
         with warnings.catch_warnings():  # the first trainable layer's input needs no gradient: expected
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             task.backward()
+        rows = {p.grad_sample.shape[0] for p in plist if torch.is_tensor(getattr(p, "grad_sample", None))}
+        if rows != {size}:  # a forward that mixes examples (B·C rows, a shared pass): no per-example bound
+            raise ConfigError(f"{WHERE}: this model's forward gave per-example gradients over {sorted(rows)} rows "
+                              f"for a batch of {size} examples, so no example's influence is bounded; set "
+                              f"privacy.local = 'off' for this model or task")
         dpo.pre_step()
         if torch.is_tensor(reg) and reg.requires_grad:
             for p, g in zip(plist, torch.autograd.grad(reg, plist, allow_unused=True)):
