@@ -22,11 +22,11 @@ from fedsplice.config.experiment import DEFAULT_CONFIG, ExperimentConfig, load_c
 from fedsplice.config.parsing import apply_overrides, from_dict, parse_value, read_toml
 from fedsplice.config.privacy import PrivacyConfig
 from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, GrabConfig, RuntimeConfig, ServerConfig
-from fedsplice.config.task import (SITES, USER_DATA_KINDS, DataConfig, ModelConfig, PeftConfig, ScenarioConfig,
+from fedsplice.config.task import (HF, SITES, USER_DATA_KINDS, DataConfig, ModelConfig, PeftConfig, ScenarioConfig,
                                    check_user_path, user_data)
 
 
-__all__ = ["DEFAULT_CONFIG", "ROLES", "SITES", "USER_DATA_KINDS", "ClientConfig", "DataConfig", "EvalConfig",
+__all__ = ["DEFAULT_CONFIG", "HF", "ROLES", "SITES", "USER_DATA_KINDS", "ClientConfig", "DataConfig", "EvalConfig",
            "ExperimentConfig", "FaultsConfig", "GrabConfig", "ModelConfig", "PeftConfig", "PrivacyConfig",
            "RuntimeConfig", "ScenarioConfig", "ServerConfig", "apply_overrides", "check_positive", "check_roles",
            "check_user_path", "from_dict", "load_config", "parse_value", "read_toml", "saved_as_current", "to_dict",

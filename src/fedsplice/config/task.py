@@ -16,6 +16,7 @@ from fedsplice.errors import ConfigError
 
 USER_DATA_KINDS = ("csv", "jsonl", "images")
 SITES = "sites"  # data.dataset: every Flower SuperNode brings its own data file (per-site data)
+HF = "hf:"  # data.dataset: a Hugging Face `datasets` data set (fedsplice.data.hubdata)
 
 
 def check_template(name: str, template: str, key: str, example: str) -> None:
@@ -142,7 +143,7 @@ def check_user_path(field: str, kind: str, path: str) -> None:
 
 @dataclass
 class DataConfig:
-    dataset: str = "fortunes"  # see `fedsplice list datasets`; or csv:PATH / jsonl:PATH
+    dataset: str = "fortunes"  # see `fedsplice list datasets`; or csv:PATH / jsonl:PATH / images:DIR / hf:NAME[:CONFIG]
     num_clients: int = 10
     partition: Literal["dirichlet", "iid", "shards"] = "dirichlet"
     alpha: float = 0.5  # Dirichlet concentration (smaller = more label skew)
@@ -178,6 +179,26 @@ class DataConfig:
     # Per-site data (dataset = "sites"): the class labels, in class order, as the sites' files
     # write them; the server never reads a site's file, so the config must name the classes.
     labels: list[str] = field(default_factory=list)
+    # hf:NAME[:CONFIG] (a Hugging Face `datasets` data set, docs/data.md): its columns and splits.
+    # Empty hf_text / hf_image: none of that kind; empty hf_test_split: a balanced test set carved.
+    hf_text: str = "text"
+    hf_image: str = ""
+    hf_label: str = "label"
+    hf_train_split: str = "train"
+    hf_test_split: str = "test"
+
+    def _check_hf(self) -> None:
+        if not self.dataset.startswith(HF):
+            return
+        if not self.dataset[len(HF):].partition(":")[0]:
+            raise ConfigError(f"data.dataset = {self.dataset!r}: give hf:NAME or hf:NAME:CONFIG (a hub id such as "
+                              f"hf:uoft-cs/cifar100, or a local folder written by `datasets`)")
+        if not (self.hf_text or self.hf_image) or not self.hf_label or not self.hf_train_split:
+            raise ConfigError("data.hf_label, data.hf_train_split and data.hf_text or data.hf_image must name "
+                              "the data set's label column, its training split, and its text or image column")
+        if self.test:
+            raise ConfigError("data.test is for users' files; an hf: data set names its test split: set "
+                              "data.hf_test_split (empty: a test set is carved)")
 
     def _check_sites(self) -> None:
         if self.dataset != SITES:
@@ -200,6 +221,7 @@ class DataConfig:
         if given:
             check_user_path("data.dataset", *given)
         self._check_sites()
+        self._check_hf()
         tkind, tpath = user_data(self.test) or ("", "")
         if self.test and not tkind:
             raise ConfigError(f"data.test = {self.test!r}: give csv:PATH, jsonl:PATH or images:DIR (the test "

@@ -10,6 +10,8 @@ given seed. Each brings its own class-side template (`DatasetInfo.class_prompt`)
     csv:PATH      a CSV file with columns `label` and `text` and/or `image` (optional `split`)
     jsonl:PATH    a JSON-lines file with fields `label` and `text` and/or `image` (optional `split`)
     images:DIR    a folder of images, one subfolder per label
+    hf:NAME[:CONFIG]  a Hugging Face `datasets` data set, its columns and splits named by the
+                  config (`fedsplice.data.hubdata`)
 
 Users' data (`fedsplice.data.userdata`) keeps the split it gives — a `split` column, or a second
 file as data.test — exactly; only when none is given is a balanced test set carved. A set with an
@@ -33,6 +35,8 @@ from fedsplice.data.text import (BROWN_GENRES, BROWN_PACKAGE, BROWN_VERSION, FOR
                                 SPAM_PACKAGE, SPAM_VERSION, _brown_root, _build_brown,
                                 _build_fortunes, _build_spamassassin, _drop_ambiguous,
                                 _fortunes_root, _spam_root)
+from fedsplice.config import HF
+from fedsplice.data.hubdata import HubColumns, load_hub
 from fedsplice.data.userdata import load_user
 
 # The class-side template of users' data; built-in sets bring their own (DatasetInfo.class_prompt).
@@ -250,8 +254,10 @@ def rename_classes(found: list[str], class_names: list[str] | None) -> list[str]
     return [str(c) for c in class_names]
 
 
-def _parse(name: str, test: str, skip_bad_images: bool) -> dict:
+def _parse(name: str, test: str, skip_bad_images: bool, hub: HubColumns | None = None) -> dict:
     """The parsed form of any data set: {class_names, texts, test_texts, source, ...}."""
+    if name.startswith(HF):
+        return load_hub(name[len(HF):], hub or HubColumns(), skip_bad_images)
     kind, _, path = name.partition(":")
     tkind, _, tpath = test.partition(":")
     if test and not (tkind in ("csv", "jsonl", "images") and tpath):
@@ -307,14 +313,15 @@ def small_test_warnings(ds: TextDataset, given: bool = False) -> list[str]:
 
 def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
                  max_per_class: int | None = None, skip_bad_images: bool = False,
-                 class_names: list[str] | None = None, test: str = "") -> TextDataset:
+                 class_names: list[str] | None = None, test: str = "", hub: HubColumns | None = None) -> TextDataset:
     """Load a built-in data set (fetching it once) or a user's `csv:PATH` / `jsonl:PATH` file or
     `images:DIR` folder. A split the user gives (a `split` column, or `test` = data.test) is used
     as it is; a built-in set's official test split gives a balanced test set; otherwise a
     balanced test set is carved, deterministically for `seed`. skip_bad_images: report and skip
     users' images that do not decode (else an error); class_names: readable names replacing the
-    labels, in class order. `report` says what happened to the data."""
-    parsed = _parse(name, test, skip_bad_images)
+    labels, in class order; hub: an hf: data set's columns and splits. `report` says what
+    happened to the data."""
+    parsed = _parse(name, test, skip_bad_images, hub)
     names = rename_classes(parsed["class_names"], class_names)
     rng = np.random.default_rng(seed)
     if parsed["split"]:

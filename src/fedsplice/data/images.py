@@ -70,6 +70,11 @@ def decode_image(path: Path) -> tuple[np.ndarray, bytes]:
         raw = Path(path).read_bytes()
     except OSError as e:  # unreadable (permissions, a folder named like an image)
         raise BadImage(f"cannot read ({e.strerror or e}); check the file's permissions") from None
+    return decode_bytes(raw), raw
+
+
+def decode_bytes(raw: bytes) -> np.ndarray:
+    """RGB uint8 [H, W, 3] of an encoded image (sides cut to USER_MAX_SIDE); raises BadImage."""
     try:
         with Image.open(io.BytesIO(raw)) as opened:
             opened.load()  # decode now: truncated files fail here, not later in training
@@ -90,7 +95,7 @@ def decode_image(path: Path) -> tuple[np.ndarray, bytes]:
         scale = USER_MAX_SIDE / max(h, w)
         size = (max(1, round(w * scale)), max(1, round(h * scale)))
         rgb = np.asarray(Image.fromarray(rgb).resize(size, Image.Resampling.LANCZOS))
-    return rgb, raw
+    return rgb
 
 
 def content_key(rel: str, raw: bytes, text: str | None = None) -> str:

@@ -230,14 +230,16 @@ def load_user(kind: str, path: str, *, test: tuple[str, str] | None = None,
     items, labels_found, splits, facts = _items(kind, path, skip_bad_images)
     if labels:
         _check_labels(labels_found, labels, str(Path(path).expanduser()))
-    return _parsed(items, labels_found, splits, facts, kind, path, test, skip_bad_images, list(labels or []))
+    return group(items, labels_found, splits, facts, kind, path, test, skip_bad_images, list(labels or []))
 
 
-def _parsed(items, labels, splits, facts, kind, path, test: tuple[str, str] | None, skip_bad_images,
-            fixed) -> dict:
-    """load_user's grouping: by the given split, the data.test file, or none (carve later)."""
+def group(items, labels, splits, facts, kind, path, test: tuple[str, str] | None, skip_bad_images,
+          fixed, source: str = "", given_as: str = "") -> dict:
+    """The parsed form of users' records: grouped by the given split ("train" / "test" per
+    record; `given_as` says where it came from), the data.test file, or none (carved later).
+    `fixed`: the classes in order when the data does not decide them; `source`: what the data is."""
     given = [s for s in splits if s is not None]
-    source = f"user {'image folder' if kind == 'images' else 'file'} {Path(path).expanduser()}"
+    source = source or f"user {'image folder' if kind == 'images' else 'file'} {Path(path).expanduser()}"
     dropped = {"duplicates": 0, "blank_lines": facts.get("blank_lines", 0), "bad_images": facts["bad_images"],
                "unused_split_rows": sum(s in UNUSED_SPLITS for s in given)}
     notes = [f"columns not used: {', '.join(facts['ignored_columns'])}"] if facts.get("ignored_columns") else []
@@ -251,7 +253,7 @@ def _parsed(items, labels, splits, facts, kind, path, test: tuple[str, str] | No
         if not tr or not te:
             raise ConfigError(f"{path}: the `split` {column} has no `{TRAIN if not tr else TEST}` rows; give both "
                               f"train and test rows, or drop the {column} to have a test set carved")
-        split = f"given: the `split` {column} of {Path(path).expanduser()}"
+        split = given_as or f"given: the `split` {column} of {Path(path).expanduser()}"
     elif test is not None:
         tx, ty, _, tfacts = _items(*test, skip_bad_images)
         if fixed:

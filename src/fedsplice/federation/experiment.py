@@ -23,6 +23,7 @@ from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, S
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.config import ExperimentConfig
 from fedsplice.data.datasets import TextDataset, load_dataset
+from fedsplice.data.hubdata import HubColumns
 from fedsplice.data.sites import SITES, load_server_test, load_site
 from fedsplice.data.scenarios import apply_scenario
 from fedsplice.core.server import ServerOptimizer, make_server_optimizer
@@ -138,7 +139,9 @@ def build_data(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> tu
         return site_data(cfg, site)
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
                         max_per_class=cfg.data.max_per_class or None, skip_bad_images=cfg.data.skip_bad_images,
-                        class_names=cfg.data.class_names, test=cfg.data.test)
+                        class_names=cfg.data.class_names, test=cfg.data.test,
+                        hub=HubColumns(cfg.data.hf_text, cfg.data.hf_image, cfg.data.hf_label, cfg.data.hf_train_split,
+                                       cfg.data.hf_test_split))
     data = apply_long_tail(cfg, apply_validation(cfg, data))
     clients = make_clients(cfg, data)
     scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, SCENARIO), seed=cfg.seed)

@@ -40,9 +40,10 @@ def check_zoo_model(cfg: ExperimentConfig) -> None:
 
 def check_dataset(cfg: ExperimentConfig) -> None:
     dataset = cfg.data.dataset
-    if config.user_data(dataset) is None and dataset not in DATASETS and dataset != config.SITES:
+    if (config.user_data(dataset) is None and dataset not in DATASETS and dataset != config.SITES
+            and not dataset.startswith(config.HF)):
         raise ConfigError(f"data.dataset: unknown {dataset!r}; choose one of "
-                          f"{', '.join(DATASETS)}, or csv:PATH / jsonl:PATH / images:DIR, or 'sites'")
+                          f"{', '.join(DATASETS)}, or csv:PATH / jsonl:PATH / images:DIR / hf:NAME, or 'sites'")
 
 
 def check_server_optimizer(cfg: ExperimentConfig) -> None:
