@@ -57,6 +57,9 @@ def plan_entries(entries: list[tuple[str, Path, list[str]]], seeds: int,
         base = load_config(Path(path), overrides)
         for s in range(seeds):
             cfg = load_config(Path(path), [*overrides, f"seed={base.seed + s}"])
+            if cfg.tracking.backends:  # each run its own tracking run, grouped under the comparison's folder
+                cfg.tracking.group = cfg.tracking.group or Path(out).resolve().name
+                cfg.tracking.name = cfg.tracking.name or f"{label}-seed-{cfg.seed}"
             runs.append((label, cfg.seed, cfg, Path(out) / "runs" / label / f"seed-{cfg.seed}"))
     return runs
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +19,8 @@ from fedsplice.app import rundir
 from fedsplice.app.console import console, plural
 from fedsplice.app.progress import RunProgress, acc_text
 from fedsplice.app.summary import data_table, hardware_line, results_table
+from fedsplice.app.tracking import Trackers
+from fedsplice.app.tracking import check_installed as check_trackers
 from fedsplice.config import SITES, ExperimentConfig
 from fedsplice.data.report import summary_lines
 from fedsplice.data.scenarios import summary_line
@@ -121,10 +123,11 @@ def _restore(loaded, store, log, checkpointer) -> None:
     ckpt.restore_rng(loaded)
 
 
-def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, track: RunProgress, refs=None):
+def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, track: RunProgress, refs=None,
+           trackers: Trackers | None = None):
     """The round loop (or one evaluation) and the personalization stage, every client task watched
-    by `track` (the progress, the transport's observer). Returns the final server state and the
-    transport (later stages use it)."""
+    by `track` (the progress, the transport's observer) and each round logged to `trackers`.
+    Returns the final server state and the transport (later stages use it)."""
     every = cfg.runtime.checkpoint_every
 
     def on_state(state: ckpt.RoundState) -> None:
@@ -133,6 +136,8 @@ def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, tra
 
     def on_round(record: dict) -> None:
         log.append(record)
+        if trackers is not None:
+            trackers.round(record)
         if echo is not None:
             echo(round_line(record, refs))
         if not track.quiet:
@@ -190,6 +195,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     gives the round loop another runtime (Flower); `echo(line)` also receives each round line;
     `progress(event)` the progress events (`RunProgress`), quiet or not."""
     check_workers(cfg, make_transport)
+    check_trackers(cfg)
     if cfg.data.dataset == SITES and make_transport is None:
         raise ConfigError("data.dataset = 'sites': each Flower SuperNode brings its own file, so it runs on Flower "
                           "(`fedsplice flower up --site-data csv:A --site-data csv:B ...`, or runtime.kind = "
@@ -213,12 +219,15 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     rundir.atomic_write_json(out / "data.json", data)  # readable while the run goes on
     log = rundir.MetricsLog(out / "metrics.jsonl")
     checkpointer = ckpt.Checkpointer(out, cfg, exp.sampling, cfg.runtime.keep_checkpoints)
+    trackers = Trackers(cfg, out, name)
     with (client_side(cfg, exp, make_store(cfg.runtime.store, out / "client_state"), make_transport)
           as (store, make_transport),
-          RunProgress(cfg, exp, loaded.state.round if loaded is not None else 0, quiet, progress) as track):
+          RunProgress(cfg, exp, loaded.state.round if loaded is not None else 0, quiet, progress) as track,
+          closing(trackers)):
         if loaded is not None:
             _restore(loaded, store, log, checkpointer)
-        final, transport = _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, track, refs)
+        final, transport = _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, track, refs,
+                                  trackers)
         records = log.records()
         results = results_table(cfg, exp, name, records, final, refs)
         results["movement"] = movement(exp, final["global_params"], store)
@@ -227,9 +236,10 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
                 console.print(f"cold start: {plural(len(exp.holdout_ids), 'held-out client')}, "
                               f"{plural(cfg.eval.cold_start_epochs, 'local epoch')}")
             results["cold_start"] = cold_start(exp, transport, final["global_params"])
+        results["time_s"] = round(time.perf_counter() - t0, 1)
+        trackers.final(results)
     for line in results["warnings"] if echo is not None else ():  # the CLI prints them under its table
         echo(line)
-    results["time_s"] = round(time.perf_counter() - t0, 1)
     rundir.write_results(out, results)
     rundir.plot_accuracy(out, records, name + (" (RANDOM WEIGHTS)" if results["random_weights"] else ""))
     return results

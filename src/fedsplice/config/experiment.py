@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fedsplice.config.parsing import apply_overrides, from_dict, read_toml
 from fedsplice.config.privacy import PrivacyConfig
+from fedsplice.config.tracking import TrackingConfig
 from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, GrabConfig, RuntimeConfig, ServerConfig
 from fedsplice.config.task import DataConfig, ModelConfig, PeftConfig, ScenarioConfig
 from fedsplice.errors import ConfigError
@@ -37,6 +38,7 @@ class ExperimentConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def check(self) -> None:
         """Every section's own checks, then the checks across sections. The checks against the
