@@ -21,14 +21,14 @@ from fedsplice.version import __version__
 
 # every public API name; each is an attribute of fedsplice.app.api
 _LAZY = ("load_config", "run", "resume", "load_result", "compare", "register_algorithm", "list_algorithms",
-         "RunResult", "CompareRow", "FedspliceError", "ConfigError", "AssetError")
+         "load_export", "RunResult", "CompareRow", "FedspliceError", "ConfigError", "AssetError")
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real signatures (__getattr__ re-exports them)
     from fedsplice.app.api import (AssetError, CompareRow, ConfigError,  # noqa: F401  re-exported lazily (__getattr__)
-                                   FedspliceError, RunResult, compare, list_algorithms, load_config, load_result,
-                                   register_algorithm, resume, run)
+                                   FedspliceError, RunResult, compare, list_algorithms, load_config, load_export,
+                                   load_result, register_algorithm, resume, run)
 
 
 def __getattr__(name: str):

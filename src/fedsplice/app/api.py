@@ -24,6 +24,7 @@ from typing import Any, Union
 
 from fedsplice.algorithms.recipe import Algorithm
 from fedsplice.algorithms.registry import available, register_algorithm
+from fedsplice.app.export import load_export  # noqa: F401  (public: fedsplice.load_export)
 from fedsplice.config import ExperimentConfig
 from fedsplice.errors import AssetError, ConfigError, FedspliceError
 from fedsplice.federation.validate import load_config as _load_validated

@@ -1,4 +1,4 @@
-"""`fedsplice run | resume | compare | report | results | validate | list | audit`. User errors print one
+"""`fedsplice run | resume | compare | report | results | validate | list | audit | export`. User errors print one
 line and exit 2, never a traceback."""
 
 from __future__ import annotations
@@ -133,6 +133,17 @@ def cmd_audit(args) -> int:
     return audit(Path(args.run_dir), [Path(p) for p in args.sites])
 
 
+def cmd_export(args) -> int:
+    from fedsplice.app.export import export
+
+    meta = export(Path(args.run_dir), Path(args.out), args.client, args.merge)
+    who = "the global model" if args.client is None else f"client {args.client}"
+    print(f"{who} of {args.run_dir} (round {meta['round']}) -> {args.out}: "
+          f"{meta['lora_tensors']} LoRA tensors (PEFT format), {len(meta['parts'])} other parts"
+          + (", merged model in merged/" if args.merge else ""))
+    return 0
+
+
 def main(argv=None) -> int:
     """Longer than 60 lines: one argparse declaration per subcommand, read top to bottom."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -186,6 +197,12 @@ def main(argv=None) -> int:
     au.add_argument("--sites", action="append", default=[], metavar="PATH",
                     help="a site's ledger folder or site-*.jsonl from another host (repeatable)")
     au.set_defaults(fn=cmd_audit)
+    ex = sub.add_parser("export", help="a run's adapters as a PEFT folder (PeftModel.from_pretrained), the rest beside")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help="the --out of a run")
+    ex.add_argument("out", metavar="OUT", help="the folder to write")
+    ex.add_argument("--client", type=int, help="client K's model (GLOBAL + its PRIVATE tensors); default: the global")
+    ex.add_argument("--merge", action="store_true", help="also write the base with the LoRA merged in (OUT/merged)")
+    ex.set_defaults(fn=cmd_export)
     from fedsplice.app.flower.cli import add_parser as add_flower_parser  # `fedsplice flower up|app|certs|executor`
 
     add_flower_parser(sub)
