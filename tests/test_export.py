@@ -63,7 +63,7 @@ def test_a_clients_lora_loads_with_peft_and_reproduces_its_pm(family, cfg_factor
 
 
 def test_the_global_export_reproduces_gm(tiny_cfg, tmp_path):
-    out, last = run_and_export(tiny_cfg(), tmp_path)
+    out, last = run_and_export(tiny_cfg(), tmp_path, "--global")
     d = build(tiny_cfg()).data
     assert accuracy(load_export(out), d.test_texts, d.test_labels) == pytest.approx(last["gm"]["accuracy"])
     assert json.loads((out / "fedsplice_export.json").read_text())["client"] is None
@@ -81,15 +81,15 @@ def test_prompts_go_to_the_parts_file_and_merge_is_refused(tiny_cfg, tmp_path, c
     got = accuracy(load_export(out), [d.test_texts[i] for i in c.test_idx], d.test_labels[c.test_idx])
     assert got == pytest.approx(last["pm"]["client_accuracy"][0])
     capsys.readouterr()
-    assert main(["export", str(tmp_path / "run"), str(tmp_path / "o2"), "--merge"]) == 2
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "o2"), "--global", "--merge"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--merge folds LoRA into the base weights; peft.type = 'prompt'" in err and len(err.splitlines()) == 1
 
 
 def test_bad_exports_exit_2_with_one_line(tiny_cfg, tmp_path, capsys):
-    assert main(["export", str(tmp_path), str(tmp_path / "o")]) == 2
+    assert main(["export", str(tmp_path), str(tmp_path / "o"), "--global"]) == 2
     assert "not a run folder" in capsys.readouterr().err
-    out, _ = run_and_export(tiny_cfg(), tmp_path)
+    out, _ = run_and_export(tiny_cfg(), tmp_path, "--global")
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "o"), "--client", "99"]) == 2
     assert "--client 99: the run's training clients are 0..2" in capsys.readouterr().err
     assert np.isfinite(json.loads((out / "fedsplice_export.json").read_text())["round"])

@@ -200,7 +200,10 @@ def main(argv=None) -> int:
     ex = sub.add_parser("export", help="a run's adapters as a PEFT folder (PeftModel.from_pretrained), the rest beside")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="the --out of a run")
     ex.add_argument("out", metavar="OUT", help="the folder to write")
-    ex.add_argument("--client", type=int, help="client K's model (GLOBAL + its PRIVATE tensors); default: the global")
+    who = ex.add_mutually_exclusive_group(required=True)
+    who.add_argument("--client", type=int, metavar="K", help="client K's model (GLOBAL + its PRIVATE tensors)")
+    who.add_argument("--global", dest="global_model", action="store_true",
+                     help="the global model (GLOBAL + the PRIVATE tensors' initial values, as GM scores it)")
     ex.add_argument("--merge", action="store_true", help="also write the base with the LoRA merged in (OUT/merged)")
     ex.set_defaults(fn=cmd_export)
     from fedsplice.app.flower.cli import add_parser as add_flower_parser  # `fedsplice flower up|app|certs|executor`

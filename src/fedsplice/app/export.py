@@ -1,4 +1,4 @@
-"""`fedsplice export RUN OUT [--client K] [--merge]`: what a run trained, in standard formats.
+"""`fedsplice export RUN OUT (--client K | --global) [--merge]`: what a run trained, in standard formats.
 
 OUT holds, from the run's last checkpoint:
 
@@ -15,7 +15,7 @@ OUT holds, from the run's last checkpoint:
     config.toml                   the run's config
     merged/                       (--merge) the base with the LoRA merged in (`save_pretrained`)
 
-`--client K`: client K's model as it uses it (GLOBAL + its PRIVATE tensors); without it, the
+`--client K`: client K's model as it uses it (GLOBAL + its PRIVATE tensors); `--global`: the
 global model (GLOBAL + the PRIVATE tensors' initial values, as GM evaluates it).
 `fedsplice.load_export(OUT)` rebuilds the TaskModel with everything loaded.
 """
@@ -110,7 +110,8 @@ def load_export(path) -> torch.nn.Module:
 
     path = Path(path)
     if not (path / META).is_file():
-        raise ConfigError(f"{path}: not a fedsplice export (no {META}); make one with `fedsplice export RUN OUT`")
+        raise ConfigError(f"{path}: not a fedsplice export (no {META}); make one with "
+                          f"`fedsplice export RUN OUT --global`")
     meta = json.loads((path / META).read_text())
     cfg = load_config(path / "config.toml")
     model = TaskModel(cfg, meta["class_names"], meta["class_prompt"])
