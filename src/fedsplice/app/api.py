@@ -24,14 +24,14 @@ from typing import Any, Union
 
 from fedsplice.algorithms.recipe import Algorithm
 from fedsplice.algorithms.registry import available, register_algorithm
-from fedsplice.app.export import load_export  # noqa: F401  (public: fedsplice.load_export)
+from fedsplice.app.export import load_export
 from fedsplice.config import ExperimentConfig
 from fedsplice.errors import AssetError, ConfigError, FedspliceError
 from fedsplice.federation.validate import load_config as _load_validated
 from fedsplice.federation.validate import validate
 
 __all__ = ["AssetError", "CompareRow", "ConfigError", "FedspliceError", "RunResult", "compare", "list_algorithms",
-           "load_config", "load_result", "register_algorithm", "resume", "run"]
+           "load_config", "load_export", "load_result", "register_algorithm", "resume", "run"]
 
 PathLike = Union[str, Path]
 # `--set` items ("server.rounds=2"), or {dotted key: Python value}
