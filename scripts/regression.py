@@ -87,12 +87,23 @@ ISAS = {"default": {},
 
 def stems() -> list[str]:
     """Every config of the set: the embedded default, then configs/*.toml by name, but those
-    that name a CUDA device (they need a GPU and the hub: pfadapter-qwen2-7b-nf4)."""
-    return [DEFAULT] + sorted(p.stem for p in CONFIGS.glob("*.toml") if not needs_gpu(p))
+    that name a CUDA device (they need a GPU and the hub: pfadapter-qwen2-7b-nf4) or read their
+    model or data from the hub (fedpurel-prompt-cifar100lt): this set runs offline."""
+    return [DEFAULT] + sorted(p.stem for p in CONFIGS.glob("*.toml") if not needs_gpu(p) and not needs_hub(p))
 
 
 def needs_gpu(path: Path) -> bool:
     return str(tomllib.loads(path.read_text()).get("runtime", {}).get("device", "")).startswith("cuda")
+
+
+def needs_hub(path: Path) -> bool:
+    """A model that is neither the zoo's nor a local folder, or an hf: data set that is not one."""
+    table = tomllib.loads(path.read_text())
+    model = str(table.get("model", {}).get("name", "zoo:"))
+    data = str(table.get("data", {}).get("dataset", ""))
+    hub_model = not model.startswith("zoo:") and not Path(model).expanduser().exists()
+    hub_data = data.startswith("hf:") and not Path(data[3:].partition(":")[0]).expanduser().exists()
+    return hub_model or hub_data
 
 
 def overrides(stem: str) -> list[str]:
