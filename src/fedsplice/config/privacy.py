@@ -42,33 +42,26 @@ class PrivacyConfig:
 
     def check(self) -> None:
         if self.local == "dpsgd":
-            self._check_local()
-        if not self.enabled:
-            return
-        if self.clip <= 0:
-            raise ConfigError(f"privacy.clip must be > 0 (the L2 bound of a client's GLOBAL update), got {self.clip}")
-        if self.noise_multiplier < 0 or self.target_epsilon < 0:
-            raise ConfigError("privacy.noise_multiplier and privacy.target_epsilon must be >= 0")
-        if self.noise_multiplier > 0 and self.target_epsilon > 0:
-            raise ConfigError("privacy.noise_multiplier and privacy.target_epsilon are both set: keep one "
-                              "(target_epsilon chooses the noise multiplier)")
-        if self.noise_multiplier == 0 and self.target_epsilon == 0:
-            raise ConfigError(f"privacy.mode = {self.mode!r} with no noise gives no privacy (ε = ∞): set "
-                              f"privacy.noise_multiplier > 0 or privacy.target_epsilon > 0")
-        if not 0 < self.delta < 1:
-            raise ConfigError(f"privacy.delta must be in (0, 1), e.g. 1e-5, got {self.delta}")
+            self._check_mechanism("privacy.local = 'dpsgd'", "local_", self.local_clip,
+                                  "the L2 bound of one example's gradient",
+                                  self.local_noise_multiplier, self.local_target_epsilon)
+        if self.enabled:
+            self._check_mechanism(f"privacy.mode = {self.mode!r}", "", self.clip,
+                                  "the L2 bound of a client's GLOBAL update",
+                                  self.noise_multiplier, self.target_epsilon)
 
-    def _check_local(self) -> None:
-        if self.local_clip <= 0:
-            raise ConfigError(f"privacy.local_clip must be > 0 (the L2 bound of one example's gradient), "
-                              f"got {self.local_clip}")
-        if self.local_noise_multiplier < 0 or self.local_target_epsilon < 0:
-            raise ConfigError("privacy.local_noise_multiplier and privacy.local_target_epsilon must be >= 0")
-        if self.local_noise_multiplier > 0 and self.local_target_epsilon > 0:
-            raise ConfigError("privacy.local_noise_multiplier and privacy.local_target_epsilon are both set: keep "
-                              "one (local_target_epsilon chooses the noise multiplier)")
-        if self.local_noise_multiplier == 0 and self.local_target_epsilon == 0:
-            raise ConfigError("privacy.local = 'dpsgd' with no noise gives no privacy (ε = ∞): set "
-                              "privacy.local_noise_multiplier > 0 or privacy.local_target_epsilon > 0")
+    def _check_mechanism(self, what: str, prefix: str, clip: float, bound: str, z: float, target: float) -> None:
+        """One Gaussian mechanism's settings (`prefix`: its field names' prefix, "" or "local_")."""
+        f = {k: f"privacy.{prefix}{k}" for k in ("clip", "noise_multiplier", "target_epsilon")}
+        if clip <= 0:
+            raise ConfigError(f"{f['clip']} must be > 0 ({bound}), got {clip}")
+        if z < 0 or target < 0:
+            raise ConfigError(f"{f['noise_multiplier']} and {f['target_epsilon']} must be >= 0")
+        if z > 0 and target > 0:
+            raise ConfigError(f"{f['noise_multiplier']} and {f['target_epsilon']} are both set: keep one "
+                              f"({prefix}target_epsilon chooses the noise multiplier)")
+        if z == 0 and target == 0:
+            raise ConfigError(f"{what} with no noise gives no privacy (ε = ∞): set {f['noise_multiplier']} > 0 "
+                              f"or {f['target_epsilon']} > 0")
         if not 0 < self.delta < 1:
             raise ConfigError(f"privacy.delta must be in (0, 1), e.g. 1e-5, got {self.delta}")
