@@ -30,6 +30,7 @@ from fedsplice.app.flower.resume import RUN_FILE
 from fedsplice.config import to_dict
 from fedsplice.federation import DiskStore
 from fedsplice.runtimes.flower import client as flower_client
+from fedsplice.runtimes.flower import nodestate
 from fedsplice.runtimes.flower.transport import FlowerRuntimeError
 
 ROUNDS, KILL = 5, 4  # checkpoints after rounds 2, 4 and 5: the kill in round 4 falls back to round 2
@@ -146,7 +147,7 @@ def test_node_snapshots_roll_back_and_are_pruned(tmp_path):
         flower_client.snapshot(store, cid, rnd)
     flower_client.rollback(store.root, 2)
     assert store.clients() == [0] and store.get(0)["param/p"].tolist() == [10.0, 10.0]
-    assert [r for r, _ in flower_client._rounds(store.root)] == [1]
+    assert [r for r, _ in nodestate.rounds_kept(store.root)] == [1]
     flower_client.rollback(store.root, 2)  # again (a rollback cut short): the same
     assert store.clients() == [0] and store.get(0)["param/p"].tolist() == [10.0, 10.0]
     # pruning: checkpoints every round, 2 kept; before round 6 those of rounds 4 and 5 are kept, so
@@ -159,11 +160,11 @@ def test_node_snapshots_roll_back_and_are_pruned(tmp_path):
         checkpoint_every, keep_checkpoints = 1, 2
 
     flower_client.prune(store.root, 6, RT, rounds=10)
-    assert [r for r, _ in flower_client._rounds(store.root)] == [3, 5]
+    assert [r for r, _ in nodestate.rounds_kept(store.root)] == [3, 5]
     flower_client.rollback(store.root, 4)  # the oldest checkpoint kept: client 0 as after round 3
     assert store.get(0)["param/p"].tolist() == [3.0, 3.0]
     flower_client.rollback(store.root, 0)  # a fresh start
-    assert store.clients() == [] and flower_client._rounds(store.root) == []
+    assert store.clients() == [] and nodestate.rounds_kept(store.root) == []
 
 
 def test_resume_of_a_remote_flower_run_says_how_in_one_line(cfg, tmp_path, capsys):

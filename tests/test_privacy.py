@@ -138,7 +138,7 @@ def test_cli_run_reports_epsilon_in_results_and_metrics(tiny_cfg, tmp_path, caps
     (["privacy.mode=\"central\"", "privacy.clip=1", "privacy.noise_multiplier=1", "server.aggregation=\"median\""],
      "set server.aggregation = 'mean'"),
     (["privacy.mode=\"central\"", "privacy.clip=1", "privacy.noise_multiplier=1", "algorithm=\"hetlora\"",
-      "method={}"], "needs fixed weights"),
+      "method={}"], "needs one weight per client"),
     (["privacy.mode=\"central\"", "privacy.clip=1", "privacy.noise_multiplier=1", "algorithm=\"local\"",
       "method={}"], "sends nothing to a server"),
 ])

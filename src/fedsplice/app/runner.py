@@ -30,6 +30,7 @@ from fedsplice.federation import (build, cold_start, evaluate_only, make_store, 
                                  run_rounds)
 from fedsplice.federation import checkpoint as ckpt
 from fedsplice.federation.validate import load_config
+from fedsplice.federation.rounds import SECAGG_NEEDS_FLOWER
 from fedsplice.runtimes.inprocess import InProcess
 from fedsplice.runtimes.workers import Workers, check_workers
 
@@ -200,6 +201,8 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
         raise ConfigError("data.dataset = 'sites': each Flower SuperNode brings its own file, so it runs on Flower "
                           "(`fedsplice flower up --site-data csv:A --site-data csv:B ...`, or runtime.kind = "
                           "'flower'); in simulation give one data set (csv:PATH, ...) instead")
+    if cfg.privacy.secure_aggregation and make_transport is None:
+        raise ConfigError(SECAGG_NEEDS_FLOWER)
     last_ckpt = _start(cfg, out, overwrite, resume)
     t0 = time.perf_counter()
     name = display_name(cfg)

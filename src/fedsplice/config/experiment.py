@@ -80,7 +80,22 @@ class ExperimentConfig:
             raise ConfigError(f"privacy.mode = {self.privacy.mode!r} bounds the sum of clipped updates; "
                               f"server.aggregation = {self.server.aggregation!r} is not a sum: set "
                               f"server.aggregation = 'mean'")
+        if self.privacy.secure_aggregation:
+            self.check_secagg()
         self.check_hardware()
+
+    def check_secagg(self) -> None:
+        """What Flower's SecAgg+ cannot do: the server sees only the sum of the sampled updates."""
+        where = "privacy.secure_aggregation = true"
+        if self.server.clients_per_round < 2:
+            raise ConfigError(f"{where} sums the updates of server.clients_per_round clients, which must be >= 2 "
+                              f"(Flower's SecAgg+), got {self.server.clients_per_round}")
+        if self.server.aggregation != "mean":
+            raise ConfigError(f"{where} gives the server only the sum of the updates; server.aggregation = "
+                              f"{self.server.aggregation!r} needs each update: set server.aggregation = 'mean'")
+        if self.server.update_norm_bound > 0:
+            raise ConfigError(f"{where} hides each update from the server, so server.update_norm_bound cannot be "
+                              f"checked: set server.update_norm_bound = 0 (privacy.mode = 'distributed' bounds it)")
 
     def check_hardware(self) -> None:
         """model.dtype / quantization against what trains (whether the device exists: at build)."""

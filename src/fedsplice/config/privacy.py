@@ -35,6 +35,17 @@ class PrivacyConfig:
     local_noise_multiplier: float = 0.0  # z of every DP-SGD step
     # > 0: each client's z is chosen so that a client trained in every planned round spends this ε
     local_target_epsilon: float = 0.0
+    # true: on Flower, the GLOBAL updates are summed by Flower's SecAgg+ (its workflow and client
+    # mod): the ServerApp sees only the sum of the sampled clients' masked, quantized updates
+    secure_aggregation: bool = False
+    # SecAgg+ (Flower's SecAggPlusWorkflow): shares of each client's key, as a fraction (<= 1) of
+    # the sampled clients or a count (> 2); shares needed to recover a dropped client (fraction of
+    # the shares, or a count >= 2); each update coordinate is clipped to ±clipping_range and
+    # quantized to quantization_range levels (Flower's defaults)
+    secagg_num_shares: float = 1.0
+    secagg_threshold: float = 0.5
+    secagg_clipping_range: float = 8.0
+    secagg_quantization_range: int = 4194304  # 2**22
 
     @property
     def enabled(self) -> bool:
@@ -45,10 +56,32 @@ class PrivacyConfig:
             self._check_mechanism("privacy.local = 'dpsgd'", "local_", self.local_clip,
                                   "the L2 bound of one example's gradient",
                                   self.local_noise_multiplier, self.local_target_epsilon)
+        if self.secure_aggregation:
+            self._check_secagg()
         if self.enabled:
             self._check_mechanism(f"privacy.mode = {self.mode!r}", "", self.clip,
                                   "the L2 bound of a client's GLOBAL update",
                                   self.noise_multiplier, self.target_epsilon)
+
+    def _check_secagg(self) -> None:
+        """Flower's own checks of SecAggPlusWorkflow's arguments, as one-line errors naming the field."""
+        n, t = self.secagg_num_shares, self.secagg_threshold
+        if not (0 < n <= 1 or (n > 2 and float(n).is_integer())):
+            raise ConfigError(f"privacy.secagg_num_shares must be a fraction in (0, 1] of the sampled clients or "
+                              f"a whole count > 2, got {n}")
+        if not (0 < t <= 1 or (t >= 2 and float(t).is_integer())):
+            raise ConfigError(f"privacy.secagg_threshold must be a fraction in (0, 1] of the shares or a whole "
+                              f"count >= 2, got {t}")
+        if n > 2 and t >= 2 and t >= n:
+            raise ConfigError(f"privacy.secagg_threshold ({t:g}) must be less than privacy.secagg_num_shares ({n:g})")
+        if self.secagg_clipping_range <= 0:
+            raise ConfigError(f"privacy.secagg_clipping_range must be > 0, got {self.secagg_clipping_range}")
+        if not 0 < self.secagg_quantization_range < 2 ** 32:
+            raise ConfigError(f"privacy.secagg_quantization_range must be in (0, 2**32) (the mask modulus), "
+                              f"got {self.secagg_quantization_range}")
+        if self.mode == "central":
+            raise ConfigError("privacy.mode = 'central' clips each update on the server, which secure aggregation "
+                              "hides from it: use privacy.mode = 'distributed' with privacy.secure_aggregation")
 
     def _check_mechanism(self, what: str, prefix: str, clip: float, bound: str, z: float, target: float) -> None:
         """One Gaussian mechanism's settings (`prefix`: its field names' prefix, "" or "local_")."""

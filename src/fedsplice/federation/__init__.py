@@ -22,6 +22,8 @@ from fedsplice.federation import ledger
 from fedsplice.federation.calls import Observer
 from fedsplice.federation.evaluation import movement, references
 from fedsplice.federation.experiment import Client, Experiment, build
+from fedsplice.federation.gather import Secured
+from fedsplice.federation.ledger import masked_rows, site_masked
 from fedsplice.federation.rounds import (Reply, Transport, cold_start, evaluate_only, gm_and_pm, personalization,
                                          run_rounds)
 from fedsplice.federation.store import DiskStore, Store, make_store
@@ -32,10 +34,11 @@ from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation.validate import load_config
 from fedsplice.federation.validate import validate as validate_config
 
-__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Observer", "Reply", "SITES", "Store", "TASKS",
+__all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Observer", "Reply", "SITES", "Secured", "Store", "TASKS",
            "Transport", "accepts", "build", "check_update", "client_task", "cold_start", "config_from_text",
-           "evaluate_only", "fit_client", "gm_and_pm", "ledger", "load_config", "make_store", "movement",
-           "personalization", "references", "rng", "run_rounds", "validate_config", "wire"]
+           "evaluate_only", "fit_client", "gm_and_pm", "ledger", "load_config", "make_store", "masked_rows",
+           "movement", "personalization", "references", "rng", "run_rounds", "site_masked", "validate_config",
+           "wire"]
 
 
 def config_from_text(text: str) -> ExperimentConfig:

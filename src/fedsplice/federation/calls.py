@@ -21,13 +21,17 @@ class Observer(Protocol):
 
 
 def ask(transport, task: str, cids: list[int], down: bytes, rnd: int = 0):
-    """`transport.fit(rnd, cids, down)` for task "fit", else `transport.run(task, cids, down)`,
-    told to the transport's observer (its `observer` attribute, None: no one watches)."""
+    """`transport.fit(rnd, cids, down)` for task "fit" (`fit_secure` for "fit_secure": a SecAgg+
+    round), else `transport.run(task, cids, down)`, told to the transport's observer (its
+    `observer` attribute, None: no one watches; it sees a SecAgg+ round as a "fit")."""
     observer = getattr(transport, "observer", None)
+    seen = "fit" if task == "fit_secure" else task
     if observer is not None:
-        observer.begin(task, rnd, cids)
+        observer.begin(seen, rnd, cids)
     try:
+        if task == "fit_secure":
+            return transport.fit_secure(rnd, cids, down)
         return transport.fit(rnd, cids, down) if task == "fit" else transport.run(task, cids, down)
     finally:
         if observer is not None:
-            observer.end(task, cids)
+            observer.end(seen, cids)

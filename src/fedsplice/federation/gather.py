@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from fedsplice.core import wire
 from fedsplice.core.robust import check_stats, check_update, check_weight
 from fedsplice.core.server import Params
@@ -97,3 +99,46 @@ def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params,
         if len(accepted) >= min_replies or not pending:
             break
     return Gathered([accepted[c] for c in sorted(accepted)], events, up, dn, attempt + 1)
+
+
+@dataclass
+class Secured:
+    """A secure-aggregation round as a transport returns it (`fit_secure`): the server holds the
+    sum of the uploads, never one of them."""
+
+    replies: list  # a Reply per asked client: in the sum (payload b"", its stats and weight), or error / late
+    mean: dict[str, torch.Tensor] | None  # the decoded weighted mean of the summed GLOBAL deltas; None: failed
+    ledger: list[dict]  # the server's view: the rows of the masked vectors it received
+    reason: str = ""  # why there is no mean
+
+
+def secure_gather(transport, rnd: int, cids: list[int], down: bytes,
+                  reference: Params) -> tuple[Gathered, dict[str, torch.Tensor] | None, list[dict]]:
+    """One secure-aggregation round (`transport.fit_secure`): what it summed, the mean delta, and the
+    server's ledger rows. Nothing is retried (a new round of the protocol would be needed), and a
+    client cannot be taken out of the sum: stats that fail validation, or a mean with other names,
+    shapes or non-finite values, refuse the whole round (skipped)."""
+    s: Secured = ask(transport, "fit_secure", cids, down, rnd)
+    events: list[dict] = []
+    accepted: list[tuple[Upload, Params]] = []
+    up = dn = 0
+    for r in s.replies:
+        up, dn = up + r.up_bytes, dn + r.down_bytes
+        if r.error or r.late:
+            events.append({"client": r.cid, "event": "late" if r.late else "dropped",
+                           "reason": "replied after the round deadline" if r.late else r.error, "attempt": 0})
+        else:
+            accepted.append((r, {}))
+    reason = s.reason or next((f"client {r.cid}: {why}" for r, _ in accepted
+                               if (why := check_weight(r.num_examples) or check_stats(r.stats))), "")
+    mean = s.mean
+    if not reason and mean is not None:
+        if set(mean) != set(reference) or any(mean[n].shape != reference[n].shape for n in reference):
+            reason = "the secure aggregate's tensors differ from the GLOBAL tensors sent"
+        elif not all(bool(torch.isfinite(t).all()) for t in mean.values()):
+            reason = "the secure aggregate is not finite (a client sent non-finite values)"
+    if reason or mean is None:
+        events.append({"client": None, "event": "rejected", "attempt": 0,
+                       "reason": f"secure aggregation: {reason or 'no aggregate'}; the round is skipped"})
+        accepted, mean = [], None
+    return Gathered(sorted(accepted, key=lambda a: a[0].cid), events, up, dn, 1), mean, s.ledger

@@ -5,36 +5,71 @@ simulation; the SuperNode's state folder on Flower) the rows of every upload it 
 server appends to `server.jsonl` the rows of every upload it accepted, and writes `split.json`
 (the run's GLOBAL and PRIVATE names). A row: round, client, tensor name, shape, dtype, bytes
 (the tensor's data, without the envelope), the SHA-256 of those bytes, the ε spent after that
-round (null without [privacy]) and whether it went through secure aggregation (never, yet).
-`check` compares the two views and the split: `fedsplice audit RUN`.
+round (null without [privacy]) and whether it went through secure aggregation (`secagg`).
+
+Under Flower's SecAgg+ (privacy.secure_aggregation) nothing leaves a site in the clear: the site
+writes the rows of the update it contributed (`secagg: true`; they never reach the server) and
+the rows of the masked vector it sent (`masked: true`: one per array as Flower serialized it, the
+weight first, named SECAGG_WEIGHT), and the server writes the rows of the masked vectors it
+received, which are all it ever sees. `check` compares the two views and the split: `fedsplice
+audit RUN`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fedsplice.core import wire
 from fedsplice.data.assets import atomic_write_json
 
 SPLIT, SERVER = "split.json", "server.jsonl"
+SECAGG_WEIGHT = "secagg.weight"  # a SecAgg+ masked vector's first array: the client's masked weight
 
 
-def rows(payload: bytes, rnd: int, cid: int, epsilon: float | None, local_epsilon: float | None = None) -> list[dict]:
+def rows(payload: bytes, rnd: int, cid: int, epsilon: float | None, local_epsilon: float | None = None,
+         secagg: bool = False) -> list[dict]:
     """The ledger rows of one upload: its tensors as serialized, in name order; `epsilon`: the
-    client-level ε spent so far ([privacy] mode), `local_epsilon`: this client's DP-SGD ε."""
+    client-level ε spent so far ([privacy] mode), `local_epsilon`: this client's DP-SGD ε;
+    `secagg`: the upload is summed by SecAgg+ (what travels is its masked vector, `masked_rows`)."""
     out = []
     for name, t in sorted(wire.decode(payload).items()):
         data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         out.append({"round": rnd, "client": cid, "name": name, "shape": list(t.shape),
                     "dtype": str(t.dtype).removeprefix("torch."), "bytes": len(data),
                     "sha256": hashlib.sha256(data).hexdigest(), "epsilon": epsilon, "local_epsilon": local_epsilon,
-                    "secagg": False})
+                    "secagg": secagg})
     return out
+
+
+def masked_rows(arrays: list[bytes], names: list[str], rnd: int, cid: int, epsilon: float | None,
+                local_epsilon: float | None = None) -> list[dict]:
+    """The rows of one SecAgg+ masked vector as it travels: Flower's serialized arrays (numpy's
+    .npy bytes), the weight first, then one per GLOBAL tensor in the order sent (`names`)."""
+    out = []
+    for name, data in zip([SECAGG_WEIGHT, *names], arrays, strict=True):
+        a = np.load(io.BytesIO(data), allow_pickle=False)
+        out.append({"round": rnd, "client": cid, "name": name, "shape": list(a.shape), "dtype": str(a.dtype),
+                    "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "epsilon": epsilon,
+                    "local_epsilon": local_epsilon, "secagg": True, "masked": True})
+    return out
+
+
+def site_masked(folder: Path, cid: int, rnd: int, arrays: list[bytes], names: list[str], epsilon: float | None,
+                local_epsilon: float | None = None) -> None:
+    """A SecAgg+ client's record of the masked vector it sent."""
+    append(site_file(folder, cid), masked_rows(arrays, names, rnd, cid, epsilon, local_epsilon))
+
+
+def sent(row: dict) -> bool:
+    """Whether the row is of bytes that left the site: a SecAgg+ client's own update does not."""
+    return bool(row.get("masked")) or not row.get("secagg")
 
 
 def append(path: Path, new: list[dict]) -> None:
@@ -51,9 +86,9 @@ def site_file(folder: Path, cid: int) -> Path:
 
 
 def site_upload(folder: Path, cid: int, rnd: int, payload: bytes, epsilon: float | None,
-                local_epsilon: float | None = None) -> None:
+                local_epsilon: float | None = None, secagg: bool = False) -> None:
     """A client's own record of an upload, written before it leaves."""
-    append(site_file(folder, cid), rows(payload, rnd, cid, epsilon, local_epsilon))
+    append(site_file(folder, cid), rows(payload, rnd, cid, epsilon, local_epsilon, secagg))
 
 
 def write_split(folder: Path, global_names: list[str], private_names: list[str]) -> None:
@@ -75,7 +110,7 @@ def read(path: Path) -> list[dict]:
     return out
 
 
-_KEY = ("round", "client", "name")
+_KEY = ("round", "client", "name", "masked")
 _SAME = ("shape", "dtype", "bytes", "sha256")
 
 
@@ -87,10 +122,12 @@ def check(split: dict, server: list[dict], sites: dict[str, list[dict]]) -> tupl
     leaves a client's row more than once: the server's row must equal one of them."""
     private, allowed = set(split["private"]), set(split["global"])
     bad: list[str] = []
-    sent: dict[tuple, list[dict]] = defaultdict(list)
+    out: dict[tuple, list[dict]] = defaultdict(list)  # what the sites sent, by _key
     summary: dict[int, dict] = {}
     for where, rs in [*sites.items(), ("server", server)]:
         for r in rs:
+            if r["name"] == SECAGG_WEIGHT and r.get("masked"):
+                continue
             if r["name"] in private:
                 bad.append(f"{where}: round {r['round']} client {r['client']}: PRIVATE tensor {r['name']} "
                            f"left the site")
@@ -98,18 +135,22 @@ def check(split: dict, server: list[dict], sites: dict[str, list[dict]]) -> tupl
                 bad.append(f"{where}: round {r['round']} client {r['client']}: {r['name']} is not a GLOBAL tensor")
     for where, rs in sites.items():
         for r in rs:
-            sent[tuple(r[k] for k in _KEY)].append(r)
             s = summary.setdefault(r["client"], {"rounds": set(), "tensors": 0, "bytes": 0, "epsilon": None,
                                                  "received": 0, "file": where})
+            if not sent(r):
+                continue
+            out[_key(r)].append(r)
             s["rounds"].add(r["round"])
             s["tensors"] += 1
             s["bytes"] += r["bytes"]
             if r.get("epsilon") is not None:
                 s["epsilon"] = max(s["epsilon"] or 0.0, r["epsilon"])
     for r in server:
-        key = tuple(r[k] for k in _KEY)
-        mine = sent.get(key)
-        if not mine:
+        mine = out.get(_key(r))
+        if r.get("secagg") and not r.get("masked"):
+            bad.append(f"server: round {r['round']} client {r['client']}: {r['name']} received unmasked from a "
+                       f"SecAgg+ client")
+        elif not mine:
             bad.append(f"server: round {r['round']} client {r['client']}: {r['name']} received, but the "
                        f"client's ledger has no such row")
         elif not any(all(m[k] == r[k] for k in _SAME) for m in mine):
@@ -121,3 +162,7 @@ def check(split: dict, server: list[dict], sites: dict[str, list[dict]]) -> tupl
     for s in summary.values():
         s["rounds"] = len(s["rounds"])
     return bad, dict(sorted(summary.items()))
+
+
+def _key(row: dict) -> tuple:
+    return tuple(bool(row.get(k)) if k == "masked" else row[k] for k in _KEY)

@@ -71,16 +71,17 @@ def plan(cfg, n_train: int) -> Plan | None:
 
 
 def check_recipe(cfg, recipe, global_names: list[str]) -> None:
-    """What DP-FedAvg cannot bound: a method's own per-tensor weights, a pooled reference, nothing sent."""
-    if not cfg.privacy.enabled:
+    """What DP-FedAvg cannot bound, nor SecAgg+ sum: a method's own per-tensor weights, a pooled
+    reference, nothing sent."""
+    if not (cfg.privacy.enabled or cfg.privacy.secure_aggregation):
         return
-    where = f"privacy.mode = {cfg.privacy.mode!r}"
+    where = f"privacy.mode = {cfg.privacy.mode!r}" if cfg.privacy.enabled else "privacy.secure_aggregation = true"
     if recipe.pooled or not global_names:
         raise ConfigError(f"{where}: algorithm {cfg.algorithm!r} sends nothing to a server (nothing to protect); "
-                          f"set privacy.mode = 'off'")
+                          f"turn it off")
     if recipe.exchange is not None and recipe.exchange.weights is not None:
-        raise ConfigError(f"{where} needs fixed weights, and algorithm {cfg.algorithm!r} weighs each tensor by its "
-                          f"own rule; set privacy.mode = 'off' or use another algorithm")
+        raise ConfigError(f"{where} needs one weight per client, and algorithm {cfg.algorithm!r} weighs each tensor "
+                          f"by its own rule; turn it off or use another algorithm")
 
 
 def _gen(pl: Plan, cfg, *keys: int) -> torch.Generator:
@@ -100,6 +101,14 @@ def server_aggregate(pl: Plan, cfg, rnd: int, updates: list[dict]) -> tuple[dict
     else:
         total = {n: sum(u[n].double() for u in updates) for n in updates[0]}
     return {n: total[n] / pl.clients_per_round for n in updates[0]}, stats
+
+
+def secure_release(pl: Plan | None, mean: dict, summed: int) -> dict:
+    """The round's mean delta from a secure aggregate: the sum over m under DP's fixed weights
+    (the mean of the `summed` clients × summed/m), else the aggregate as it is (FedAvg's weights)."""
+    if pl is None:
+        return mean
+    return {n: t.double() * (summed / pl.clients_per_round) for n, t in mean.items()}
 
 
 def client_release(pl: Plan, cfg, cid: int, rnd: int, trained: dict, received: dict) -> dict:

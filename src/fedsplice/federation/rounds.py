@@ -9,13 +9,16 @@ GLOBAL tensors. A transport may return fewer results than clients asked, or repl
 Per round: the sampled clients (pre-drawn, `Experiment.sampling`) receive the GLOBAL tensors,
 train, and upload theirs; replies are validated (`gather`), the deltas averaged by sample count
 (or robustly), and the server optimizer steps. Only the global test set (GM) is scored here.
+Under secure aggregation (privacy.secure_aggregation, Flower's SecAgg+) the transport's
+`fit_secure` returns only the mean of the deltas (`secure_gather`), and the server optimizer
+steps with that.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -28,8 +31,13 @@ from fedsplice.federation.evaluation import evaluate_global, pooled_gm, summariz
 from fedsplice.federation.ledger import SERVER, write_split
 from fedsplice.federation.ledger import append as ledger_append
 from fedsplice.federation.ledger import rows as ledger_rows
-from fedsplice.federation.gather import gather
-from fedsplice.federation.privacy import server_aggregate
+from fedsplice.errors import ConfigError
+from fedsplice.federation.gather import gather, secure_gather
+from fedsplice.federation.privacy import secure_release, server_aggregate
+
+
+SECAGG_NEEDS_FLOWER = ("privacy.secure_aggregation = true runs Flower's SecAgg+: use runtime.kind = 'flower' "
+                       "or `fedsplice flower up`")
 
 
 @dataclass
@@ -135,7 +143,9 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
     than `server.min_replies` valid ones, after `server.max_retries` retries, is skipped (global
     tensors and server state unchanged) and marked `"skipped": true`.
     """
-    sc = exp.cfg.server
+    sc, secure = exp.cfg.server, exp.cfg.privacy.secure_aggregation
+    if secure and not hasattr(transport, "fit_secure"):
+        raise ConfigError(SECAGG_NEEDS_FLOWER)
     if exp.ledger is not None:
         write_split(exp.ledger, exp.global_names, exp.private_names)
     if start is None:
@@ -147,21 +157,25 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
         up_total, down_total = start.up_bytes, start.down_bytes
     for rnd in range((start.round if start else 0) + 1, sc.rounds + 1):
         t0 = time.perf_counter()
-        got = gather(transport, rnd, exp.sampling[rnd - 1], wire.encode(global_params), global_params,
-                     set(exp.private_names), min_replies=sc.min_replies, max_retries=sc.max_retries,
-                     norm_bound=sc.update_norm_bound)
+        down, cids = wire.encode(global_params), exp.sampling[rnd - 1]
+        if secure:  # Flower's SecAgg+: the server gets the mean of the updates, and their masked vectors
+            got, mean, seen = secure_gather(transport, rnd, cids, down, global_params)
+        else:
+            got = gather(transport, rnd, cids, down, global_params, set(exp.private_names),
+                         min_replies=sc.min_replies, max_retries=sc.max_retries, norm_bound=sc.update_norm_bound)
+            eps = exp.privacy.epsilon(rnd) if exp.privacy is not None else None
+            seen = [row for r, _ in got.accepted  # the server's view: what it accepted, as received
+                    for row in ledger_rows(r.payload, rnd, r.cid, eps, r.stats.get("dp_local_epsilon"))]
         if exp.recipe.pooled:  # centralized: the data are pooled where the model is; nothing is federated
             got.up_bytes = got.down_bytes = 0
         up_total, down_total = up_total + got.up_bytes, down_total + got.down_bytes
-        if exp.ledger is not None and not exp.recipe.pooled:  # the server's view: what it accepted, as received
-            eps = exp.privacy.epsilon(rnd) if exp.privacy is not None else None
-            ledger_append(exp.ledger / SERVER,
-                          [row for r, _ in got.accepted
-                           for row in ledger_rows(r.payload, rnd, r.cid, eps, r.stats.get("dp_local_epsilon"))])
+        if exp.ledger is not None and not exp.recipe.pooled:
+            ledger_append(exp.ledger / SERVER, seen)
         ok = len(got.accepted) >= sc.min_replies
         logged: dict[str, float] = {}
         if ok and exp.global_names:
-            agg, logged = aggregate_round(exp, got.accepted, global_params, rnd)
+            agg, logged = (secure_release(exp.privacy, cast(dict, mean), len(got.accepted)), {}) if secure else \
+                aggregate_round(exp, got.accepted, global_params, rnd)
             global_params, server_state = exp.server_opt.update(agg, server_state, global_params)
         record = round_record(rnd, got, ok, t0)
         if exp.privacy is not None:  # every round's uploads count, a skipped one too (conservative)

@@ -206,7 +206,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     up, residual = wire.compress(trained, received, codec, residual)
     if exp.ledger is not None and not exp.recipe.pooled:  # the site's record of what it sends (federation.ledger)
         site_upload(exp.ledger, cid, rnd, up, exp.privacy.epsilon(rnd) if exp.privacy is not None else None,
-                    local_eps)
+                    local_eps, secagg=exp.cfg.privacy.secure_aggregation)
     store.put(cid, ClientState(params={n: params[n] for n in exp.private_names}, opt=new_opt, ef=residual,
                                grab=dict(grab["grab"].state) if grab else {}, branch=slot,
                                dp=private.state() if private is not None else {}).to_store())

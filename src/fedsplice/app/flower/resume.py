@@ -11,7 +11,7 @@ A Flower run's directory holds `flower-run.json`, written by the ServerApp:
               checkpoint gives the figures of a run that never stopped.
 
 The server's checkpoints hold no PRIVATE tensor (those never leave the nodes); the nodes roll
-their own state back to the checkpoint's round (`fedsplice.runtimes.flower.client.rollback`).
+their own state back to the checkpoint's round (`fedsplice.runtimes.flower.nodestate.rollback`).
 
 `fedsplice resume OUT` of a run of `fedsplice flower up` (`flower/launch.json` is there) starts a
 new local SuperLink and SuperNodes on the same node folders and submits the run with

@@ -74,6 +74,11 @@ class LedgerTransport(FlowerTransport):
         self.start.note(rnd, self.totals, self.events.count)
         return replies
 
+    def fit_secure(self, rnd, cids, down):
+        secured = super().fit_secure(rnd, cids, down)
+        self.start.note(rnd, self.totals, self.events.count)
+        return secured
+
     def run(self, task, cids, down):
         results = super().run(task, cids, down)
         if task not in AFTER_ROUNDS:

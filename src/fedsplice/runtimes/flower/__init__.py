@@ -4,8 +4,11 @@
   run-config keys.
 - `executor`: a warm ClientApp executor for SuperNodes started with `--isolation process`.
 - `transport`: `FlowerTransport`, the round loop's fit/evaluate over Flower messages.
+- `secagg`: Flower's SecAgg+ for a round (privacy.secure_aggregation): its workflow on the
+  server, its client mod on the SuperNodes.
 - `faults`: which client errors end the run (a retry repeats them) and which are dropouts.
-- `records`: torch tensors <-> ArrayRecords; the size of a serialized message.
+- `partition`, `nodestate`: which node serves which client; a node's PRIVATE state and snapshots.
+- `records`: torch tensors <-> ArrayRecords; the size of a serialized message; JSON-lines logs.
 - `certs`: TLS certificates and SuperNode keys with `cryptography`.
 
 The ServerApp, `fedsplice flower up` and resuming live above the runtimes, in `fedsplice.app.flower`.

@@ -4,7 +4,9 @@ Every message carries a client task (`fedsplice.federation.tasks`) for some of t
 node serves; the node runs it on its own data and PRIVATE state and answers only what the task
 returns:
   query               the node's partition (which clients it serves)
-  train               `fit` for each client id: their GLOBAL uploads
+  train               `fit` for each client id: their GLOBAL uploads; under SecAgg+
+                      (privacy.secure_aggregation) Flower's four-stage protocol (`secagg`), whose
+                      masked-vector stage fits one client and sends only its masked update
   evaluate            `evaluate`: each client's metrics on its local test set (PM)
   train.personalize   `personalize`: FedPuReL's phase 2, trained here; its metrics
   train.cold_start    `cold_start`: a held-out client's adaptation curve
@@ -40,9 +42,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
-import shutil
 import sys
+
+import torch
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -54,15 +56,18 @@ from fedsplice.errors import ConfigError
 from fedsplice.version import __version__
 from fedsplice.federation import (SITES, DiskStore, accepts, build, client_task, config_from_text, fit_client,
                                   validate_config, wire)
+from fedsplice.runtimes.flower import secagg
 from fedsplice.runtimes.flower.faults import classified
+from fedsplice.runtimes.flower.partition import client_fingerprint, owned
+from fedsplice.runtimes.flower.nodestate import prune, rollback, run_folder, snapshot, state_root
 from fedsplice.runtimes.flower.records import from_record, to_record, wire_scalar
 from fedsplice.runtimes.flower.transport import (CONFIG_KEY, GLOBAL_KEY, RESULT_KEY, ROLLBACK_ERROR, ROLLBACK_FIELD,
-                                                 RUN_KEY_FIELD, TASK_KEY, UP_PREFIX, client_fingerprint, owned)
+                                                 RUN_KEY_FIELD, TASK_KEY, UP_PREFIX)
 
 if TYPE_CHECKING:
     from flwr.common import ConfigRecordValues
 
-client_app = ClientApp()
+client_app = ClientApp(mods=[secagg.secagg_mod])  # SecAgg+ rounds only; other messages pass by
 
 
 # ============================================================================ ClientApp
@@ -100,9 +105,9 @@ class Node:
                 raise ValueError(f"client {cid} is not served by this node for {task} "
                                  f"(partition {self.partition_id}/{self.num_partitions})")
 
-    def store(self, msg: Message) -> DiskStore:
-        """The PRIVATE-state store of the message's run (its run key; Flower's run id without one)."""
-        folder = run_folder(self.state_root, msg.content.config_records[TASK_KEY], self.run_id)
+    def store(self, task) -> DiskStore:
+        """The PRIVATE-state store of a task's run (its run key; Flower's run id without one)."""
+        folder = run_folder(self.state_root, task, self.run_id)
         if folder not in self._stores:
             self._stores[folder] = DiskStore(folder)
         return self._stores[folder]
@@ -165,91 +170,6 @@ def partition(nc) -> tuple[int, int]:
     return p, n
 
 
-# ============================================================================ PRIVATE state on the node
-
-HISTORY = "rounds"  # run-<key>/rounds/round-NNNNNN/client-CCCCC.safetensors: the state after that round's fit
-_RUN_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # it names a folder: nothing like "../"
-
-
-def state_root(nc) -> Path:
-    return Path(str(nc.get("state-dir", Path.home() / ".cache" / "fedsplice" / "flower-state"))).expanduser()
-
-
-def run_folder(root: Path, task, run_id: int) -> Path:
-    key = task.get(RUN_KEY_FIELD) if task is not None else None
-    if key is None:
-        return root / f"run-{run_id}"
-    if not _RUN_KEY.match(str(key)):
-        raise ValueError(f"bad run key {key!r}")
-    return root / f"run-{key}"
-
-
-def _link(src: Path, dst: Path) -> None:
-    """dst = src, replaced atomically; a hard link is safe because DiskStore replaces files, never edits them."""
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
-def _rounds(folder: Path) -> list[tuple[int, Path]]:
-    hist = folder / HISTORY
-    found = [(int(p.name[len("round-"):]), p) for p in hist.glob("round-*")] if hist.is_dir() else []
-    return sorted(found)
-
-
-def snapshot(store: DiskStore, cid: int, rnd: int) -> None:
-    dst = store.root / HISTORY / f"round-{rnd:06d}" / store.path(cid).name
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    _link(store.path(cid), dst)
-
-
-def prune(folder: Path, rnd: int, rt, rounds: int) -> None:
-    """Before round `rnd` the server has checkpointed every scheduled round < rnd and keeps the
-    newest `keep_checkpoints`; a resume restores one of them or a later one, so of the snapshots
-    of rounds <= the oldest kept, only each client's newest one can be needed."""
-    every = rt.checkpoint_every
-    kept = [r for r in range(1, rnd) if r % every == 0 or r == rounds][-rt.keep_checkpoints:]
-    if not kept:
-        return
-    seen: set[str] = set()
-    for r, d in reversed(_rounds(folder)):
-        if r > kept[0]:
-            continue
-        for f in sorted(d.glob("client-*.safetensors")):
-            if f.name in seen:
-                f.unlink()
-            seen.add(f.name)
-        if not any(d.iterdir()):
-            d.rmdir()
-
-
-def rollback(folder: Path, rnd: int) -> None:
-    """Every client's PRIVATE state as at the end of round `rnd`: its last snapshot of a round <= rnd,
-    none (fresh) if it had not trained by then; later snapshots are dropped. 0: a fresh start.
-    Idempotent, so a rollback cut short is simply done again."""
-    if rnd <= 0:
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True, exist_ok=True)
-        return
-    if not folder.is_dir():
-        raise ValueError(f"no PRIVATE state of this run in {folder}: resume on the SuperNodes that ran it, "
-                         "with the same node config (state-dir, partition-id)")
-    hist = _rounds(folder)
-    for f in folder.glob("client-*.safetensors"):
-        f.unlink()
-    for r, d in hist:  # oldest first: a later round's snapshot replaces an earlier one
-        if r <= rnd:
-            for f in d.glob("client-*.safetensors"):
-                _link(f, folder / f.name)
-    for r, d in hist:
-        if r > rnd:
-            shutil.rmtree(d)
-
-
 # ============================================================================ handlers
 
 
@@ -286,27 +206,59 @@ def node_query(msg: Message, context: Context) -> Message:
 @classified
 def node_train(msg: Message, context: Context) -> Message:
     node = Node.get(context)
+    if secagg.is_round(msg):
+        return _secure_train(node, msg)
     rnd, cids = _task(msg)
     node.check(cids)
     down = wire.encode(node.global_params(msg))
     arrays, res = {}, {}
-    allowed = set(node.exp.global_names)
-    store, rt = node.store(msg), node.exp.cfg.runtime
-    node.exp.ledger = store.root / "ledger"  # the site's own ledger of what it sends, beside its PRIVATE state
+    store = node.store(msg.content.config_records[TASK_KEY])
     for cid in cids:
-        up, stats = fit_client(node.exp, store, cid, rnd, down)
-        if rt.checkpoint_every:  # kept until no checkpoint the server keeps can need it
-            snapshot(store, cid, rnd)
-        tensors = wire.decode(up)
-        if not set(tensors) <= allowed:  # PRIVATE tensors never leave the site (not an assert: -O strips it)
-            raise RuntimeError(f"client {cid} would upload non-GLOBAL tensors {sorted(set(tensors) - allowed)}; "
-                               f"nothing was sent")
+        tensors, res[str(cid)] = _fit(node, store, cid, rnd, down)
         arrays[f"{UP_PREFIX}{cid}"] = to_record(tensors)
-        res[str(cid)] = {"stats": stats, "num_examples": len(node.exp.clients[cid].train_idx),
-                         "fingerprint": client_fingerprint(node.exp, cid)}
-    if rt.checkpoint_every:
-        prune(store.root, rnd, rt, node.exp.cfg.server.rounds)
+    _prune(node, store, rnd)
     return Message(_result(res, arrays), reply_to=msg)
+
+
+def _fit(node: Node, store: DiskStore, cid: int, rnd: int, down: bytes) -> tuple[dict, dict]:
+    """One client's fit on this node: the GLOBAL tensors it uploads, and its result for the server."""
+    node.exp.ledger = store.root / "ledger"  # the site's own ledger of what it sends, beside its PRIVATE state
+    up, stats = fit_client(node.exp, store, cid, rnd, down)
+    if node.exp.cfg.runtime.checkpoint_every:  # kept until no checkpoint the server keeps can need it
+        snapshot(store, cid, rnd)
+    tensors = wire.decode(up)
+    extra = set(tensors) - set(node.exp.global_names)
+    if extra:  # PRIVATE tensors never leave the site (not an assert: -O strips it)
+        raise RuntimeError(f"client {cid} would upload non-GLOBAL tensors {sorted(extra)}; nothing was sent")
+    return tensors, {"stats": stats, "num_examples": len(node.exp.clients[cid].train_idx),
+                     "fingerprint": client_fingerprint(node.exp, cid)}
+
+
+def _prune(node: Node, store: DiskStore, rnd: int) -> None:
+    if node.exp.cfg.runtime.checkpoint_every:
+        prune(store.root, rnd, node.exp.cfg.runtime, node.exp.cfg.server.rounds)
+
+
+def _secure_train(node: Node, msg: Message) -> Message:
+    """The masked-vector stage of a SecAgg+ round (secagg): fit, and hand secaggplus_mod the update
+    (trained − received GLOBAL tensors, float64) and its weight (1 under DP's fixed weights)."""
+    task, arrays = secagg.task_of(msg)
+    rnd, cid, names = int(task["round"]), int(task["cid"]), node.exp.global_names
+    node.check([cid])
+    like = {n: node.exp.init_params[n] for n in names}
+    if [tuple(a.shape) for a in arrays] != [tuple(like[n].shape) for n in names]:
+        raise ValueError(f"the SecAgg+ task's {len(arrays)} arrays do not match this node's {len(names)} GLOBAL "
+                         f"tensors (the same config on every host?)")
+    received = {n: torch.from_numpy(a.copy()).to(like[n].dtype) for n, a in zip(names, arrays)}
+    store = node.store(task)
+    tensors, res = _fit(node, store, cid, rnd, wire.encode(received))
+    _prune(node, store, rnd)
+    update = [(tensors[n].double() - received[n].double()).numpy() for n in names]
+    weight = 1 if task.get("fixed") else res["num_examples"]
+    eps = node.exp.privacy.epsilon(rnd) if node.exp.privacy is not None else None
+    return secagg.reply(msg, update, weight, res, {"ledger": str(store.root / "ledger"), "cid": cid, "round": rnd,
+                                                   "names": names, "epsilon": eps,
+                                                   "local_epsilon": res["stats"].get("dp_local_epsilon")})
 
 
 def _run(task: str, msg: Message, context: Context) -> Message:
@@ -314,7 +266,7 @@ def _run(task: str, msg: Message, context: Context) -> Message:
     node = Node.get(context)
     _, cids = _task(msg)
     node.check(cids, task)
-    g, store = node.global_params(msg), node.store(msg)
+    g, store = node.global_params(msg), node.store(msg.content.config_records[TASK_KEY])
     return Message(_result({str(cid): {"metrics": client_task(task, node.exp, store, cid, g)} for cid in cids}),
                    reply_to=msg)
 

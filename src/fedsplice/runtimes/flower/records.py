@@ -1,4 +1,5 @@
-"""Name-keyed torch tensors <-> Flower ArrayRecords, and what a Flower message weighs.
+"""Name-keyed torch tensors <-> Flower ArrayRecords, what a Flower message weighs, and the
+runtime's JSON-lines logs (`JsonLog`: events.jsonl, wire.jsonl).
 
 Tensors travel as Flower `Array`s (NumPy `.npy` bytes, loaded with `allow_pickle=False`).
 NumPy has no bfloat16, so bf16 tensors are widened to fp32 for the wire (exact) and narrowed
@@ -12,8 +13,12 @@ object tree itself. HTTP/TLS framing is not counted (it depends on the transport
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -145,3 +150,26 @@ def strict_record(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
+
+
+class JsonLog:
+    """Append-only JSON lines (events.jsonl, wire.jsonl); a fresh file per run."""
+
+    def __init__(self, path: Path, echo: Callable[[str], None] | None = None, keep: int | None = 0):
+        """`keep`: lines of an earlier start to keep (a resumed run; None: all); 0: a fresh file."""
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        old = self.path.read_text().splitlines(keepends=True) if keep != 0 and self.path.is_file() else []
+        old = old[:keep] if keep is not None else old
+        self.path.write_text("".join(old))
+        self.echo = echo
+        self.count = len(old)
+
+    def __call__(self, record: dict) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        with self.path.open("a") as f:
+            f.write(json.dumps(strict_record(record), allow_nan=False) + "\n")  # NaN -> null
+        self.count += 1
+        if self.echo:
+            self.echo(f"[fedsplice] {record.get('event', '')}: " +
+                      ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("time", "event")))

@@ -36,17 +36,19 @@ could not be loaded ends the run with `faults.ClientError`, naming the node and 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
-from pathlib import Path
 from typing import Callable, cast
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedsplice.federation import SITES, Experiment, Observer, Reply, check_update, wire
+import torch
+
+from fedsplice.federation import SITES, Experiment, Observer, Reply, Secured, check_update, masked_rows, wire
+from fedsplice.runtimes.flower import secagg
 from fedsplice.runtimes.flower.faults import ClientError, fatal_reason
-from fedsplice.runtimes.flower.records import RecordError, decode, scan, split_bytes, strict_record, to_record, weigh
+from fedsplice.runtimes.flower.partition import client_fingerprint, owned
+from fedsplice.runtimes.flower.records import JsonLog, RecordError, decode, scan, split_bytes, to_record, weigh
 
 GLOBAL_KEY, TASK_KEY, RESULT_KEY, UP_PREFIX = "global", "task", "result", "up."  # message contents
 # run config keys (pyproject [tool.flwr.app.config]) and the ServerApp's status file
@@ -64,48 +66,6 @@ TASK_MESSAGES = {"evaluate": (MessageType.EVALUATE, "eval"), "personalize": ("tr
 
 class FlowerRuntimeError(RuntimeError):
     """The Flower run cannot start or go on (no nodes, nobody to evaluate); the message says why."""
-
-
-class JsonLog:
-    """Append-only JSON lines (events.jsonl, wire.jsonl); a fresh file per run."""
-
-    def __init__(self, path: Path, echo: Callable[[str], None] | None = None, keep: int | None = 0):
-        """`keep`: lines of an earlier start to keep (a resumed run; None: all); 0: a fresh file."""
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        old = self.path.read_text().splitlines(keepends=True) if keep != 0 and self.path.is_file() else []
-        old = old[:keep] if keep is not None else old
-        self.path.write_text("".join(old))
-        self.echo = echo
-        self.count = len(old)
-
-    def __call__(self, record: dict) -> None:
-        record = {"time": round(time.time(), 3), **record}
-        with self.path.open("a") as f:
-            f.write(json.dumps(strict_record(record), allow_nan=False) + "\n")  # NaN -> null
-        self.count += 1
-        if self.echo:
-            self.echo(f"[fedsplice] {record.get('event', '')}: " +
-                      ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("time", "event")))
-
-
-def client_fingerprint(exp: Experiment, cid: int) -> str:
-    """A hash of a client's training and local test data, so the server can tell that a
-    SuperNode built the same partition as it did (same data, same seed)."""
-    d, c = exp.data, exp.clients[cid]
-    h = hashlib.sha256()
-    for i in c.train_idx.tolist():
-        h.update(d.train_texts[i].encode())
-        h.update(b"\x00%d\x01" % int(d.train_labels[i]))
-    h.update(b"|")
-    for i in c.test_idx.tolist():
-        h.update(d.test_texts[i].encode())
-        h.update(b"\x00%d\x01" % int(d.test_labels[i]))
-    return h.hexdigest()
-
-
-def owned(cid: int, partition_id: int, num_partitions: int) -> bool:
-    return cid % num_partitions == partition_id
 
 
 class FlowerTransport:
@@ -358,6 +318,44 @@ class FlowerTransport:
         # FedAvg's weight: the site's own count (per-site data), else the server's partition (fingerprinted)
         n = int(info.get("num_examples", 0)) if self.per_site else len(self.exp.clients[cid].train_idx)
         return Reply(cid, payload, n, info.get("stats", {}), up, down)
+
+    def fit_secure(self, rnd: int, cids: list[int], down: bytes) -> Secured:
+        """`fit` through Flower's SecAgg+ (`secagg`): one client per SuperNode; the round's mean
+        delta, weighted 1 per client under DP's fixed weights, else by sample count."""
+        self.round = rnd
+        by_node, skipped = self._group(cids, "train", rnd)
+        for node, ncids in by_node.items():
+            if len(ncids) > 1:
+                raise FlowerRuntimeError(f"privacy.secure_aggregation sums one client per SuperNode, and SuperNode "
+                                         f"{node} serves clients {ncids}: start one SuperNode per training client")
+        names, fixed, self._reference = self.exp.global_names, self.exp.privacy is not None, wire.decode(down)
+        cid_of = {node: ncids[0] for node, ncids in by_node.items()}
+        sizes = [len(self.exp.clients[c].train_idx) for c in cid_of.values()]
+        tasks = {node: {"round": rnd, "cid": cid, "fixed": fixed, **({RUN_KEY_FIELD: self.run_key} if self.run_key
+                                                                      else {})} for node, cid in cid_of.items()}
+        watch = secagg.Watch(lambda d, node, msg, w: self._audit(d, "secagg", rnd, node, by_node.get(node, []), msg, w))
+        max_weight = 1.0 if fixed else float(max(sizes)) if sizes and not self.per_site else 1000.0
+        out = secagg.run(self.grid, rnd, secagg.fit_ins([self._reference[n].numpy() for n in names], tasks),
+                         self.exp.cfg.privacy, max_weight, self.deadline, watch)
+        self.totals["messages"] += watch.messages
+        if watch.fatal:
+            raise ClientError(f"round {rnd} (SecAgg+): {watch.fatal[0]}. A retry would repeat it, so the run stops")
+        replies = [Reply(c, b"", 0, {}, 0, 0, error=why) for c, why in skipped.items()]
+        rows, reason = [], ""
+        eps = self.exp.privacy.epsilon(rnd) if self.exp.privacy is not None else None
+        for node, cid in cid_of.items():
+            res, (dn, up) = out.results.get(node), watch.bytes[node]
+            self.totals["up_bytes"] += up
+            self.totals["down_bytes"] += dn
+            if res is None:
+                replies.append(Reply(cid, b"", 0, {}, up, dn, error=f"SuperNode {node} left the SecAgg+ round"))
+                continue
+            if not self.per_site and res.get("fingerprint") != self.fingerprints[cid]:
+                reason = reason or f"SuperNode {node}: its data for client {cid} differs from the server's partition"
+            rows += masked_rows(watch.masked[node], names, rnd, cid, eps, res["stats"].get("dp_local_epsilon"))
+            replies.append(Reply(cid, b"", int(res["num_examples"]), res["stats"], up, dn))
+        mean = None if out.mean is None else {n: torch.from_numpy(a) for n, a in zip(names, out.mean, strict=True)}
+        return Secured(replies, mean, rows, reason or ("" if mean is not None else "SecAgg+ halted: too few nodes"))
 
     def run(self, task: str, cids: list[int], down: bytes) -> dict[int, dict]:
         """Client task `task` on the nodes that serve `cids`: {cid: result} for those that answered."""
