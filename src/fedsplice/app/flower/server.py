@@ -43,6 +43,7 @@ def flower_totals(t: FlowerTransport, events: JsonLog) -> dict:
     tot = t.totals
     return {
         "supernodes": len(set(t.owner.values())) if t.owner else 0,
+        "secure_aggregation": t.exp.cfg.privacy.secure_aggregation,
         "events": events.count,
         "messages": tot["messages"],
         "up_payload_bytes": tot["up_payload_bytes"], "down_payload_bytes": tot["down_payload_bytes"],
