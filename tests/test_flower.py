@@ -189,6 +189,7 @@ def test_secagg_on_the_real_deployment(runs, tmp_path_factory, capsys):
     import dataclasses
 
     from fedsplice.app.cli import main
+    from fedsplice.federation.checkpoint import DIRNAME, checkpoints
 
     plain = runs["pfadapter"]
     cfg = dataclasses.replace(plain["cfg"], privacy=dataclasses.replace(plain["cfg"].privacy, secure_aggregation=True))
@@ -196,6 +197,10 @@ def test_secagg_on_the_real_deployment(runs, tmp_path_factory, capsys):
     res = launcher.up(cfg, out, launcher.Launch(supernodes=SUPERNODES, overwrite=True, quiet=True))
     a, b = _records(plain["flower"]), _records(out)
     assert [x.get("clients") for x in b] == [x.get("clients") for x in a]
+    # round 1's aggregate (its checkpoint's GLOBAL tensors): within one quantization step per client
+    g1 = [load_file(dict(checkpoints(o / DIRNAME))[1] / "global.safetensors") for o in (plain["flower"], out)]
+    d = max(float((g1[0][n].double() - g1[1][n].double()).abs().max()) for n in g1[0])
+    assert 0 < d <= cfg.server.clients_per_round * 2 * 8.0 / 2 ** 22 + 1e-6, d
     assert b[1]["train_loss"] == pytest.approx(a[1]["train_loss"], abs=1e-6)  # round 1 trains from the same tensors
     for x, y in zip(a, b):
         assert abs(x["gm"]["accuracy"] - y["gm"]["accuracy"]) <= 0.05 and not y.get("skipped")

@@ -119,6 +119,13 @@ def round_record(rnd: int, got, ok: bool, t0: float) -> dict:
     return record
 
 
+def accepted_rows(exp, got, rnd: int) -> list[dict]:
+    """The server's ledger rows of a round: every upload it accepted, as received."""
+    eps = exp.privacy.epsilon(rnd) if exp.privacy is not None else None
+    return [row for r, _ in got.accepted for row in ledger_rows(r.payload, rnd, r.cid, eps,
+                                                                  r.stats.get("dp_local_epsilon"))]
+
+
 def aggregate_round(exp, accepted, global_params: dict, rnd: int = 0) -> tuple[dict, dict]:
     """The aggregate of the accepted updates' deltas: server.aggregation over them, with the
     method's own weights per tensor (recipe.exchange.weights; the rest by sample size), or
@@ -158,19 +165,17 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
     for rnd in range((start.round if start else 0) + 1, sc.rounds + 1):
         t0 = time.perf_counter()
         down, cids = wire.encode(global_params), exp.sampling[rnd - 1]
+        seen = None  # the server's ledger rows of the round: what it received
         if secure:  # Flower's SecAgg+: the server gets the mean of the updates, and their masked vectors
             got, mean, seen = secure_gather(transport, rnd, cids, down, global_params)
         else:
             got = gather(transport, rnd, cids, down, global_params, set(exp.private_names),
                          min_replies=sc.min_replies, max_retries=sc.max_retries, norm_bound=sc.update_norm_bound)
-            eps = exp.privacy.epsilon(rnd) if exp.privacy is not None else None
-            seen = [row for r, _ in got.accepted  # the server's view: what it accepted, as received
-                    for row in ledger_rows(r.payload, rnd, r.cid, eps, r.stats.get("dp_local_epsilon"))]
         if exp.recipe.pooled:  # centralized: the data are pooled where the model is; nothing is federated
             got.up_bytes = got.down_bytes = 0
         up_total, down_total = up_total + got.up_bytes, down_total + got.down_bytes
         if exp.ledger is not None and not exp.recipe.pooled:
-            ledger_append(exp.ledger / SERVER, seen)
+            ledger_append(exp.ledger / SERVER, seen if seen is not None else accepted_rows(exp, got, rnd))
         ok = len(got.accepted) >= sc.min_replies
         logged: dict[str, float] = {}
         if ok and exp.global_names:

@@ -43,12 +43,11 @@ import dataclasses
 import json
 import os
 import sys
-
-import torch
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
