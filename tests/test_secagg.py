@@ -166,3 +166,13 @@ def test_a_method_with_its_own_weights_is_refused(tiny_cfg):
     cfg = tiny_cfg(algorithm='"hetlora"', privacy__secure_aggregation="true")
     with pytest.raises(ConfigError, match="needs one weight per client, and algorithm 'hetlora'"):
         build(cfg)
+
+
+def test_flower_up_needs_one_supernode_per_training_client(tiny_cfg, tmp_path):
+    from fedsplice.app.flower import launcher
+    from fedsplice.errors import ConfigError
+
+    cfg = tiny_cfg(privacy__secure_aggregation="true")
+    with pytest.raises(ConfigError, match="runtime.num_supernodes = 2, set it to the 3 training clients"):
+        launcher.up(cfg, tmp_path / "run", launcher.Launch(supernodes=2, quiet=True))
+    assert not (tmp_path / "run").exists()

@@ -135,6 +135,9 @@ def up(cfg, out: Path, launch: Launch = Launch(), *, on_cluster: Callable[[Clust
     if n > n_train:
         raise ConfigError(f"--supernodes / runtime.num_supernodes = {n} exceeds the {n_train} training clients; "
                           f"a SuperNode with no client would idle")
+    if cfg.privacy.secure_aggregation and n != n_train:
+        raise ConfigError(f"privacy.secure_aggregation sums one client per SuperNode: --supernodes / "
+                          f"runtime.num_supernodes = {n}, set it to the {n_train} training clients")
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(rt, kind="flower", num_supernodes=n,
                                                                insecure=insecure))
     out = Path(out)
