@@ -52,26 +52,18 @@ RESULT_METRIC = "fedsplice"  # FitRes.metrics key of the client's result (stats,
 
 
 class _Node(ClientProxy):
-    """A SuperNode as the legacy workflow names it; it only reads `node_id`."""
+    """A SuperNode as the legacy workflow names it. The workflow reads only `node_id` and talks to
+    the node through the Grid, so the legacy per-proxy calls are refused outright."""
 
     def __init__(self, node_id: int):
         super().__init__(str(node_id))
         self.node_id = node_id
 
-    def get_properties(self, ins, timeout, group_id):
-        raise NotImplementedError
+    def _legacy(self, *args, **kwargs):
+        raise TypeError(f"SuperNode {self.node_id}: SecAggPlusWorkflow reaches nodes through the Grid; "
+                        f"the legacy ClientProxy calls are not used")
 
-    def get_parameters(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def fit(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def evaluate(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
+    get_properties = get_parameters = fit = evaluate = reconnect = _legacy
 
 
 class _Round(Strategy):
