@@ -132,6 +132,21 @@ def test_gate_passes_a_genuine_difference_and_untrained_references():
     assert V.moved({"o": old}, "o", "PM acc") is None
 
 
+def test_a_tested_baseline_that_fell_below_its_start_is_named():
+    """A baseline that diverged still moved (the claim is tested), and the evidence says it fell:
+    mean start .50, end .27 (sd .03), change −.23 beyond the spread."""
+    a = _trained([0.64, 0.66, 0.62], [0.50, 0.50, 0.50])
+    b = _trained([0.27, 0.30, 0.24], [0.50, 0.50, 0.50])
+    v = one({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"}, {"a": a, "b": b})
+    assert v.verdict in ("held", "inconclusive") and not math.isnan(v.p)  # tested, not gated
+    assert "; b ended below its round-0 PM acc (0.5000 → 0.2700, more than its seed spread 0.0300); Holm" in v.evidence
+    up = _trained([0.60, 0.61, 0.59], [0.50, 0.50, 0.50])  # rose: no note
+    assert "ended below" not in one({"kind": "greater", "a": "a", "b": "b", "metric": "PM acc"},
+                                    {"a": a, "b": up}).evidence
+    gap = {"kind": "gap_greater", "a1": "a", "b1": "b", "a2": "a", "b2": "u", "metric": "PM acc"}
+    assert one(gap, {"a": a, "b": b, "u": up}).evidence.count("ended below") == 1
+
+
 def test_the_page_is_decided_together():
     """Two claims at p = .03 each: alone each holds; together Holm makes both .06, inconclusive."""
     vs = [V.Verdict(None, "x", 0.03, 1), V.Verdict(None, "y", 0.03, -1), V.Verdict("held", "bytes")]

@@ -118,8 +118,8 @@ def test_suite_page_claims_and_resume(suite, tmp_path, monkeypatch):
     assert f"| PFAdapter | {np.mean(lo):.3g} ± {np.std(lo):.2g} |" in text and "| fl | — |" in text
     assert "at commit" in text and "`make results`" in text and "2 run(s) at once" not in text
     compute = sum(r["time_s"] for r in runs.values()) / 60
-    assert (f"The runs' own times add up to {compute:.0f} min "
-            f"(about {compute:.0f} min from scratch at 1 at once)") in text
+    assert (f"The runs' recorded wall times add up to {compute:.0f} min (every run ran in this invocation, "
+            "so ") in text and " min is the from-scratch time)" in text
     curves = [[json.loads(x)["pm"]["accuracy"] for x in (tmp_path / "out" / "runs" / "pf" / f"seed-{s}" /
                "metrics.jsonl").read_text().splitlines() if '"pm"' in x][-2:] for s in (0, 1)]
     dpm = [b - a for a, b in curves]
@@ -440,3 +440,12 @@ def test_goldens_of_configs_added_since_do_not_make_a_run_stale(monkeypatch):
     monkeypatch.setattr(P, "goldens_at", lambda c: now)  # then as now: the hash differs, so one changed
     assert not P.goldens_kept(prov, root)
     assert not P.goldens_kept({"commit": "unknown", "goldens": prov["goldens"]}, root)
+
+
+def test_time_line_claims_a_from_scratch_time_only_when_every_run_ran_now():
+    fresh = R.time_line({"compute_min": 12.0, "executed": 4, "runs": 4, "wall_min": 6.5})
+    assert fresh == ("The runs' recorded wall times add up to 12 min (every run ran in this invocation, "
+                     "so 6.5 min is the from-scratch time). ")
+    reused = R.time_line({"compute_min": 1748.3, "executed": 3, "runs": 233, "wall_min": 4.9})
+    assert reused.startswith("The runs' recorded wall times add up to 1748 min; runs finished in earlier")
+    assert "from-scratch time" not in reused and "bounds a from-scratch run from above" in reused

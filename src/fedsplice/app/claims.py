@@ -97,9 +97,9 @@ def paired(results: dict[str, list[dict]], a: str, b: str, metric: str) -> np.nd
 # ----------------------------------------------------------------------------- the gate
 
 
-def moved(results: dict[str, list[dict]], name: str, metric: str) -> str | None:
-    """Why trained row `name` shows no training signal on `metric` (None: it moved, or it is not
-    trained, or the metric has no start): its mean change from round 0 is within its seed spread."""
+def _change(results: dict[str, list[dict]], name: str, metric: str) -> tuple[float, float, float, float] | None:
+    """Trained row `name`'s mean start, mean end, mean change from round 0 and seed spread (the
+    std of its end values) on `metric`; None when it is not trained or the metric has no start."""
     runs = results[name]
     if not runs or not all(r.get("rounds", 0) > 0 for r in runs):
         return None  # zero-shot and the references: nothing to learn
@@ -107,13 +107,31 @@ def moved(results: dict[str, list[dict]], name: str, metric: str) -> str | None:
     ok = ~(np.isnan(end) | np.isnan(start))
     if not ok.any():
         return None
-    change = float(np.mean(end[ok] - start[ok]))
     spread = float(np.std(end[ok], ddof=1)) if ok.sum() > 1 else 0.0
+    return float(np.mean(start[ok])), float(np.mean(end[ok])), float(np.mean(end[ok] - start[ok])), spread
+
+
+def fell(results: dict[str, list[dict]], name: str, metric: str) -> str | None:
+    """A note when tested baseline `name` ended below where it started by more than its seed spread
+    (a diverged or over-fitted baseline: the reader should know what a win over it is worth)."""
+    c = _change(results, name, metric)
+    if c is None or not c[2] < -c[3]:
+        return None
+    return f"{name} ended below its round-0 {metric} ({c[0]:.4f} → {c[1]:.4f}, more than its seed spread {c[3]:.4f})"
+
+
+def moved(results: dict[str, list[dict]], name: str, metric: str) -> str | None:
+    """Why trained row `name` shows no training signal on `metric` (None: it moved, or it is not
+    trained, or the metric has no start): its mean change from round 0 is within its seed spread."""
+    if (c := _change(results, name, metric)) is None:
+        return None
+    change, spread = c[2], c[3]
     if abs(change) > spread and change != 0.0:
         return None
+    runs, end, start = results[name], c[1], c[0]
     norms = [r["movement"]["global"] for r in runs if (r.get("movement") or {}).get("global") is not None]
     tensors = f", ‖Δ GLOBAL‖ {np.mean(norms):.3g}" if norms else ""
-    return (f"{name} {metric} {np.mean(end[ok]):.4f} against {np.mean(start[ok]):.4f} at round 0: "
+    return (f"{name} {metric} {end:.4f} against {start:.4f} at round 0: "
             f"change {change:+.4f} within its seed spread {spread:.4f}{tensors}")
 
 
@@ -188,9 +206,11 @@ def assess(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> Verd
             return Verdict(UNTESTABLE, _few(metric))
         d, head = g1 - g2, f"{metric}: gap {np.nanmean(g1):+.4f} vs {np.nanmean(g2):+.4f}; difference of gaps "
     tt = S.paired_t(d)
+    bases = [claim["b"]] if kind == "greater" else list(dict.fromkeys([claim["b1"], claim["b2"]]))
+    ev = "; ".join([head + S.describe(tt), *(f for b in bases if (f := fell(results, b, metric)))])
     if math.isnan(tt.p):
-        return Verdict("inconclusive", head + S.describe(tt))
-    return Verdict(None, head + S.describe(tt), tt.p, 1 if tt.mean > 0 else -1)
+        return Verdict("inconclusive", ev)
+    return Verdict(None, ev, tt.p, 1 if tt.mean > 0 else -1)
 
 
 def _best(claim: dict, results, rows: list[str], metric: str, sign: int) -> Verdict:
