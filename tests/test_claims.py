@@ -156,3 +156,10 @@ def test_the_page_is_decided_together():
     note = V.family_note(vs + [V.Verdict(V.NO_SIGNAL, "")])
     assert note.startswith("2 claims were tested together") and "at most 0.05 × 2 = 0.10" in note
     assert note.endswith("1 claims were not tested because a compared row did not learn.")
+    # 3 seeds, 2 claims: p ≤ .025 at 2 df; by the closed form 1 − t/√(t² + 2) = .025,
+    # t = √2 · .975 / √(1 − .975²) = 6.2053
+    with3 = V.family_note(vs, seeds=3)
+    assert with3.endswith("With 3 seeds a paired t-test has 2 degrees of freedom, and the strictest Holm step "
+                          "needs p ≤ 0.05/2 = 0.025, a t of at least 6.2: an inconclusive verdict here says mostly "
+                          "that the seeds are too few to decide, not that the rows tie.")
+    assert math.sqrt(2) * 0.975 / math.sqrt(1 - 0.975 ** 2) == pytest.approx(6.2053, abs=1e-4)

@@ -248,10 +248,17 @@ def decide_all(verdicts: list[Verdict], alpha: float = ALPHA) -> list[Verdict]:
     return verdicts
 
 
-def family_note(verdicts: list[Verdict], alpha: float = ALPHA) -> str:
-    """What the page's decisions are worth, in one sentence."""
+def family_note(verdicts: list[Verdict], alpha: float = ALPHA, seeds: int | None = None) -> str:
+    """What the page's decisions are worth: the family's error rate and, given the fewest seeds
+    a group runs, what the strictest Holm step asks of a claim."""
     m = sum(not math.isnan(v.adjusted) for v in verdicts)
     gated = sum(v.verdict == NO_SIGNAL for v in verdicts)
-    return (f"{m} claims were tested together. Holm's correction keeps the chance that any of their held / did not "
+    note = (f"{m} claims were tested together. Holm's correction keeps the chance that any of their held / did not "
             f"hold verdicts is false at or below {alpha:g}, so the expected number of false decisions is at most "
             f"{alpha:g} × {m} = {alpha * m:.2f}. {gated} claims were not tested because a compared row did not learn.")
+    if seeds is not None and seeds > 1 and m > 0:
+        note += (f" With {seeds} seeds a paired t-test has {seeds - 1} degrees of freedom, and the strictest Holm step "
+                 f"needs p ≤ {alpha:g}/{m} = {alpha / m:.2g}, a t of at least {S.t_needed(alpha / m, seeds):.1f}: "
+                 "an inconclusive verdict here says mostly that the seeds are too few to decide, not that the "
+                 "rows tie.")
+    return note

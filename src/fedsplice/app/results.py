@@ -302,7 +302,8 @@ def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
         "seeds (an equivalence test, TOST, for a claim of no difference) is significant on the claimed side "
         "after Holm's correction over the whole page, *did not hold* when it is significant on the other "
         "side, and is *inconclusive* otherwise. Byte ratios do not vary with the seed and are compared as "
-        "they are. " + V.family_note([v for vs in verdicts for v in vs]), "",
+        "they are. " + V.family_note([v for vs in verdicts for v in vs],
+                                       seeds=min(map(suite.group_seeds, suite.groups), default=None)), "",
         "| | this page | the paper |", "|---|---|---|"]
     head += [f"| {g.get('title', k)} | {group_setting(suite, runs, k)} | {g.get('paper', '')} |"
              for k, g in suite.groups.items()]

@@ -85,6 +85,11 @@ def paired_t(d, alpha: float = 0.05) -> Test:
     return Test(mean, mean - q * se, mean + q * se, p, n, cells, 1 - alpha, per_client)
 
 
+def t_needed(p: float, n: int) -> float:
+    """The |t| a two-sided paired t-test over n seeds needs to reach p."""
+    return float(_t().isf(p / 2, n - 1))
+
+
 def equivalence(d, margin: float) -> float:
     """TOST p-value that |mean(d)| < margin (small: shown equivalent), on the per-seed values."""
     if not margin > 0:
