@@ -114,10 +114,12 @@ def _change(results: dict[str, list[dict]], name: str, metric: str) -> tuple[flo
 def fell(results: dict[str, list[dict]], name: str, metric: str) -> str | None:
     """A note when tested baseline `name` ended below where it started by more than its seed spread
     (a diverged or over-fitted baseline: the reader should know what a win over it is worth)."""
-    c = _change(results, name, metric)
-    if c is None or not c[2] < -c[3]:
+    if (c := _change(results, name, metric)) is None:
         return None
-    return f"{name} ended below its round-0 {metric} ({c[0]:.4f} → {c[1]:.4f}, more than its seed spread {c[3]:.4f})"
+    start, end, change, spread = c
+    if not change < -spread:
+        return None
+    return f"{name} ended below its round-0 {metric} ({start:.4f} → {end:.4f}, more than its seed spread {spread:.4f})"
 
 
 def moved(results: dict[str, list[dict]], name: str, metric: str) -> str | None:
@@ -125,11 +127,10 @@ def moved(results: dict[str, list[dict]], name: str, metric: str) -> str | None:
     trained, or the metric has no start): its mean change from round 0 is within its seed spread."""
     if (c := _change(results, name, metric)) is None:
         return None
-    change, spread = c[2], c[3]
+    start, end, change, spread = c
     if abs(change) > spread and change != 0.0:
         return None
-    runs, end, start = results[name], c[1], c[0]
-    norms = [r["movement"]["global"] for r in runs if (r.get("movement") or {}).get("global") is not None]
+    norms = [r["movement"]["global"] for r in results[name] if (r.get("movement") or {}).get("global") is not None]
     tensors = f", ‖Δ GLOBAL‖ {np.mean(norms):.3g}" if norms else ""
     return (f"{name} {metric} {end:.4f} against {start:.4f} at round 0: "
             f"change {change:+.4f} within its seed spread {spread:.4f}{tensors}")
