@@ -32,6 +32,12 @@ _USER_CACHE = os.environ.get("FEDSPLICE_CACHE")  # None: the default ~/.cache/fe
 _SESSION_CACHE = tempfile.mkdtemp(prefix="fedsplice-test-cache-")
 os.environ["FEDSPLICE_CACHE"] = _SESSION_CACHE
 atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+# matplotlib caches its font list in MPLCONFIGDIR, and builds it (running `fc-list`) on first use:
+# on a machine that never drew, that first use inside a unit test tripped the unit guard (issue 46).
+# The run owns the folder (every subprocess inherits it) and the list is built here, before the guard.
+_MPL_DIR = tempfile.mkdtemp(prefix="fedsplice-test-mpl-")
+os.environ["MPLCONFIGDIR"] = _MPL_DIR
+atexit.register(shutil.rmtree, _MPL_DIR, ignore_errors=True)
 # The suite runs on the CPU, also on a machine with a GPU: runtime.device = "auto" would pick CUDA,
 # and the byte-equality and golden tests hold for the CPU's kernels. Hidden before torch starts
 # (and so from every subprocess a test starts); FEDSPLICE_TEST_GPU=1 leaves the GPU visible.
@@ -45,7 +51,10 @@ import signal  # noqa: E402
 # that press Ctrl-C on `fedsplice flower up` would see it ignored. Ctrl-C as at a terminal.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
+import matplotlib.font_manager  # noqa: E402,F401  (builds the font list into _MPL_DIR)
 import torch  # noqa: E402
+
+from timeouts import pytest_timeout_set_timer  # noqa: E402,F401  (a hook: timeouts fail the test, not the run)
 
 _DEFAULT_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)  # tiny models on a shared 2-core box: threads only add contention

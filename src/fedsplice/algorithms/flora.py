@@ -32,7 +32,7 @@ from fedsplice.errors import ConfigError
 @dataclass
 class FLoRAParams:
     ranks: list[int] = field(default_factory=lambda: [64, 32, 16, 16, 8, 8, 4, 4, 4, 4])  # the code's tiers
-    local_epochs: int = 1  # the README's commands: one local epoch a round
+    local_epochs: int = 1  # the official README's commands: one local epoch a round
 
     def check(self) -> None:
         if not self.ranks or any(r < 1 for r in self.ranks):

@@ -141,7 +141,8 @@ def get_algorithm(name: str) -> Algorithm:
 def method_params(cfg):
     """The typed `[method]` table of cfg's algorithm (unknown keys are errors), after checking that
     the algorithm fits its PEFT parts (check_peft_fits) and the rest of the config (the method's
-    own `check_config`): `fedsplice validate` catches every such combination error."""
+    own `check_config`). `fedsplice validate` runs this, but not `build_recipe` (which needs the loaded
+    model), so a combination refused only while the recipe is built passes validate (docs/design.md §11)."""
     algo = get_algorithm(cfg.algorithm)
     check_peft_fits(cfg, algo)
     try:

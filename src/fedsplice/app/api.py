@@ -85,7 +85,7 @@ def load_config(path: PathLike | None = None, overrides: Overrides = None) -> Ex
 
 @dataclass(frozen=True)
 class RunResult:
-    """One finished run, read from its run directory (the results.json contract, README).
+    """One finished run, read from its run directory (the results.json contract, docs/getting-started.md).
 
     The dict fields are the sections of results.json (treat them as read-only):
     `gm` / `pm` hold `accuracy`, `f1_macro`, `f1_weighted` (PM also `accuracy_std/min/max`; long
