@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test unit test-gpu install bench results clean
+.PHONY: demo test check unit test-gpu install bench results clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,9 +19,15 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/fedsplice run --out runs/demo --overwrite
 
-# every tier but gpu (tests/conftest.py), with the 25 slowest tests listed
+# every tier but gpu (tests/conftest.py), every benchmark's --quick mode included, with the 25 slowest tests listed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=25
+
+# before pushing, in minutes: lint, types (src/, benchmarks/, scripts/: pyproject's [tool.mypy]), the unit tier
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff check --no-cache src tests benchmarks scripts
+	$(VENV)/bin/mypy --no-incremental
+	$(PY) -m pytest -q -m unit -n auto --durations=10
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q -m unit --durations=15
@@ -37,7 +43,7 @@ $(VENV)/.bench: $(VENV)/.installed
 	touch $@
 
 bench: $(VENV)/.bench
-	for b in overheads comm scale round_time clip_prefix precision bf16_width unpad utilisation profile_run candidates purify_ties isa_kernels startup; do $(PY) benchmarks/$$b.py --quick || exit 1; done
+	for b in overheads comm scale round_time clip_prefix precision bf16_width unpad utilisation profile_run candidates purify_ties isa_kernels startup privacy secagg table_iv; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 
 # The papers' tables on the offline zoo (configs/results/suite.toml and its seeds; SEEDS=N forces
 # N seeds in every group) -> docs/results.md + docs/results/; resumable (runs/results). Every

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+# FEDSPLICE_BENCH_RESULTS: another folder for the tables (the test suite's smoke runs keep the tree clean)
+RESULTS = Path(os.environ.get("FEDSPLICE_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -82,6 +83,35 @@ def chosen(args, workloads: dict, tmp: Path, quick_set: list[str], tiny: dict):
         if args.quick:
             sets += quick_set + [f"model.name='{tiny[name](tmp / name)}'"]
         yield name, w, sets
+
+
+# --quick: a smoke run of a script (tests/test_benchmarks.py runs every one in `make test`): the
+# shipped config's model is swapped for the test suite's tiny random model of its kind, and the
+# budget cut to one round of 2 steps on a few test items. Its times and accuracies mean nothing.
+QUICK_BUDGET = ["server.rounds=1", "client.max_steps=2", "client.batch_size=4", "data.test_per_class=2",
+                "data.local_test_size=4", "eval.cold_start_epochs=0", "model.max_length=32"]
+
+
+def tiny_model(model_name: str, folder: Path) -> str:
+    """The tiny random model standing in for `model_name` (a shipped config's model.name), built once
+    into `folder`: BERT for MiniLM, Llama for SmolLM2 (and any other causal LM), CLIP for CLIP."""
+    from fedsplice.data import tiny
+
+    kind = "clip" if "clip" in model_name.lower() else "bert" if "minilm" in model_name.lower() else "llama"
+    build = {"clip": tiny.tiny_clip, "bert": tiny.tiny_bert, "llama": tiny.tiny_llama}[kind]
+    dest = Path(folder) / f"tiny-{kind}"
+    if not (dest / "config.json").exists():
+        build(dest)
+    return str(dest)
+
+
+def quick_sets(config: str | Path, folder: Path, budget: bool = True) -> list[str]:
+    """The `--set` list that makes `config` a quick smoke run: its model swapped for tiny_model's
+    (into `folder`), and with `budget` QUICK_BUDGET's cuts."""
+    import tomllib
+
+    name = tomllib.loads(Path(config).read_text()).get("model", {}).get("name", "zoo:minilm")
+    return [f"model.name='{tiny_model(name, folder)}'"] + (QUICK_BUDGET if budget else [])
 
 
 def child_or_main(child, main) -> None:

@@ -2,7 +2,8 @@
 
 stdin: {"config": path, "set": [k=v, ...]}; stdout, last line: JSON with the setup time, the
 wall time of every round (training + its evaluation, round 0's zero-shot evaluation excluded),
-the final GM/PM accuracy (job "skip_round0_eval": true leaves round 0's evaluation out), bytes up per round and this process's peak RSS.
+the final GM/PM accuracy (job "skip_round0_eval": true leaves round 0's evaluation out), bytes up
+per round and this process's peak RSS.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import FP32  # also sets up the offline environment
+from benchmarks._common import FP32, quick_sets  # also sets up the offline environment
 
 
 def main() -> None:
@@ -24,7 +25,10 @@ def main() -> None:
     from fedsplice.runtimes.inprocess import run_rounds
     from fedsplice.federation.store import make_store
 
-    cfg = load_config(Path(job["config"]), FP32 + job.get("set", []))
+    sets = job.get("set", [])
+    if job.get("quick"):  # a script's --quick smoke run: the tiny model and budget first, the script's own sets win
+        sets = quick_sets(job["config"], Path(tempfile.mkdtemp(prefix="bench-quick-"))) + sets
+    cfg = load_config(Path(job["config"]), FP32 + sets)
     t0 = time.perf_counter()
     exp = build(cfg)
     setup = time.perf_counter() - t0
@@ -57,7 +61,8 @@ def main() -> None:
     per_round = [b - a for a, b in zip(stamps, stamps[1:])]
     print(json.dumps({
         "setup_s": setup, "round_s": per_round,
-        "mean_train_s": sum(r["time_s"] for r in records[1:]) / max(len(records) - 1, 1), "mean_round_s": sum(per_round) / max(len(per_round), 1),
+        "mean_train_s": sum(r["time_s"] for r in records[1:]) / max(len(records) - 1, 1),
+        "mean_round_s": sum(per_round) / max(len(per_round), 1),
         "gm_accuracy": last.get("gm", {}).get("accuracy"), "pm_accuracy": last.get("pm", {}).get("accuracy"),
         "dp_epsilon": last.get("dp_epsilon"),  # only with [privacy]
         # DP-SGD: the largest ε any client spent (ε only grows: the max over the rounds' worst clients)

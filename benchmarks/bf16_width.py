@@ -59,7 +59,7 @@ def main() -> None:
             shape = dict(hidden_size=h, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=4 * h, initializer_range=0.02)
             model = fx.llama(work, f"llama-{h}", shape, "cpu", dtype=torch.float32)
-            best = {"fp32": [], "bf16": []}
+            best: dict[str, list[float]] = {"fp32": [], "bf16": []}
             for r in range(reps):
                 for prec in best:
                     best[prec].append(step_time(model, h, data, work / f"{h}-{prec}-{r}", prec, steps, args.threads))

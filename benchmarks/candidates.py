@@ -18,17 +18,23 @@ import dataclasses
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import FP32, ROOT, report  # noqa: E402
+from benchmarks._common import FP32, ROOT, quick_sets, report  # noqa: E402
 
 import torch  # noqa: E402  (after _common: the offline environment is set first)
 
+if TYPE_CHECKING:
+    from fedsplice.federation.experiment import Experiment
+    from fedsplice.model.taskmodel import TaskModel
 
-def scored(m, texts: list[str], bs: int, sort: bool, inference: bool):
+
+def scored(m: TaskModel, texts: list[str], bs: int, sort: bool, inference: bool) -> torch.Tensor:
     """Logits of `texts` in their order, scored in the given or shortest-first order."""
     order = sorted(range(len(texts)), key=lambda i: len(texts[i])) if sort else list(range(len(texts)))
     was = m.training
@@ -42,13 +48,16 @@ def scored(m, texts: list[str], bs: int, sort: bool, inference: bool):
     return res
 
 
-def eval_rows(exp, reps: int) -> list[dict]:
+def eval_rows(exp: Experiment, reps: int) -> list[dict]:
     m, texts = exp.model, exp.data.test_texts[:exp.data.global_test_size]
-    variants = {"eval: given order, batch 64": (64, False, False), "eval: shortest first, batch 64": (64, True, False),
-                "eval: given order, batch 256": (256, False, False), "eval: shortest first, batch 256": (256, True, False),
+    variants = {"eval: given order, batch 64": (64, False, False),
+                "eval: shortest first, batch 64": (64, True, False),
+                "eval: given order, batch 256": (256, False, False),
+                "eval: shortest first, batch 256": (256, True, False),
                 "eval: shortest first, batch 64, inference_mode": (64, True, True)}
     ref = scored(m, texts, 64, False, False)
-    times, diff = {k: [] for k in variants}, {}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    diff: dict[str, float] = {}
     for rep in range(reps):
         for k in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
             t0 = time.process_time()
@@ -61,7 +70,7 @@ def eval_rows(exp, reps: int) -> list[dict]:
             for k, v in times.items()]
 
 
-def compile_rows(exp, reps: int, steps: int) -> list[dict]:
+def compile_rows(exp: Experiment, reps: int, steps: int) -> list[dict]:
     from fedsplice.federation import tasks
     from fedsplice.federation.train import Step
 
@@ -92,15 +101,16 @@ def compile_rows(exp, reps: int, steps: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="10 test texts a class, 1 rep")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: the tiny random model, 1 rep")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the training step")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     from fedsplice.federation import build
     from fedsplice.federation.validate import load_config
 
-    sets = ["data.test_per_class=10"] if args.quick else []
-    exp = build(load_config(ROOT / "configs" / "fedavg-lora-minilm.toml", FP32 + sets))
+    config = ROOT / "configs" / "fedavg-lora-minilm.toml"
+    sets = quick_sets(config, Path(tempfile.mkdtemp(prefix="candidates-quick-"))) if args.quick else []
+    exp = build(load_config(config, FP32 + sets))
     with torch.no_grad():  # a trained-like state: LoRA B nonzero, so the adapters act
         gen = torch.Generator().manual_seed(0)
         for p in exp.model.trainable().values():

@@ -39,6 +39,7 @@ def main() -> None:
     from fedsplice.data import tiny, zoo
     from fedsplice.model.taskmodel import TaskModel
     from fedsplice.config import ClientConfig, DataConfig, ExperimentConfig, ModelConfig, PeftConfig
+    from fedsplice.core.context import TrainContext
     from fedsplice.data.datasets import load_dataset
     from fedsplice.federation.train import local_train
 
@@ -67,7 +68,7 @@ def main() -> None:
         for rep in range(repeats + 1):  # repeat 0 warms up (and fills the cache)
             t0 = time.perf_counter()
             local_train(m, items, labels, cfg=cc, keep_opt=set(), opt_state={},
-                        rng=np.random.default_rng(rep), ctx={})
+                        rng=np.random.default_rng(rep), ctx=TrainContext())
             if rep:
                 times[name].append((time.perf_counter() - t0) / (16 * steps))
         del m

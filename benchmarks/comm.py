@@ -24,20 +24,20 @@ METHODS = {"FedAvg-LoRA": "fedavg-lora-minilm.toml", "PFAdapter": "pfadapter-min
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 short rounds per run (a few minutes)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny random models, 2 short rounds")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per run (default 5, quick 2)")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 5)
     common = [f"server.rounds={rounds}", f"eval.every={rounds}", "eval.cold_start_epochs=0", "data.holdout_clients=0"]
-    if args.quick:
-        common += ["client.max_steps=4", "data.test_per_class=10"]
     rows = []
     for method, cfg in METHODS.items():
         for codec in ("fp32", "fp16", "int8"):
-            r = in_subprocess("_run", {"config": str(ROOT / "configs" / cfg), "set": common + [f"client.upload='{codec}'"]})
+            r = in_subprocess("_run", {"config": str(ROOT / "configs" / cfg), "quick": args.quick,
+                                       "set": common + [f"client.upload='{codec}'"]})
             rows.append({"method": method, "upload": codec, "up_bytes_per_round": int(r["up_bytes_per_round"]),
                          "gm_accuracy": r["gm_accuracy"], "pm_accuracy": r["pm_accuracy"]})
-            print(f"  {method} {codec}: {rows[-1]['up_bytes_per_round']:,} B/round, GM {r['gm_accuracy']:.3f}", flush=True)
+            print(f"  {method} {codec}: {rows[-1]['up_bytes_per_round']:,} B/round, GM {r['gm_accuracy']:.3f}",
+                  flush=True)
     ref = rows[0]["up_bytes_per_round"]
     base = {r["method"]: r for r in rows if r["upload"] == "fp32"}
     for r in rows:

@@ -30,7 +30,10 @@ import json
 import os
 import resource
 import time
+from collections.abc import Iterable
+from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Ray workers inherit the driver's environment
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -57,6 +60,28 @@ from fedsplice.federation.tasks import train_context  # noqa: E402
 from fedsplice.core.split import GLOBAL, PRIVATE, names_in  # noqa: E402
 from fedsplice.federation.train import Step, local_train  # noqa: E402
 
+if TYPE_CHECKING:
+    from fedsplice.federation.experiment import Experiment
+
+
+class Log(TypedDict):
+    """What the server side records for the report (shared by the strategy and the GM function)."""
+
+    gm: dict[int, float]  # round -> GM accuracy
+    pm: dict[int, float]  # round -> PM accuracy
+    round_s: list[float]
+    round_wall_s: list[float]
+    up_bytes: list[int]
+    train_loss: list[float | None]
+    client_setup_s: list[float]
+    client_train_s: list[float]
+    eval_s: float
+    errors: list[str | None]  # the failed replies' reasons
+    worker_rss_mb: float
+    worker_threads: int | None
+    t0: NotRequired[float]  # the running round's start
+    te: NotRequired[float]  # the running evaluation's start
+
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
@@ -64,6 +89,13 @@ def peak_rss_mb() -> float:
 
 def is_eval_round(cfg: ExperimentConfig, rnd: int) -> bool:
     return rnd % cfg.eval.every == 0 or rnd == cfg.server.rounds  # as simulation.run_rounds
+
+
+def scalar(v: object) -> float:
+    """A number a record carries, as it is (a record types its values as any scalar or list)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    raise TypeError(f"a record value {v!r}: want a number")
 
 
 # ============================================================================ ClientApp side
@@ -97,8 +129,8 @@ def load_private(context: Context) -> tuple[dict, dict]:
     """PRIVATE tensors and their optimizer state from the node's state; none (the fresh model
     keeps its init, a fresh optimizer its zero moments) when this client never trained."""
     st = context.state
-    priv = st["private"].to_torch_state_dict() if "private" in st else {}
-    opt = st["opt"].to_torch_state_dict() if "opt" in st else {}
+    priv = st.array_records["private"].to_torch_state_dict() if "private" in st else {}
+    opt = st.array_records["opt"].to_torch_state_dict() if "opt" in st else {}
     return priv, opt
 
 
@@ -115,11 +147,12 @@ def make_client_app(cfg: ExperimentConfig) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         t0 = time.perf_counter()
-        cid, rnd = int(context.node_config["partition-id"]), int(msg.content["config"]["server-round"])
+        cid = int(context.node_config["partition-id"])
+        rnd = int(scalar(msg.content.config_records["config"]["server-round"]))
         lite = load_data(cfg)
         d, c = lite.data, lite.clients[cid]
         model, recipe, global_names, private_names = get_model(cfg, d.class_names)
-        received = msg.content["arrays"].to_torch_state_dict()
+        received = msg.content.array_records["arrays"].to_torch_state_dict()
         priv, opt_state = load_private(context)
         model.load_params({**received, **priv})
         texts = [d.train_texts[i] for i in c.train_idx]
@@ -151,7 +184,7 @@ def make_client_app(cfg: ExperimentConfig) -> ClientApp:
         d, c = lite.data, lite.clients[cid]
         model, *_ = get_model(cfg, d.class_names)
         priv, _ = load_private(context)
-        model.load_params({**msg.content["arrays"].to_torch_state_dict(), **priv})
+        model.load_params({**msg.content.array_records["arrays"].to_torch_state_dict(), **priv})
         logits = model.predict([d.test_texts[i] for i in c.test_idx], cfg.eval.batch_size).numpy()
         acc = classification_metrics(d.test_labels[c.test_idx], logits, len(d.class_names))["accuracy"]
         return Message(RecordDict({"metrics": MetricRecord(
@@ -168,60 +201,66 @@ class SampledFedAvg(FedAvg):
     sampled clients exp.sampling[r-1], and evaluation asks every training client on eval rounds.
     It also records what the benchmark reports (time, bytes, the workers' RSS)."""
 
-    def __init__(self, exp, node_of: dict[int, int], log: dict):
+    def __init__(self, exp: Experiment, node_of: dict[int, int], log: Log) -> None:
         # PM is the plain mean over clients (fedsplice's definition), not weighted by test size.
         super().__init__(evaluate_metrics_aggr_fn=lambda contents, _key: MetricRecord(
             {"accuracy": float(np.mean([c["metrics"]["accuracy"] for c in contents]))}))
         self.exp, self.node_of, self.log = exp, node_of, log
 
-    def _messages(self, kind: str, cids: list[int], arrays: ArrayRecord, config: ConfigRecord, rnd: int):
+    def _messages(self, kind: str, cids: list[int], arrays: ArrayRecord, config: ConfigRecord,
+                  rnd: int) -> list[Message]:
         config["server-round"] = rnd
         content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return [Message(content, self.node_of[c], kind) for c in cids]
 
-    def configure_train(self, server_round, arrays, config, grid):
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
         self.log["t0"] = time.perf_counter()
         cids = self.exp.sampling[server_round - 1]
         return self._messages(MessageType.TRAIN, cids, arrays, config, server_round)
 
-    def aggregate_train(self, server_round, replies):
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         ok = [m for m in replies if not m.has_error()]
         self.log["errors"] += [m.error.reason for m in replies if m.has_error()]
-        self.log["up_bytes"].append(sum(len(a.data) for m in ok for a in m.content["arrays"].values()))
+        self.log["up_bytes"].append(sum(len(a.data) for m in ok for a in m.content.array_records["arrays"].values()))
         self._note_workers(ok)
         out = super().aggregate_train(server_round, replies)
         self.log["round_s"].append(time.perf_counter() - self.log["t0"])
-        losses = [m.content["metrics"]["train-loss"] for m in ok]
+        metrics = [m.content.metric_records["metrics"] for m in ok]
+        losses = [scalar(r["train-loss"]) for r in metrics]
         self.log["train_loss"].append(float(np.mean(losses)) if losses else None)
-        self.log["client_setup_s"] += [m.content["metrics"]["setup-s"] for m in ok]
-        self.log["client_train_s"] += [m.content["metrics"]["train-s"] for m in ok]
+        self.log["client_setup_s"] += [scalar(r["setup-s"]) for r in metrics]
+        self.log["client_train_s"] += [scalar(r["train-s"]) for r in metrics]
         return out
 
-    def configure_evaluate(self, server_round, arrays, config, grid):
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
         if not is_eval_round(self.exp.cfg, server_round):
             return []
         self.log["te"] = time.perf_counter()
         return self._messages(MessageType.EVALUATE, self.exp.train_ids, arrays, config, server_round)
 
-    def aggregate_evaluate(self, server_round, replies):
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = list(replies)
         self.log["errors"] += [m.error.reason for m in replies if m.has_error()]
         self._note_workers([m for m in replies if not m.has_error()])
         out = super().aggregate_evaluate(server_round, replies)
         if out is not None:
-            self.log["pm"][server_round] = out["accuracy"]
+            self.log["pm"][server_round] = scalar(out["accuracy"])
             self.log["eval_s"] += time.perf_counter() - self.log["te"]
         return out
 
     def _note_workers(self, ok: list[Message]) -> None:
         for m in ok:
-            self.log["worker_rss_mb"] = max(self.log["worker_rss_mb"], m.content["metrics"]["rss-mb"])
-            if "threads" in m.content["metrics"]:
-                self.log["worker_threads"] = int(m.content["metrics"]["threads"])
+            metrics = m.content.metric_records["metrics"]
+            self.log["worker_rss_mb"] = max(self.log["worker_rss_mb"], scalar(metrics["rss-mb"]))
+            if "threads" in metrics:
+                self.log["worker_threads"] = int(scalar(metrics["threads"]))
 
 
-def make_server_app(exp, log: dict) -> ServerApp:
+def make_server_app(exp: Experiment, log: Log) -> ServerApp:
     app = ServerApp()
     cfg = exp.cfg
     fresh_private = {n: exp.init_params[n] for n in exp.private_names}
@@ -248,7 +287,8 @@ def make_server_app(exp, log: dict) -> ServerApp:
         while len(ids := list(grid.get_node_ids())) < len(exp.train_ids):
             time.sleep(0.1)
         replies = grid.send_and_receive([Message(RecordDict(), i, MessageType.QUERY) for i in ids])
-        node_of = {int(m.content["node"]["partition-id"]): m.metadata.src_node_id for m in replies}
+        node_of = {int(scalar(m.content.config_records["node"]["partition-id"])): m.metadata.src_node_id
+                   for m in replies}
         strategy = SampledFedAvg(exp, node_of, log)
         initial = ArrayRecord.from_torch_state_dict({n: exp.init_params[n] for n in exp.global_names})
         strategy.start(grid, initial, num_rounds=cfg.server.rounds, evaluate_fn=gm)
@@ -260,15 +300,16 @@ def run_tutorial_style(cfg_path: str, overrides: list[str], rounds: int) -> dict
     """Run CONFIG (with --set overrides) for `rounds` rounds the Flower-tutorial way."""
     t_start = time.perf_counter()
     # Tutorial style: no frozen work is cached (runtime.cache, docs/design.md §7), nothing is reused.
-    cfg = load_config(cfg_path, ["runtime.precision=fp32", *overrides, f"server.rounds={rounds}", "runtime.cache=false"])
+    cfg = load_config(Path(cfg_path),
+                      ["runtime.precision=fp32", *overrides, f"server.rounds={rounds}", "runtime.cache=false"])
     if cfg.server.optimizer != "fedavg" or cfg.server.aggregation != "mean" or cfg.client.upload != "fp32":
         raise ValueError("flower_tutorial: needs server.optimizer = fedavg, server.aggregation = mean and "
                          "client.upload = fp32 (what stock FedAvg does)")
     exp = build(cfg)  # the server's copy: partition, sampling stream, names, init, GM model
     t_built = time.perf_counter()
-    log = {"gm": {}, "pm": {}, "round_s": [], "round_wall_s": [], "up_bytes": [], "train_loss": [],
-           "client_setup_s": [], "client_train_s": [], "eval_s": 0.0, "errors": [], "worker_rss_mb": 0.0,
-           "worker_threads": None}
+    log: Log = {"gm": {}, "pm": {}, "round_s": [], "round_wall_s": [], "up_bytes": [], "train_loss": [],
+                "client_setup_s": [], "client_train_s": [], "eval_s": 0.0, "errors": [], "worker_rss_mb": 0.0,
+                "worker_threads": None}
     run_simulation(
         server_app=make_server_app(exp, log), client_app=make_client_app(cfg),
         num_supernodes=len(exp.train_ids),  # node i holds client i; held-out clients never train
@@ -291,7 +332,8 @@ def run_tutorial_style(cfg_path: str, overrides: list[str], rounds: int) -> dict
         "seconds_eval": round(log["eval_s"], 2),
         "client_setup_s_mean": round(float(np.mean(log["client_setup_s"])), 2),  # fresh model from the checkpoint
         "client_train_s_mean": round(float(np.mean(log["client_train_s"])), 2),  # local_train
-        "gm_accuracy": log["gm"].get(last), "pm_accuracy": log["pm"].get(last),
+        "gm_accuracy": log["gm"].get(last) if last is not None else None,
+        "pm_accuracy": log["pm"].get(last) if last is not None else None,
         "gm_per_round": log["gm"], "pm_per_round": log["pm"], "train_loss": log["train_loss"],
         # ru_maxrss of this process (server + Ray driver) and of the ClientApp workers (each
         # reports its own in its replies); Ray's raylet/GCS processes are not counted.

@@ -58,16 +58,19 @@ def vlm() -> dict:
     stem = "fedavg-lora-easyvqa"
     exp = build(fedsplice.load_config(ROOT / "configs" / f"{stem}.toml", regression.overrides(stem)))
     m = exp.model.eval()
+    vision, projector = m.vision, m.projector
+    assert vision is not None and projector is not None  # a vlm config: a vision tower and its projector
     idx = exp.clients[3].train_idx[:4]
     items, y = [exp.data.train_texts[i] for i in idx], torch.as_tensor(exp.data.train_labels[idx])
     out = {"image": torch.as_tensor(np.stack([np.asarray(s.image, dtype=np.float32) for s in items]))}
-    out["pixel values"] = pixel_values(m.image_processor, items, m.vision)
+    out["pixel values"] = pixel_values(m.image_processor, items, vision)
     with torch.no_grad():
-        out["vision tower"] = m.vision(pixel_values=out["pixel values"]).last_hidden_state
-        out["projector"] = m.projector(out["vision tower"])
-    out["LM weights (dequantised)"] = torch.cat([t.float().reshape(-1) for n, t in sorted(m.backbone.state_dict().items())
+        out["vision tower"] = vision(pixel_values=out["pixel values"]).last_hidden_state
+        out["projector"] = projector(out["vision tower"])
+    out["LM weights (dequantised)"] = torch.cat([t.float().reshape(-1)
+                                                 for n, t in sorted(m.backbone.state_dict().items())
                                                  if "lora_" not in n])
-    trace = {}
+    trace: dict[str, torch.Tensor] = {}
 
     def hook(mod, inp, o, name):
         o = o[0] if isinstance(o, tuple) else o
@@ -96,7 +99,8 @@ def compare(part: str, a: dict, b: dict) -> list[dict]:
     for name, x in a.items():
         y = b[name]
         equal = x.shape == y.shape and bool((x == y).all())
-        rel = float((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-30)) if not equal else 0.0
+        rel = (float((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-30))
+               if not equal else 0.0)
         if name.startswith("LM: "):  # the module trace: up to the first module that differs
             if lm_shown:
                 continue

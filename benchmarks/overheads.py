@@ -42,6 +42,7 @@ def main() -> None:
     from fedsplice.federation.experiment import build
     from fedsplice.algorithms.fedpurel import align_objective
     from fedsplice.core.purify import purification
+    from fedsplice.core.context import TrainContext
     from fedsplice.core.losses import Orthogonality
     from fedsplice.federation.train import Step, local_train
 
@@ -80,7 +81,7 @@ def main() -> None:
         for name, step in variants.items():
             t0 = time.perf_counter()
             local_train(m, texts, labels, cfg=exp.cfg.client, keep_opt=set(), opt_state={},
-                        rng=np.random.default_rng(rep), ctx={"zero_shot": zs}, ids=cl.train_idx, step=step)
+                        rng=np.random.default_rng(rep), ctx=TrainContext(zero_shot=zs), ids=cl.train_idx, step=step)
             if rep:
                 times[name].append((time.perf_counter() - t0) / steps)
     ref = statistics.median(times["plain LoRA"])

@@ -27,10 +27,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import child_or_main, interleaved_args, run_script_child  # noqa: E402
+
+if TYPE_CHECKING:
+    from fedsplice.federation.experiment import Experiment
 
 PRECISIONS = ("fp32", "bf16")
 WORKLOADS = {
@@ -64,27 +68,29 @@ def child(job: dict) -> None:
 
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
-    exps, out = {}, {}
+    exps: dict[str, Experiment] = {}
+    per: dict[str, dict[str, object]] = {}  # precision -> its measurements
     for prec in PRECISIONS:
         cfg = load_config(Path(job["config"]), job["set"] + [f"runtime.precision='{prec}'"])
         t0 = time.perf_counter()
         exps[prec] = build(cfg)
-        out[prec] = {"build_s": time.perf_counter() - t0, "amp_dtype": str(getattr(exps[prec].model, "amp_dtype", "n/a"))}
+        per[prec] = {"build_s": time.perf_counter() - t0,
+                     "amp_dtype": str(getattr(exps[prec].model, "amp_dtype", "n/a"))}
     # 1. accuracy after a short run
     for prec, exp in exps.items():
-        records = []
+        records: list[dict] = []
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             run_rounds(exp, make_store("memory", Path(tmp) / "store"), records.append)
-            out[prec]["run_s"] = time.perf_counter() - t0
+            per[prec]["run_s"] = time.perf_counter() - t0
         last = records[-1]
-        out[prec].update(gm_accuracy=last["gm"]["accuracy"], pm_accuracy=last["pm"]["accuracy"],
+        per[prec].update(gm_accuracy=last["gm"]["accuracy"], pm_accuracy=last["pm"]["accuracy"],
                          train_loss=last.get("train_loss"))
     # 2. step time, interleaved; 3. predict time, interleaved
     steps, reps = job["steps"], job["reps"]
-    step_s = {p: [] for p in PRECISIONS}
-    step_cpu = {p: [] for p in PRECISIONS}
-    pred_s = {p: [] for p in PRECISIONS}
+    step_s: dict[str, list[float]] = {p: [] for p in PRECISIONS}
+    step_cpu: dict[str, list[float]] = {p: [] for p in PRECISIONS}
+    pred_s: dict[str, list[float]] = {p: [] for p in PRECISIONS}
     for rep in range(reps + 1):  # rep 0: warm-up
         order = PRECISIONS if rep % 2 == 0 else PRECISIONS[::-1]
         for prec in order:
@@ -106,12 +112,12 @@ def child(job: dict) -> None:
             if rep:
                 pred_s[prec].append((time.perf_counter() - t0) / max(len(texts), 1) * 100)
     for prec in PRECISIONS:
-        out[prec].update(step_s=statistics.median(step_s[prec]), step_s_all=step_s[prec],
+        per[prec].update(step_s=statistics.median(step_s[prec]), step_s_all=step_s[prec],
                          step_cpu_s=statistics.median(step_cpu[prec]),
                          predict_s_per_100=statistics.median(pred_s[prec]), batch=exp.cfg.client.batch_size,
                          eval_batch=exp.cfg.eval.batch_size)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out["threads"] = torch.get_num_threads()
+    out = {**per, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "threads": torch.get_num_threads()}
     print(json.dumps(out))
 
 
@@ -156,9 +162,9 @@ def main() -> None:
         "10 steps; smollm2: configs/pfadapter-smollm2.toml, 1 round of 2 clients × 2 steps of 8, 3 test texts "
         "a class); gm_diff_pts against fp32. Trainable tensors stay fp32 under autocast (master copies).",
     ]
-    report("precision", rows, ["backbone", "precision", "step_s", "step_speedup", "step_cpu_s", "cpu_speedup", "predict_s_per_100",
-                               "predict_speedup", "gm_accuracy", "pm_accuracy", "gm_diff_pts", "run_s", "load_1min"],
-           args.quick, notes)
+    report("precision", rows, ["backbone", "precision", "step_s", "step_speedup", "step_cpu_s", "cpu_speedup",
+                               "predict_s_per_100", "predict_speedup", "gm_accuracy", "pm_accuracy", "gm_diff_pts",
+                               "run_s", "load_1min"], args.quick, notes)
 
 
 if __name__ == "__main__":

@@ -28,22 +28,23 @@ NOISE = (0.0, 0.01, 0.1, 1.0)  # 0: [privacy] off
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 short rounds per run")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny random models, 2 short rounds, z in {0, 1}")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per run (default 10, quick 2)")
-    ap.add_argument("--noise", default=",".join(map(str, NOISE)), help="noise multipliers z, 0 = no DP (comma list)")
+    parser_noise = ",".join(map(str, NOISE))
+    ap.add_argument("--noise", default=parser_noise, help="noise multipliers z, 0 = no DP (comma list)")
     ap.add_argument("--dpsgd", action="store_true", help="DP-SGD in each client instead of client-level DP")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 10)
     common = [f"server.rounds={rounds}", f"eval.every={rounds}", "eval.cold_start_epochs=0", "data.holdout_clients=0"]
-    if args.quick:
-        common += ["client.max_steps=4", "data.test_per_class=10"]
+    if args.quick and args.noise == parser_noise:
+        args.noise = "0,1.0"
     rows = []
     for method, cfg in METHODS.items():
         for z in [float(x) for x in args.noise.split(",")]:
             dp = ([] if z == 0 else ["privacy.local='dpsgd'", f"privacy.local_clip={LOCAL_CLIP}",
                                      f"privacy.local_noise_multiplier={z}", "runtime.precision='fp32'"] if args.dpsgd
                   else ["privacy.mode='central'", f"privacy.clip={CLIP}", f"privacy.noise_multiplier={z}"])
-            r = in_subprocess("_run", {"config": str(ROOT / "configs" / cfg), "set": common + dp})
+            r = in_subprocess("_run", {"config": str(ROOT / "configs" / cfg), "set": common + dp, "quick": args.quick})
             eps = r.get("dp_local_epsilon" if args.dpsgd else "dp_epsilon")
             rows.append({"method": method, "noise_multiplier": z or "off", "epsilon": eps,
                          "gm_accuracy": r["gm_accuracy"], "pm_accuracy": r["pm_accuracy"],

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +45,9 @@ WORKLOADS = {
                                            "data.local_test_size=8", "eval.cold_start_epochs=1",
                                            "client.batch_size=8"]),
 }
-QUICK = {"minilm": ["client.max_steps=3", "data.test_per_class=10"], "smollm2": ["client.max_steps=1"]}
+# --quick: a smoke run on the tiny random models (benchmarks/_common.py quick_sets) with these budgets
+QUICK = {"minilm": ["client.max_steps=2", "data.test_per_class=2", "data.local_test_size=4"],
+         "smollm2": ["client.max_steps=1"]}
 
 ORDER = ["interpreter start", "imports", "setup", "round-0 evaluation", "client training", "serialization",
          "server", "global evaluation (GM)", "per-client evaluation (PM)", "checkpoint writes", "metrics.jsonl",
@@ -55,7 +58,7 @@ ORDER = ["interpreter start", "imports", "setup", "round-0 evaluation", "client 
 class Timers:
     """Exclusive wall-clock time per stage name, overall and per round."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.total: dict[str, float] = {}
         self.per_round: dict[int, dict[str, float]] = {}
         self.stack: list[list] = []  # [name, seconds spent in nested stages]
@@ -91,6 +94,11 @@ class Timers:
         timed.__wrapped__ = fn
         return timed
 
+    def patch(self, owner: object, attr: str, name: object) -> None:
+        """owner.attr (a class in a module, a method of a class) replaced by its `wrap`: through
+        setattr, as a type checker rightly refuses assignments to a class or a method."""
+        setattr(owner, attr, self.wrap(getattr(owner, attr), name))
+
 
 def instrument(T: Timers) -> None:
     import fedsplice.app.runner as runner
@@ -107,7 +115,7 @@ def instrument(T: Timers) -> None:
 
     experiment.build_data = T.wrap(experiment.build_data, "setup: data")
     taskmodel.load_backbone = T.wrap(taskmodel.load_backbone, "setup: HF backbone load")
-    experiment.TaskModel = T.wrap(experiment.TaskModel, "setup: PEFT + model parts")
+    T.patch(experiment, "TaskModel", "setup: PEFT + model parts")
     experiment.zero_shot_caches = T.wrap(experiment.zero_shot_caches, "setup: zero-shot caches")
     runner.build = T.wrap(runner.build, "setup: other (recipe, server)")
     runner.data_table = T.wrap(runner.data_table, "setup: run directory + data report")
@@ -137,12 +145,11 @@ def instrument(T: Timers) -> None:
 
     inprocess.client_task = T.wrap(inprocess.client_task, task_name)
     # the model's own scoring inside an evaluation stage: "<stage>: model predict" (the rest: scoring)
-    taskmodel.TaskModel.predict = T.wrap(taskmodel.TaskModel.predict,
-                                         lambda *a, **k: f"{T.group()}: model predict")
+    T.patch(taskmodel.TaskModel, "predict", lambda *a, **k: f"{T.group()}: model predict")
     for f in ("encode", "decode", "compress", "decode_update"):
         setattr(wire, f, T.wrap(getattr(wire, f), f"serialization: wire {f}"))
-    ckpt.Checkpointer.save = T.wrap(ckpt.Checkpointer.save, "checkpoint writes")
-    rundir.MetricsLog.append = T.wrap(rundir.MetricsLog.append, "metrics.jsonl")
+    T.patch(ckpt.Checkpointer, "save", "checkpoint writes")
+    T.patch(rundir.MetricsLog, "append", "metrics.jsonl")
 
     orig_cold = runner.cold_start
 
@@ -218,10 +225,10 @@ def group_of(name: str) -> str:
 
 
 def main() -> None:
-    from benchmarks._common import ROOT, report
+    from benchmarks._common import ROOT, quick_sets, report
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps and test samples")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny random models, fewer steps")
     ap.add_argument("--only", action="append", default=[], choices=list(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=0, help="rounds (default: minilm 3, smollm2 2; quick 2 / 1)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides for every workload")
@@ -234,7 +241,9 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         rounds = args.rounds or {"minilm": 3, "smollm2": 2}[name] - (1 if args.quick else 0)
-        sets = extra + [f"server.rounds={rounds}"] + (QUICK[name] if args.quick else []) + args.set
+        config = ROOT / "configs" / cfg_name
+        tiny = quick_sets(config, Path(tempfile.mkdtemp(prefix="profile-quick-")), budget=False) if args.quick else []
+        sets = tiny + extra + [f"server.rounds={rounds}"] + (QUICK[name] if args.quick else []) + args.set
         r = run_child({"config": str(ROOT / "configs" / cfg_name), "set": sets, "threads": args.threads,
                        "cprofile": args.cprofile})
         wall, st = r["wall_s"], r["stages"]
@@ -244,7 +253,8 @@ def main() -> None:
             groups[group_of(k)] = groups.get(group_of(k), 0.0) + v
         label = f"{name} ({rounds} rounds)"
         for g in sorted(groups, key=lambda g: ORDER.index(g) if g in ORDER else 99):
-            rows.append({"workload": label, "stage": g, "seconds": groups[g], "share": f"{100 * groups[g] / wall:.1f}%"})
+            rows.append({"workload": label, "stage": g, "seconds": groups[g],
+                         "share": f"{100 * groups[g] / wall:.1f}%"})
         rows.append({"workload": label, "stage": "**total (wall)**", "seconds": wall, "share": "100%"})
         # one round: the mean over rounds 1..R of each stage
         per = {int(k): v for k, v in r["per_round"].items() if int(k) >= 1}
@@ -284,10 +294,10 @@ def main() -> None:
     dcols = ["workload", "part", "stage", "seconds", "share"]
     table = ["| " + " | ".join(dcols) + " |", "|" + "---|" * len(dcols)]
     table += ["| " + " | ".join(fmt(r[c]) for c in dcols) + " |" for r in detail]
-    extra = "\n## Detail: one round, and every timed stage of the whole run\n\n" + "\n".join(table) + "\n"
-    print(extra)
+    detail_md = "\n## Detail: one round, and every timed stage of the whole run\n\n" + "\n".join(table) + "\n"
+    print(detail_md)
     stem = "profile_run" + ("-quick" if args.quick else "")
-    atomic_write_bytes(RESULTS / f"{stem}.md", (md + extra).encode())
+    atomic_write_bytes(RESULTS / f"{stem}.md", (md + detail_md).encode())
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ and the tie rule's. The runs follow the tie rule at --tie-tol (default: the ship
 settings take the same path and the exact rule's decisions can be compared projection by
 projection: a decision that flips between the two CPUs is rounding noise. --tie-tol 0 runs the
 exact rule (the settings' paths then part at the first flip; the flip count is up to there).
---quick: one config, 2 rounds.
+--quick: a smoke run: one config on the tiny random model, 2 rounds of 2 steps.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import FP32, ROOT, report  # noqa: E402
+from benchmarks._common import FP32, ROOT, quick_sets, report  # noqa: E402
 
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # (config, granularity): "flat" is the paper's Eq. 5 (the configs' default), "tensor" the
@@ -64,8 +64,8 @@ def child() -> None:
     print(json.dumps(calls))
 
 
-def one(config: str, granularity: str, isa: str, rounds: int, tie_tol: float) -> list[dict]:
-    sets = [f"server.rounds={rounds}", "eval.every=1000", "eval.cold_start_epochs=0", "runtime.threads=1",
+def one(config: str, granularity: str, isa: str, rounds: int, tie_tol: float, tiny: list[str]) -> list[dict]:
+    sets = tiny + [f"server.rounds={rounds}", "eval.every=1000", "eval.cold_start_epochs=0", "runtime.threads=1",
             "method.personal_rounds=0", f'method.granularity="{granularity}"', f"method.tie_tol={tie_tol}"]
     env = {**os.environ, **(AVX2 if isa == "avx2" else {})}
     p = subprocess.run([sys.executable, __file__, "--child"], input=json.dumps(
@@ -109,9 +109,16 @@ def main() -> None:
 
     tie_tol = TIE_TOL if args.tie_tol is None else args.tie_tol
     workloads, rounds = (WORKLOADS[:1], 2) if args.quick else (WORKLOADS, args.rounds)
+    tmp = Path(tempfile.mkdtemp(prefix="purify-ties-quick-"))
+    tiny = {c: quick_sets(ROOT / "configs" / f"{c}.toml", tmp) if args.quick else [] for c, _ in workloads}
     jobs = [(c, g, isa) for c, g in workloads for isa in ("default", "avx2")]
+
+    def run_job(job: tuple[str, str, str]) -> list[dict]:
+        config, granularity, isa = job
+        return one(config, granularity, isa, rounds, tie_tol, tiny[config])
+
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:  # 1 thread a run
-        out = dict(zip(jobs, pool.map(lambda j: one(*j, rounds, tie_tol), jobs)))
+        out = dict(zip(jobs, pool.map(run_job, jobs)))
     rows = [row(c, g, {isa: out[(c, g, isa)] for isa in ("default", "avx2")}, tie_tol) for c, g in workloads]
     cols = list(rows[0])
     notes = [f"tie rule at tie_tol = {tie_tol:g}: a tie is ‖g_align‖ <= tie_tol·‖g_task‖ or |cos| <= tie_tol; "

@@ -26,13 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import ROOT, in_subprocess, report  # noqa: E402
+from benchmarks._common import ROOT, in_subprocess, quick_sets, report  # noqa: E402
 
 BEST = ["runtime.precision=auto"]
 IMPLS = ("fedsplice (caches on)", "fedsplice (caches off)", "fedsplice (best)", "Flower tutorial style")
@@ -65,7 +66,8 @@ def tutorial(cfg: str, sets: list[str], rounds: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 3 steps (a few minutes per workload)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: tiny random models, 2 rounds of 2 steps, one workload")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per run (default 3, quick 2)")
     ap.add_argument("--only", action="append", default=[], help="run only these workloads (repeatable)")
     ap.add_argument("--impl", action="append", default=[], choices=IMPLS,
@@ -74,13 +76,14 @@ def main() -> None:
     impls = set(args.impl or IMPLS) | {"Flower tutorial style"}
     rounds = args.rounds or (2 if args.quick else 3)
     rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="round-time-quick-"))
     for name, (cfg_name, extra) in WORKLOADS.items():
-        if args.only and name not in args.only:
+        if args.only and name not in args.only or args.quick and name != "PFAdapter":
             continue
         cfg = str(ROOT / "configs" / cfg_name)
         sets = extra + [f"server.rounds={rounds}", "eval.cold_start_epochs=0"]
-        if args.quick:
-            sets += ["client.max_steps=3", "data.test_per_class=10"]
+        if args.quick:  # the tiny model and budget for both implementations; the rounds stay this script's
+            sets = quick_sets(cfg, tmp) + sets
         jobs = {"fedsplice (caches on)": sets, "fedsplice (caches off)": sets + ["runtime.cache=false"],
                 "fedsplice (best)": sets + BEST}
         runs = {impl: timed(in_subprocess, "_run", {"config": cfg, "set": s}) for impl, s in jobs.items()
@@ -100,7 +103,8 @@ def main() -> None:
                          "train_speedup": slow["mean_train_s"] / r["mean_train_s"],
                          "wall_speedup": slow["wall_s"] / r["wall_s"],
                          "gm_accuracy": r["gm_accuracy"], "pm_accuracy": r["pm_accuracy"],
-                         "gm_diff_pts": 100 * (r["gm_accuracy"] - slow["gm_accuracy"]), "peak_rss_mb": r["peak_rss_mb"]})
+                         "gm_diff_pts": 100 * (r["gm_accuracy"] - slow["gm_accuracy"]),
+                         "peak_rss_mb": r["peak_rss_mb"]})
             print(f"  {name} / {impl}: {r['mean_round_s']:.1f} s/round, GM {r['gm_accuracy']:.3f}", flush=True)
     for r in rows:
         if r["implementation"] != "Flower tutorial style":
@@ -110,7 +114,7 @@ def main() -> None:
                                 "speedup_vs_tutorial", "train_speedup", "wall_speedup",
                                 "gm_accuracy", "pm_accuracy", "gm_diff_pts", "peak_rss_mb", "target"],
            args.quick, [
-        f"{rounds} rounds, 4 clients per round, the configs' local steps" + (" capped at 3" if args.quick else "")
+        f"{rounds} rounds, 4 clients per round, the configs' local steps" + (" (tiny)" if args.quick else "")
         + "; FedPuReL's phase 2 and cold start are off in all three (the tutorial style has neither).",
         "Flower tutorial style: Flower's simulation engine (Ray), a fresh model per client call, no caches of "
         "frozen work, GLOBAL tensors averaged by Flower's FedAvg; its peak RSS is the driver's peak plus one "

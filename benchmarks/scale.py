@@ -23,7 +23,8 @@ from benchmarks._common import ROOT, in_subprocess, report  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 round of 2 steps per setting")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: tiny random models, 1 round of 2 steps, 4 clients a round")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per setting (default 3, quick 1)")
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
@@ -32,10 +33,10 @@ def main() -> None:
     common = [f"server.rounds={rounds}", f"eval.every={rounds}", "eval.cold_start_epochs=0",
               "data.holdout_clients=0", "data.partition='iid'", "data.max_per_class=0",
               "data.local_test_size=2", f"client.max_steps={steps}", "runtime.store='disk'"]
-    settings = [(n, 4) for n in (10, 100, 1000)] + [(100, m) for m in (2, 8)]
+    settings = [(n, 4) for n in (10, 100, 1000)] + ([] if args.quick else [(100, m) for m in (2, 8)])
     rows = []
     for n, m in settings:
-        r = in_subprocess("_run", {"config": cfg, "skip_round0_eval": True,
+        r = in_subprocess("_run", {"config": cfg, "skip_round0_eval": True, "quick": args.quick,
                                    "set": common + [f"data.num_clients={n}", f"server.clients_per_round={m}"]})
         rows.append({"clients": n, "per_round": m, "train_round_s": r["mean_train_s"],
                      "round_s_with_eval": r["mean_round_s"], "setup_s": r["setup_s"], "peak_rss_mb": r["peak_rss_mb"]})
@@ -47,10 +48,11 @@ def main() -> None:
     report("scale", rows, ["clients", "per_round", "train_round_s", "round_s_with_eval", "setup_s", "peak_rss_mb",
                            "rss_vs_10_clients_mb"], args.quick, [
         f"{rounds} round(s), at most {steps} local steps of batch 16 per client (with 1,000 clients a client "
-        "holds ~6 texts, so its steps are smaller: compare train_round_s across clients-per-round, not across N); train_round_s: the round without its "
-        "evaluation; round_s_with_eval adds the last round's GM + PM over ALL clients (2 local test texts each), "
-        "which grows with the number of clients by design: PM is over every client (each one loads its "
-        "PRIVATE tensors from the disk store and scores its local test texts). No evaluation before round 1.",
+        "holds ~6 texts, so its steps are smaller: compare train_round_s across clients-per-round, not across N); "
+        "train_round_s: the round without its evaluation; round_s_with_eval adds the last round's GM + PM over "
+        "ALL clients (2 local test texts each), which grows with the number of clients by design: PM is over "
+        "every client (each one loads its PRIVATE tensors from the disk store and scores its local test texts). "
+        "No evaluation before round 1.",
         f"target RSS(1,000) ≤ RSS(10) + 1,024 MB: {'met' if grow <= 1024 else 'missed'} ({grow:+.0f} MB)."])
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import FP32, ROOT, report  # noqa: E402
+from benchmarks._common import FP32, ROOT, quick_sets, report  # noqa: E402
 
 CONFIG = ROOT / "configs" / "pfadapter-minilm.toml"
 
@@ -36,7 +36,10 @@ def one(n: int, rounds: int, secure: bool, quick: bool) -> dict:
     sets = [f"data.num_clients={n}", "data.holdout_clients=0", f"server.clients_per_round={n}",
             f"server.rounds={rounds}", f"eval.every={rounds}", "eval.cold_start_epochs=0",
             f"privacy.secure_aggregation={'true' if secure else 'false'}"]
-    sets += ["client.max_steps=2", "data.test_per_class=10"] if quick else ["client.max_steps=8"]
+    # quick: a smoke run on the tiny model (rounds and clients stay the command line's)
+    tiny = quick_sets(CONFIG, Path(tempfile.mkdtemp(prefix="secagg-quick-")), budget=False) if quick else []
+    sets = tiny + sets + (["client.max_steps=2", "data.test_per_class=2", "data.local_test_size=4"] if quick
+                          else ["client.max_steps=8"])
     cfg = load_config(CONFIG, FP32 + sets)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
@@ -54,10 +57,12 @@ def one(n: int, rounds: int, secure: bool, quick: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 local steps, a smaller test set")
-    ap.add_argument("--nodes", default="3,5,10", help="SuperNode counts (comma list)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny random model, 3 SuperNodes, 2 rounds")
+    ap.add_argument("--nodes", default="", help="SuperNode counts (comma list; default 3,5,10, quick 3)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds (default 3, quick 2)")
     args = ap.parse_args()
+    args.nodes = args.nodes or ("3" if args.quick else "3,5,10")
+    args.rounds = args.rounds or (2 if args.quick else 3)
     rows = []
     for n in [int(x) for x in args.nodes.split(",")]:
         pair = {}

@@ -63,7 +63,8 @@ def timed_run(out: Path) -> dict:
     p = subprocess.Popen([FEDSPLICE, "run", "configs/pfadapter-minilm.toml", "--set", "server.rounds=3",
                           "--out", str(out), "--overwrite"], cwd=ROOT, env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    at = {}
+    at: dict[str, float] = {}
+    assert p.stdout is not None  # stdout=PIPE
     for line in p.stdout:
         for key, start in (("eval0", "round 0/3 evaluate"), ("round0", "round   0 ")):
             if line.startswith(start) and key not in at:

@@ -1,7 +1,7 @@
 """PFAdapter's Table IV here: what full fine-tuning costs against LoRA — trainable parameters,
 bytes per round and seconds per local step.
 
-    python benchmarks/table_iv.py [--steps N] [--smol-steps N] [--backbones minilm,smollm2]
+    python benchmarks/table_iv.py [--quick] [--steps N] [--smol-steps N] [--backbones minilm,smollm2]
 
 Full fine-tuning (full-ft), FedAvg-LoRA, pFedLoRA and PFAdapter on the shipped MiniLM configs (same
 data, clients, batch of 16 texts padded per batch to <= 64 tokens, AdamW); full-ft, FedAvg-LoRA and
@@ -23,12 +23,13 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import FP32, ROOT, report  # noqa: E402
+from benchmarks._common import FP32, ROOT, quick_sets, report  # noqa: E402
 
 SMOL = "pfadapter-smollm2.toml"
 SMOL_SETS = ["data.test_per_class=1", "data.local_test_size=2"]  # build-time zero-shot scoring: keep it small
@@ -86,8 +87,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="local steps per timed fit (client.max_steps)")
     ap.add_argument("--smol-steps", type=int, default=2, help="the same for SmolLM2 (slow on a CPU)")
     ap.add_argument("--backbones", default="minilm,smollm2", help="comma-separated: minilm, smollm2")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny random models, 2 steps")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="table-iv-quick-"))
     if args.worker:
         print(json.dumps(worker(json.loads(sys.stdin.read()))))
         return
@@ -95,8 +98,9 @@ def main() -> None:
     for backbone, method, cfg, extra in METHODS:
         if backbone.lower() not in args.backbones.split(","):
             continue
-        steps = args.smol_steps if backbone == "SmolLM2" else args.steps
-        r = measure(cfg, [f"client.max_steps={steps}", "eval.cold_start_epochs=0", *extra])
+        steps = 2 if args.quick else args.smol_steps if backbone == "SmolLM2" else args.steps
+        tiny = quick_sets(ROOT / "configs" / cfg, tmp, budget=False) if args.quick else []
+        r = measure(cfg, [*tiny, f"client.max_steps={steps}", "eval.cold_start_epochs=0", *extra])
         m = r["clients_per_round"]
         rows.append({"backbone": backbone, "method": method, "config": cfg, "trainable_params": r["trainable"],
                      "shared_params": r["shared"], "up_bytes_per_client": r["up_bytes_per_client"],
@@ -110,7 +114,7 @@ def main() -> None:
         r["step_vs_fedavg_lora"] = r["step_s"] / ref["step_s"]
     report("table_iv", rows, ["backbone", "method", "trainable_params", "shared_params", "up_bytes_per_client",
                               "bytes_per_round", "bytes_vs_fedavg_lora", "step_s", "step_vs_fedavg_lora",
-                              "peak_rss_mb"], False, [
+                              "peak_rss_mb"], args.quick, [
         "MiniLM (all-MiniLM-L6-v2, 22.7M weights) as a dual encoder on fortunes (19 classes); LoRA r=8 on "
         "q,k,v,o of all 6 layers; full-ft trains every backbone weight (client.lr 5e-5), FedAvg; pFedLoRA "
         "adds a private r=8 adapter and trains two phases of up to N steps a fit; its step_s divides the fit "

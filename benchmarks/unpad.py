@@ -24,10 +24,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import FP32, child_or_main, interleaved_args, run_script_child  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fedsplice.federation.experiment import Experiment
 
 SETTINGS = ("off", "on")
 SHORT = ["server.rounds=2", "eval.every=100", "eval.cold_start_epochs=0"]
@@ -46,12 +52,12 @@ QUICK_SET = ["server.rounds=1", "server.clients_per_round=2", "client.max_steps=
              "eval.cold_start_epochs=0"]
 
 
-def rows_per_token(exp, batches: int = 200) -> tuple[float, float]:
+def rows_per_token(exp: Experiment, batches: int = 200) -> tuple[float, float]:
     """(padded, unpadded) token rows per real token of random training batches."""
     from fedsplice.model.unpad import CPU_OVERHEAD, groups
 
     texts = [t for t in exp.data.train_texts if isinstance(t, str)]
-    tok = exp.model.tokenizer
+    tok = cast("PreTrainedTokenizerBase", exp.model.tokenizer)  # a backbone's tokenizer is typed `object`
     cap = exp.cfg.model.max_length
     lengths = [len(ids) for ids in tok(texts, truncation=True, max_length=cap)["input_ids"]]
     rng, b = random.Random(0), min(exp.cfg.client.batch_size, len(lengths))
@@ -64,7 +70,7 @@ def rows_per_token(exp, batches: int = 200) -> tuple[float, float]:
     return padded / real, unpadded / real
 
 
-def step_time(exp, steps: int) -> float:
+def step_time(exp: Experiment, steps: int) -> float:
     from fedsplice.federation import tasks
     from fedsplice.federation.train import Step
 
@@ -88,14 +94,14 @@ def child(job: dict) -> None:
 
     torch.set_num_threads(job["threads"] or torch.get_num_threads())
     exps = {s: build(load_config(Path(job["config"]), FP32 + job["set"] + [f"runtime.unpad='{s}'"])) for s in SETTINGS}
-    out = {s: {} for s in SETTINGS}
+    per: dict[str, dict[str, float]] = {s: {} for s in SETTINGS}
     for s, exp in exps.items():
-        records = []
+        records: list[dict] = []
         with tempfile.TemporaryDirectory() as tmp:
             run_rounds(exp, make_store("memory", Path(tmp) / "store"), records.append)
-        out[s].update(gm=records[-1]["gm"]["accuracy"], pm=records[-1]["pm"]["accuracy"])
-    step = {s: [] for s in SETTINGS}
-    pred = {s: [] for s in SETTINGS}
+        per[s].update(gm=records[-1]["gm"]["accuracy"], pm=records[-1]["pm"]["accuracy"])
+    step: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    pred: dict[str, list[float]] = {s: [] for s in SETTINGS}
     for rep in range(job["reps"] + 1):  # rep 0: warm-up
         for s in (SETTINGS if rep % 2 == 0 else SETTINGS[::-1]):
             exp = exps[s]
@@ -107,14 +113,14 @@ def child(job: dict) -> None:
                 step[s].append(dt)
                 pred[s].append((time.perf_counter() - t0) / max(len(texts), 1) * 100)
     for s in SETTINGS:
-        out[s].update(step_s=statistics.median(step[s]), predict_s_per_100=statistics.median(pred[s]))
-    out["rows_per_token"] = rows_per_token(exps["on"])
-    out["sweep"] = {}
+        per[s].update(step_s=statistics.median(step[s]), predict_s_per_100=statistics.median(pred[s]))
+    padding = rows_per_token(exps["on"])
+    sweep: dict[int, float] = {}
     for ov in job.get("sweep", []):  # the call cost that cuts a batch: the constant's measurement
         taskmodel.CPU_OVERHEAD = ov
         exps["on"].model.train()
-        out["sweep"][ov] = statistics.median(step_time(exps["on"], job["steps"]) for _ in range(job["reps"] + 1))
-    out["threads"] = torch.get_num_threads()
+        sweep[ov] = statistics.median(step_time(exps["on"], job["steps"]) for _ in range(job["reps"] + 1))
+    out = {**per, "rows_per_token": padding, "sweep": sweep, "threads": torch.get_num_threads()}
     print(json.dumps(out))
 
 

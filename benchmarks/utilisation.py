@@ -94,15 +94,18 @@ def child(job: dict) -> None:
     from fedsplice.federation.validate import load_config
 
     torch.set_num_threads(job["threads"] or torch.get_num_threads())
-    out = {"peak": {p: peak(d) for p, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))}, "rows": []}
+    peaks = {p: peak(d) for p, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    rows: list[dict] = []
     for prec, unpad in SETTINGS:
         exp = build(load_config(Path(job["config"]), job["set"] + [f"runtime.precision='{prec}'",
                                                                    f"runtime.unpad='{unpad}'"]))
         count = Counter(exp.model.tokenizer)
         n, nt, d, layers = shape(exp.model)
         cid, init = exp.train_ids[0], dict(exp.init_params)
-        cc = dataclasses.replace(exp.cfg.client, max_steps=job["steps"], local_epochs=max(exp.cfg.client.local_epochs, 1))
-        train_s, texts = [], exp.data.test_texts[:exp.data.global_test_size]
+        cc = dataclasses.replace(exp.cfg.client, max_steps=job["steps"],
+                                 local_epochs=max(exp.cfg.client.local_epochs, 1))
+        train_s: list[float] = []
+        texts = exp.data.test_texts[:exp.data.global_test_size]
         for rep in range(job["reps"] + 1):  # rep 0: warm-up
             exp.model.load_params(init)
             count.reset()
@@ -112,14 +115,15 @@ def child(job: dict) -> None:
             if rep:
                 train_s.append(time.perf_counter() - t0)
         train = {"real": count.real, "rows": count.rows,
-                 "flops": count.real * (4 * n + 2 * nt) + 3 * 4 * d * layers * count.sq, "s": statistics.median(train_s)}
+                 "flops": count.real * (4 * n + 2 * nt) + 3 * 4 * d * layers * count.sq,
+                 "s": statistics.median(train_s)}
         count.reset()
         t0 = time.perf_counter()
         exp.model.predict(texts, exp.cfg.eval.batch_size)
         ev = {"real": count.real, "rows": count.rows, "flops": count.real * 2 * n + 4 * d * layers * count.sq,
               "s": time.perf_counter() - t0}
-        out["rows"].append({"precision": prec, "unpad": unpad, "train": train, "eval": ev, "steps": st["steps"]})
-    out["threads"] = torch.get_num_threads()
+        rows.append({"precision": prec, "unpad": unpad, "train": train, "eval": ev, "steps": st["steps"]})
+    out = {"peak": peaks, "rows": rows, "threads": torch.get_num_threads()}
     print(json.dumps(out))
 
 
@@ -138,7 +142,8 @@ def main() -> None:
                     p = x[phase]
                     rate = p["flops"] / p["s"]
                     rows.append({"backbone": name + (" (tiny)" if args.quick else ""), "phase": phase,
-                                 "precision": x["precision"], "unpad": x["unpad"], "rows_per_token": p["rows"] / p["real"],
+                                 "precision": x["precision"], "unpad": x["unpad"],
+                                 "rows_per_token": p["rows"] / p["real"],
                                  "useful_gflops": rate / 1e9, "peak_gflops": r["peak"][x["precision"]] / 1e9,
                                  "utilisation": rate / r["peak"][x["precision"]], "seconds": p["s"],
                                  "threads": r["threads"]})

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Regenerates the measured tables of README.md (one seed, this machine's budget).
-#   bash scripts/readme_tables.sh minilm     (PFAdapter table)
-#   bash scripts/readme_tables.sh fortunes   (FedPuReL long-tail table; one torch thread per run)
+# Regenerates the measured tables of docs/methods.md (one seed, this machine's budget), its two
+# "Measured results" sections: each table is printed (and kept under runs/) to be pasted there.
+#   bash scripts/readme_tables.sh minilm     (PFAdapter table: "Measured results (MiniLM, fortunes, ...)")
+#   bash scripts/readme_tables.sh fortunes   (FedPuReL long-tail table: "Measured results (MiniLM, long-tailed
+#                                             fortunes, ...)"; one torch thread per run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FS=.venv/bin/fedsplice

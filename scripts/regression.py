@@ -36,13 +36,14 @@ import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 DEFAULT = "default"  # stem of the embedded default config (no CONFIG argument)
 # What the overrides depend on, of the embedded default (src/fedsplice/defaults/default.toml;
-# not read from there, as the package layout may change under the set).
-DEFAULT_TABLE = {"algorithm": "pfadapter", "model": {"name": "zoo:minilm"}}
+# not read from there, as the package layout may change under the set); typed as a parsed TOML table.
+DEFAULT_TABLE: dict[str, Any] = {"algorithm": "pfadapter", "model": {"name": "zoo:minilm"}}
 FILES = ("metrics.jsonl", "results.json")
 
 # Valid for every shipped config: 2 rounds of 2 clients, 2 local steps, at most 8 training
@@ -112,7 +113,7 @@ def overrides(stem: str) -> list[str]:
     chosen = dict(OVERRIDES)
     if table.get("model", {}).get("name") == "zoo:smollm2":
         chosen.update(SMOLLM2_OVERRIDES)
-    chosen.update(METHOD_OVERRIDES.get(table.get("algorithm"), {}))
+    chosen.update(METHOD_OVERRIDES.get(table.get("algorithm", ""), {}))
     return [f"{k}={v}" for k, v in chosen.items()]
 
 
@@ -225,7 +226,8 @@ def _docs(path: Path) -> list:
     return [json.loads(s) for s in text.splitlines()] if path.suffix == ".jsonl" else [json.loads(text)]
 
 
-def first_difference(golden: Path, fresh: Path, tol: float = FLOAT_TOL, left_out: frozenset = frozenset()) -> str | None:
+def first_difference(golden: Path, fresh: Path, tol: float = FLOAT_TOL,
+                     left_out: frozenset = frozenset()) -> str | None:
     """None when both folders hold the same FILES (floats within `tol`, the values under
     `left_out` keys not compared); else where they first differ."""
     for name in FILES:
@@ -243,7 +245,8 @@ def first_difference(golden: Path, fresh: Path, tol: float = FLOAT_TOL, left_out
             b = fd[i] if i < len(fd) else "<end of file>"
             if not _close(a, b, tol):
                 where = f" line {i + 1}" if name.endswith(".jsonl") else ""
-                show = (f":\n  golden: {json.dumps(a, sort_keys=True)[:1500]}\n  now:    {json.dumps(b, sort_keys=True)[:1500]}"
+                show = (f":\n  golden: {json.dumps(a, sort_keys=True)[:1500]}"
+                        f"\n  now:    {json.dumps(b, sort_keys=True)[:1500]}"
                         if name.endswith(".jsonl") else "")
                 return f"{name}{where}{_first_field(a, b, tol) or ': differs'}{show}"
     return None
@@ -382,7 +385,8 @@ def main(argv=None) -> int:
     c = sub.add_parser("check", help="run every config and compare with a recorded set")
     c.add_argument("--golden", required=True)
     c.add_argument("--only", action="append", metavar="STEM", help="just this config (repeatable)")
-    c.add_argument("--isa", action="append", choices=list(ISAS), help="kernels to check under (repeatable; default all)")
+    c.add_argument("--isa", action="append", choices=list(ISAS),
+                   help="kernels to check under (repeatable; default all)")
     c.set_defaults(fn=cmd_check)
     d = sub.add_parser("spread", help="the largest float difference between two recorded sets, per config")
     d.add_argument("a")

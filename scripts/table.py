@@ -15,18 +15,21 @@ def fmt(v) -> str:
 
 
 def longtail(dirs: list[str]) -> None:
-    print("| method | GM all | GM many | GM med | GM few | GM β(0.1) | GM head bias | PM all | PM many | PM med | PM few | PM β(0.1) | up kB/round |")
+    print("| method | GM all | GM many | GM med | GM few | GM β(0.1) | GM head bias "
+          "| PM all | PM many | PM med | PM few | PM β(0.1) | up kB/round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d in dirs:
         r = json.loads((Path(d) / "results.json").read_text())
         gm, pm = r["gm"], r["pm"]
         cells = [fmt(gm[k]) for k in ("accuracy", "many", "medium", "few", "balancedness_0.1", "head_bias")]
         cells += [fmt(pm[k]) for k in ("accuracy", "many", "medium", "few", "balancedness_0.1")]
-        print(f"| {r['algorithm']} | " + " | ".join(cells) + f" | {r['communication']['up_bytes_per_round'] / 1e3:.1f} |")
+        up = r["communication"]["up_bytes_per_round"]
+        print(f"| {r['algorithm']} | " + " | ".join(cells) + f" | {up / 1e3:.1f} |")
 
 
 def main(dirs: list[str]) -> None:
-    print("| method | GM acc | GM F1 | PM acc (mean ± std) | PM min | PM F1 | cold start 0→5 ep | up kB/round | vs FedAvg-LoRA |")
+    print("| method | GM acc | GM F1 | PM acc (mean ± std) | PM min | PM F1 | cold start 0→5 ep | up kB/round "
+          "| vs FedAvg-LoRA |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
     ref = next((r["communication"]["up_bytes"] for r in rows if r["algorithm"] == "fedavg-lora"), None)

@@ -6,31 +6,34 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-QWEN2_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                  intermediate_size=8960, initializer_range=0.02, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, max_position_embeddings=4096)
+# a shape: keyword arguments of a transformers config (ints, floats, flags, nested towers)
+Shape = dict[str, Any]
+QWEN2_1_5B: Shape = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, initializer_range=0.02, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, max_position_embeddings=4096)
 QWEN2_VOCAB = 151_936  # the real vocabulary: the LM head is a fifth of the 1.5B model's FLOPs per kept position
-QWEN2_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                intermediate_size=18944, initializer_range=0.02, rms_norm_eps=1e-6, vocab_size=152_064,
-                tie_word_embeddings=False, max_position_embeddings=4096)
+QWEN2_7B: Shape = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, initializer_range=0.02, rms_norm_eps=1e-6, vocab_size=152_064,
+                       tie_word_embeddings=False, max_position_embeddings=4096)
 # google/siglip-so400m-patch14-384's shape as a CLIP vision tower (729 patches + a CLS token)
-SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-              image_size=384, patch_size=14)
-VIT_B16 = dict(vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                           image_size=224, patch_size=16),
-               text=dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8),
-               projection_dim=512)
-SMALL_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=128, initializer_range=0.02)
-SMALL_VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    image_size=32, patch_size=8)
-SMALL_CLIP = dict(vision=SMALL_VISION, text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                 num_attention_heads=4), projection_dim=16)
+SO400M: Shape = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                     image_size=384, patch_size=14)
+VIT_B16: Shape = dict(vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                                  image_size=224, patch_size=16),
+                      text=dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8),
+                      projection_dim=512)
+SMALL_LLAMA: Shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=128, initializer_range=0.02)
+SMALL_VISION: Shape = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8)
+SMALL_CLIP: Shape = dict(vision=SMALL_VISION, text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=4), projection_dim=16)
 TOPICS = {"sports": "game play ball run team fast win", "science": "study earth plant moon system test learn",
           "music": "song sing listen music sound note play", "food": "eat food water fish farm fire hot"}
 LONG_LABELS = {"sports": "ball game", "science": "earth study", "music": "song note", "food": "fish food"}
@@ -112,6 +115,15 @@ def vision_tower(work: Path, name: str, shape: dict, device: str) -> Path:
     tiny_image_processor(shape["image_size"]).save_pretrained(out)
     del model
     return out
+
+
+class Budget(TypedDict):
+    """The budget keywords of lm_config and clip_config, as one stage passes them to several runs."""
+
+    rounds: int
+    steps: int
+    batch: int
+    small: bool
 
 
 def budget(rounds: int, steps: int, batch: int, small: bool, clients: int = 2) -> dict:

@@ -33,7 +33,7 @@ class Meter:
     _t0: float | None = None
     _n: int = 0
     _first: int | None = None
-    _range: object = None
+    _range: torch.autograd.profiler.record_function | None = None
     _handles: list = field(default_factory=list)
 
     def _sync(self) -> None:
@@ -56,7 +56,8 @@ class Meter:
 
     def _post(self, *_) -> None:
         if self._t0 is not None:
-            self._range.__exit__(None, None, None)
+            if self._range is not None:  # always, with _t0: both are set in _pre
+                self._range.__exit__(None, None, None)
             self._sync()
             self.steps.append((time.perf_counter() - self._t0, self._n))
         self._t0, self._n, self._range = None, 0, None

@@ -51,8 +51,8 @@ def throughput(ctx: Ctx) -> list[Row]:
     shape, p = ctx.llama_shape(vocab=True), ctx.precision
     rows = []
     for i, (batch, length) in enumerate(SMALL_SWEEP if ctx.small else SWEEP):
-        data = ctx.once(f"len{length}", lambda n=length: fx.write_text_data(
-            ctx.work / "data", 3 * batch if ctx.small else 128, words=(n, n + 8), name=f"len{n}.csv"))
+        data = ctx.once(f"len{length}", lambda n=length, b=batch: fx.write_text_data(
+            ctx.work / "data", 3 * b if ctx.small else 128, words=(n, n + 8), name=f"len{n}.csv"))
         cfg = fx.lm_config(ctx.llama(vocab=True), data, ctx.device, p, p, rounds=1, steps=3 if ctx.small else 6,
                            batch=batch, small=ctx.small, max_length=length, **{"server.clients_per_round": 1})
         res, s, syncs = timed(cfg, ctx.work / f"sweep-{batch}x{length}", shape["hidden_size"], profile=i == 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -88,7 +89,7 @@ def precision(ctx: Ctx) -> list[Row]:
     ViT-B/16 under FedPuReL, 2 rounds: finite losses, tokens/s and utilisation), then fp16 on the
     Llama, whose gradient scaler must let optimizer steps through."""
     p, shape = ctx.precision, ctx.llama_shape()
-    kw = dict(rounds=2, steps=ctx.steps, batch=ctx.batch, small=ctx.small)
+    kw: fx.Budget = {"rounds": 2, "steps": ctx.steps, "batch": ctx.batch, "small": ctx.small}
     clip_shape = fx.SMALL_CLIP if ctx.small else fx.VIT_B16
     clip = ctx.once("clip", lambda: fx.clip(ctx.work / "models", "clip", clip_shape, ctx.device))
     size = clip_shape["vision"]["image_size"]
@@ -96,7 +97,8 @@ def precision(ctx: Ctx) -> list[Row]:
                        shape["hidden_size"], True, shape),
             finite_row(ctx, "CLIP", fx.clip_config(clip, ctx.images(size), ctx.device, p, p, **kw),
                        clip_shape["vision"]["hidden_size"], False, None)]
-    cfg = fx.lm_config(ctx.llama(), ctx.text(), ctx.device, "fp16", "fp16", **{**kw, "rounds": 1})
+    one_round: fx.Budget = {**kw, "rounds": 1}
+    cfg = fx.lm_config(ctx.llama(), ctx.text(), ctx.device, "fp16", "fp16", **one_round)
     res, s, _ = timed(cfg, ctx.work / "fp16", shape["hidden_size"])
     want = cfg.server.clients_per_round * cfg.client.max_steps
     ok = s["steps"] * 2 >= want and all(math.isfinite(v) for v in losses(res))
@@ -135,20 +137,22 @@ def quant(ctx: Ctx) -> list[Row]:
         return [skipped("quant", f"{q} base", ctx.device, "bitsandbytes is not installed") for q in ("nf4", "int8")]
     from fedsplice.federation.experiment import build
 
-    kw = dict(rounds=1, steps=2, batch=8, small=ctx.small)
+    kw: fx.Budget = {"rounds": 1, "steps": 2, "batch": 8, "small": ctx.small}
     plain = build(fx.lm_config(ctx.llama(), ctx.text(), ctx.device, "bf16", "bf16", **kw))
     names = set(plain.model.trainable())
     del plain
     return [quant_row(ctx, q, names, kw) for q in ("nf4", "int8")]
 
 
-def quant_row(ctx: Ctx, q: str, names: set, kw: dict) -> Row:
+def quant_row(ctx: Ctx, q: str, names: set, kw: fx.Budget) -> Row:
     from fedsplice.federation.experiment import build
     from fedsplice.federation.store import MemoryStore
     from fedsplice.runtimes.inprocess import run_rounds
 
-    cfg = fx.lm_config(ctx.llama(), ctx.text(), ctx.device, "bf16", "bf16", **kw, **{"model.quantization": q})
-    exp, recs = build(cfg), []
+    sets: dict[str, Any] = {"model.quantization": q}  # a dotted config key: one of lm_config's **extra
+    cfg = fx.lm_config(ctx.llama(), ctx.text(), ctx.device, "bf16", "bf16", **kw, **sets)
+    exp = build(cfg)
+    recs: list[dict] = []
     before = {n: t.detach().cpu().clone() for n, t in exp.init_params.items()}
     run_rounds(exp, MemoryStore(), recs.append)
     after = {n: t.detach().cpu().clone() for n, t in exp.model.trainable().items()}
@@ -175,7 +179,7 @@ def workers(ctx: Ctx) -> list[Row]:
     from fedsplice.data.tiny import tiny_llama
 
     model = ctx.once("tiny Llama", lambda: tiny_llama(ctx.work / "models" / "tiny-llama"))
-    kw = dict(rounds=2, steps=2, batch=8, small=True)
+    kw: fx.Budget = {"rounds": 2, "steps": 2, "batch": 8, "small": True}
     one, _, _ = timed(fx.lm_config(model, ctx.text(), ctx.device, "fp32", "fp32", **kw), ctx.work / "w1", 32)
     two, s, _ = timed(fx.lm_config(model, ctx.text(), ctx.device, "fp32", "fp32", **kw,
                                    **{"runtime.workers": 2}), ctx.work / "w2", 32)
