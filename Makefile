@@ -37,12 +37,8 @@ test-gpu: $(VENV)/.installed
 	FEDSPLICE_TEST_GPU=1 $(PY) -m pytest -q -m gpu
 
 # Quick versions of the benchmarks (tables in benchmarks/results/*-quick.*); the full ones are
-# `python benchmarks/<name>.py` without --quick. Ray (Flower's simulation engine) comes with .[bench].
-$(VENV)/.bench: $(VENV)/.installed
-	$(VENV)/bin/pip install -q torch==2.13.0 -e '.[test,bench]'
-	touch $@
-
-bench: $(VENV)/.bench
+# `python benchmarks/<name>.py` without --quick. Ray (Flower's simulation engine) comes with the test extras.
+bench: $(VENV)/.installed
 	for b in overheads comm scale round_time clip_prefix precision bf16_width unpad utilisation profile_run candidates purify_ties isa_kernels startup privacy secagg table_iv; do $(PY) benchmarks/$$b.py --quick || exit 1; done
 
 # The papers' tables on the offline zoo (configs/results/suite.toml and its seeds; SEEDS=N forces

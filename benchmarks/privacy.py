@@ -30,14 +30,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run: tiny random models, 2 short rounds, z in {0, 1}")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per run (default 10, quick 2)")
-    parser_noise = ",".join(map(str, NOISE))
-    ap.add_argument("--noise", default=parser_noise, help="noise multipliers z, 0 = no DP (comma list)")
+    ap.add_argument("--noise", default="", help="noise multipliers z, 0 = no DP (comma list; default 0,0.01,0.1,1 "
+                    "and quick 0,1)")
     ap.add_argument("--dpsgd", action="store_true", help="DP-SGD in each client instead of client-level DP")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 10)
     common = [f"server.rounds={rounds}", f"eval.every={rounds}", "eval.cold_start_epochs=0", "data.holdout_clients=0"]
-    if args.quick and args.noise == parser_noise:
-        args.noise = "0,1.0"
+    args.noise = args.noise or ("0,1.0" if args.quick else ",".join(map(str, NOISE)))
     rows = []
     for method, cfg in METHODS.items():
         for z in [float(x) for x in args.noise.split(",")]:

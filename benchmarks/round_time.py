@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
