@@ -53,9 +53,26 @@ def test_one_seed_and_constant_differences():
     one = S.paired_t([0.3])
     assert math.isnan(one.p) and math.isnan(one.lo) and S.decide(one.p, 1) == "inconclusive"
     assert "no interval from one seed" in S.describe(one)
-    const = S.paired_t([0.5, 0.5, 0.5])  # bytes: no spread, a sure difference
+    const = S.paired_t([0.5, 0.5, 0.5], deterministic=True)  # bytes: no spread, a sure difference
     assert (const.p, const.lo, const.hi) == (0.0, 0.5, 0.5)
     assert S.paired_t([0.0, 0.0]).p == 1.0  # identical runs
+    assert S.paired_t([0.0, 0.0], deterministic=True).p == 1.0
+
+
+def test_a_constant_accuracy_difference_is_never_p_zero():
+    """Accuracy differences are multiples of 1/380: three seeds can each differ by one test item.
+    That is no sure difference: the exact sign-flip test gives 2 of the 2^n sign patterns."""
+    d = [1 / 380] * 3
+    tt = S.paired_t(d)
+    assert tt.exact and tt.p == 0.25 and math.isnan(tt.lo) and math.isnan(tt.hi)
+    assert S.decide(tt.p, 1) == "inconclusive"
+    assert S.paired_t([-1 / 380] * 6).p == pytest.approx(1 / 32)  # 6 seeds: 2/64
+    assert S.paired_t([1 / 380] * 7).p == pytest.approx(1 / 64)
+    assert "exact sign-flip p = 0.25, 3 seeds" in S.describe(tt)
+    # TOST with no spread: each one-sided sign-flip test has p = 1/2^n
+    assert S.equivalence([0.01] * 3, 0.05) == 0.125 and S.equivalence([0.1] * 3, 0.05) == 1.0
+    # over per-client tables the seed means are what must tie
+    assert S.paired_t([[0.1, 0.3], [0.2, 0.2], [0.0, 0.4]]).p == 0.25
 
 
 def test_equivalence_against_the_closed_form():
@@ -64,7 +81,8 @@ def test_equivalence_against_the_closed_form():
     assert S.equivalence([1.0, 2.0, 3.0], 5.0) == pytest.approx(p_df2(3 / se) / 2, rel=1e-9)
     assert S.equivalence([1.0, 2.0, 3.0], 5.0) == pytest.approx(0.017549, abs=1e-6)
     assert S.equivalence([1.0, 2.0, 3.0], 3.0) == pytest.approx(p_df2(1 / se) / 2, rel=1e-9)  # 0.1127: not shown
-    assert S.equivalence([0.01, 0.01], 0.05) == 0.0 and S.equivalence([0.1, 0.1], 0.05) == 1.0
+    assert S.equivalence([0.01, 0.01], 0.05, deterministic=True) == 0.0
+    assert S.equivalence([0.1, 0.1], 0.05, deterministic=True) == 1.0
     with pytest.raises(ValueError, match="margin must be > 0"):
         S.equivalence([0.1, 0.2], 0.0)
 

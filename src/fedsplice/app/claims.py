@@ -1,11 +1,20 @@
 """A results page's claims, judged on the measured runs (`fedsplice.app.results` builds the page).
 
-Each claim is first *gated*: it is tested only when the budget let the compared rows learn.
-A trained baseline must move off its start (round 0) by more than its seed spread, and the
-compared rows must differ. Otherwise the verdict is "not tested: no training signal", with the
-numbers that show it: never held / did not hold / inconclusive. The claims that pass the gate
-form the page's family. Each gives one p-value and the side its difference lies on, and
-`decide_all` decides them together with Holm's correction (`fedsplice.app.stats`).
+Every claim with a metric is tested: no rule on the same runs decides whether it may be (a gate
+that tested only claims whose rows "moved" made a nominal 0.05 test reject 5.4-7.7% of the time
+under no difference, and removed FedPuReL's claimed effect, a baseline's GM falling below
+zero-shot). What the rows did is printed beside the test as information: each compared row's
+paired change from round 0 (mean and t), whether it learned (`learned`), and whether it
+diverged (`fedsplice.app.curves.diverged`: training loss ending above its start, or a fall on
+every seed after a rise). A statistical verdict over such a row says so (`label`) and does not
+count among the page's decisive verdicts (`decisive`).
+
+The claims are pre-registered in the suite in two families, the papers' headline claims
+("primary") and the rest ("secondary"), each decided by Holm's correction at its own α
+(`decide_all`; the page's α is their sum). A claim whose paper gives an effect size also carries
+an equivalence margin, half that effect: TOST at that margin makes "smaller than the paper's
+effect" a reachable verdict. tests/test_claims.py simulates the whole procedure under no
+difference and checks the family-wise rate of false verdicts.
 
 - greater: a beats b on a metric (paired by seed; PM accuracy by client within a seed, the
   seed as the cluster): the two-sided paired t-test.
@@ -29,13 +38,15 @@ import math
 import numpy as np
 
 from fedsplice.app import compare as C
+from fedsplice.app import curves as H
 from fedsplice.app import stats as S
 
 ALPHA = 0.05
 PARAMS = ("trainable params", "shared params")  # from results.json's params: GLOBAL + PRIVATE, GLOBAL
-NO_SIGNAL = "not tested: no training signal"
 UNTESTABLE = "could not be tested"
 BENCHMARK = "measured by a benchmark"
+SMALLER = "smaller than the paper's effect"
+STATISTICAL = ("held", "did not hold", "inconclusive", SMALLER, f"held, {SMALLER}")
 
 
 @dataclasses.dataclass
@@ -45,6 +56,14 @@ class Verdict:
     p: float = math.nan
     sign: int = 1  # +1: the difference lies on the claimed side
     adjusted: float = math.nan  # the Holm-adjusted p (set by `decide_all`; NaN outside the family)
+    family: str = "secondary"  # pre-registered in the suite: "primary" (the papers' headlines) or "secondary"
+    p_eq: float = math.nan  # TOST at `margin`, half the paper's effect (NaN: the claim has none)
+    margin: float = math.nan
+    adjusted_eq: float = math.nan
+    alpha: float = math.nan  # the family's α it was decided at
+    deterministic: bool = False  # bytes and parameter counts: no seed-to-seed noise
+    learned: bool = True  # every compared trained row moved off round 0 (`learned`)
+    diverged: list[str] = dataclasses.field(default_factory=list)  # compared rows that diverged, with why
 
 
 # ----------------------------------------------------------------------------- values
@@ -94,71 +113,53 @@ def paired(results: dict[str, list[dict]], a: str, b: str, metric: str) -> np.nd
     return per_seed(results, a, metric) - per_seed(results, b, metric)
 
 
-# ----------------------------------------------------------------------------- the gate
+# ----------------------------------------------------------------------------- the rows, as information
 
 
-def _change(results: dict[str, list[dict]], name: str, metric: str) -> tuple[float, float, float, float] | None:
-    """Trained row `name`'s mean start, mean end, mean change from round 0 and seed spread (the
-    std of its end values) on `metric`; None when it is not trained or the metric has no start."""
+def change(results: dict[str, list[dict]], name: str, metric: str) -> S.Test | None:
+    """Trained row `name`'s paired change from round 0 on `metric` (end − start, per seed; the
+    test's t is mean / se); None when it is not trained or the metric has no start."""
     runs = results[name]
     if not runs or not all(r.get("rounds", 0) > 0 for r in runs):
         return None  # zero-shot and the references: nothing to learn
-    end, start = per_seed(results, name, metric), per_seed(results, name, metric, "start")
-    ok = ~(np.isnan(end) | np.isnan(start))
-    if not ok.any():
-        return None
-    spread = float(np.std(end[ok], ddof=1)) if ok.sum() > 1 else 0.0
-    return float(np.mean(start[ok])), float(np.mean(end[ok])), float(np.mean(end[ok] - start[ok])), spread
+    d = per_seed(results, name, metric) - per_seed(results, name, metric, "start")
+    return None if np.isnan(d).all() else S.paired_t(d)
 
 
-def fell(results: dict[str, list[dict]], name: str, metric: str) -> str | None:
-    """A note when tested baseline `name` ended below where it started by more than its seed spread
-    (a diverged or over-fitted baseline: the reader should know what a win over it is worth)."""
-    if (c := _change(results, name, metric)) is None:
-        return None
-    start, end, change, spread = c
-    if not change < -spread:
-        return None
-    return f"{name} ended below its round-0 {metric} ({start:.4f} → {end:.4f}, more than its seed spread {spread:.4f})"
+def _t_of(tt: S.Test) -> str:
+    return "no spread" if tt.exact else "1 seed" if math.isnan(tt.p) else f"t {tt.t:+.1f}"
 
 
-def moved(results: dict[str, list[dict]], name: str, metric: str) -> str | None:
-    """Why trained row `name` shows no training signal on `metric` (None: it moved, or it is not
-    trained, or the metric has no start): its mean change from round 0 is within its seed spread."""
-    if (c := _change(results, name, metric)) is None:
-        return None
-    start, end, change, spread = c
-    if abs(change) > spread and change != 0.0:
-        return None
-    norms = [r["movement"]["global"] for r in results[name] if (r.get("movement") or {}).get("global") is not None]
-    tensors = f", ‖Δ GLOBAL‖ {np.mean(norms):.3g}" if norms else ""
-    return (f"{name} {metric} {end:.4f} against {start:.4f} at round 0: "
-            f"change {change:+.4f} within its seed spread {spread:.4f}{tensors}")
+def learned(results: dict[str, list[dict]], name: str) -> bool:
+    """Whether a row trained measurably: its GM or PM accuracy moved off round 0 (a two-sided
+    paired test at 0.05, unadjusted, in either direction). Untrained references count as learned
+    (nothing to learn); this labels the page's counts, it never blocks a verdict."""
+    tests = [t for m in ("GM acc", "PM acc") if (t := change(results, name, m)) is not None]
+    return not tests or any(not math.isnan(t.p) and t.p < ALPHA for t in tests)
 
 
-def _identical(results, a: str, b: str, metric: str) -> str | None:
-    x, y = per_seed(results, a, metric), per_seed(results, b, metric)
-    if x.shape == y.shape and not np.isnan(x).all() and np.array_equal(x, y, equal_nan=True):
-        return f"{a} and {b} are identical in {metric} on every seed"
-    return None
+def rows_line(results: dict[str, list[dict]], rows: list[str], metric: str) -> str:
+    """Each compared row's change from round 0 on the claim's metric: mean (its t), as information."""
+    parts = []
+    for n in rows:
+        if (tt := change(results, n, metric)) is not None:
+            parts.append(f"{n} {tt.mean:+.4f} ({_t_of(tt)}{'' if learned(results, n) else ', did not learn'})")
+    return f"change from round 0: {', '.join(parts)}" if parts else ""
 
 
-def gate(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> str | None:
-    """Why a claim is not tested (None: it is): a trained baseline that did not move, or compared
-    rows that are identical."""
-    kind, metric = claim["kind"], claim.get("metric", "")
+def compared(claim: dict, rows: list[str]) -> tuple[list[str], list[str]]:
+    """(every row a claim compares, its baselines: the rows a win is claimed over)."""
+    kind = claim["kind"]
     if kind == "greater":
-        pairs, bases = [(claim["a"], claim["b"])], [claim["b"]]
-    elif kind in ("best", "lowest"):
-        bases = [n for n in rows if n != claim["a"]]
-        pairs = [(claim["a"], n) for n in bases]
-    elif kind == "gap_greater":
-        pairs, bases = [(claim["a1"], claim["b1"]), (claim["a2"], claim["b2"])], [claim["b1"], claim["b2"]]
-    else:
-        return None
-    why = [w for a, b in pairs if (w := _identical(results, a, b, metric))]
-    why += [w for n in dict.fromkeys(bases) if (w := moved(results, n, metric))]
-    return "; ".join(why) or None
+        return [claim["a"], claim["b"]], [claim["b"]]
+    if kind in ("best", "lowest"):
+        return [claim["a"], *(n for n in rows if n != claim["a"])], [n for n in rows if n != claim["a"]]
+    if kind == "gap_greater":
+        both = list(dict.fromkeys([claim["a1"], claim["b1"], claim["a2"], claim["b2"]]))
+        return both, list(dict.fromkeys([claim["b1"], claim["b2"]]))
+    if kind == "balanced":
+        return [claim["a"]], []
+    return [], []
 
 
 # ----------------------------------------------------------------------------- one claim
@@ -168,27 +169,47 @@ def _few(metric: str) -> str:
     return f"{metric}: too few test samples to report (eval.min_group_samples)"
 
 
-def assess(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> Verdict:
-    """The claim's verdict where it needs no test, else its p-value and side (see module doc)."""
+def deterministic(metric: str) -> bool:
+    """Bytes and parameter counts do not vary with the seed; every other metric does."""
+    return metric.startswith(("up ", "down ")) or metric in PARAMS
+
+
+def assess(claim: dict, results: dict[str, list[dict]], rows: list[str],
+           histories: dict[str, list[H.History]] | None = None) -> Verdict:
+    """The claim's verdict where it needs no test, else its p-values and side (see module doc).
+    `histories`: each row's per-seed curves (`fedsplice.app.curves`), to name a row that diverged."""
     kind, metric = claim["kind"], claim.get("metric", "")
+    family = claim.get("family", "secondary")
     if kind == "untestable":
-        return Verdict(UNTESTABLE, claim.get("reason", ""))
+        return Verdict(UNTESTABLE, claim.get("reason", ""), family=family)
     if kind == "benchmark":
-        return Verdict(BENCHMARK, f"{claim['measured']} ({claim['source']})")
+        return Verdict(BENCHMARK, f"{claim['measured']} ({claim['source']})", family=family)
     if kind == "ratio":
         q = float(np.mean(per_seed(results, claim["a"], metric)) / np.mean(per_seed(results, claim["b"], metric)))
         ok = claim["low"] <= q <= claim["high"]
         return Verdict("held" if ok else "did not hold",
-                       f"{metric}: ratio {q:.3f} (claimed {claim['low']}–{claim['high']})")
-    if (why := gate(claim, results, rows)) is not None:
-        return Verdict(NO_SIGNAL, why)
+                       f"{metric}: ratio {q:.3f} (claimed {claim['low']}–{claim['high']})", family=family,
+                       deterministic=True)
+    every, _ = compared(claim, rows)
+    v = _test(claim, results, rows, metric, deterministic(metric))
+    v.family, v.deterministic = family, deterministic(metric)
+    v.learned = all(learned(results, n) for n in every)
+    v.diverged = [f"{n} ({why})" for n in every
+                  if histories and histories.get(n) and (why := H.diverged(histories[n], metric))]
+    v.evidence = "; ".join(x for x in (v.evidence, rows_line(results, every, metric),
+                                       *(f"diverged: {d}" for d in v.diverged)) if x)
+    return v
+
+
+def _test(claim: dict, results, rows: list[str], metric: str, det: bool) -> Verdict:
+    kind = claim["kind"]
     if kind in ("best", "lowest"):
-        return _best(claim, results, rows, metric, 1 if kind == "best" else -1)
+        return _best(claim, results, rows, metric, 1 if kind == "best" else -1, det)
     if kind == "balanced":
         d = per_seed(results, claim["a"], metric) - per_seed(results, claim["a"], claim["metric_b"])
         if np.isnan(d).all():
             return Verdict(UNTESTABLE, _few(metric))
-        tt, p_eq = S.paired_t(d), S.equivalence(d, claim["margin"])
+        tt, p_eq = S.paired_t(d, deterministic=det), S.equivalence(d, claim["margin"], det)
         ev = (f"{metric} − {claim['metric_b']} of {claim['a']}: {S.describe(tt)}; "
               f"equivalence within ±{claim['margin']:g} (TOST) p = {p_eq:.3g}")
         if math.isnan(tt.p):
@@ -206,15 +227,18 @@ def assess(claim: dict, results: dict[str, list[dict]], rows: list[str]) -> Verd
         if np.isnan(g1 - g2).all():
             return Verdict(UNTESTABLE, _few(metric))
         d, head = g1 - g2, f"{metric}: gap {np.nanmean(g1):+.4f} vs {np.nanmean(g2):+.4f}; difference of gaps "
-    tt = S.paired_t(d)
-    bases = [claim["b"]] if kind == "greater" else list(dict.fromkeys([claim["b1"], claim["b2"]]))
-    ev = "; ".join([head + S.describe(tt), *(f for b in bases if (f := fell(results, b, metric)))])
+    tt = S.paired_t(d, deterministic=det)
+    ev = head + S.describe(tt)
     if math.isnan(tt.p):
         return Verdict("inconclusive", ev)
-    return Verdict(None, ev, tt.p, 1 if tt.mean > 0 else -1)
+    v = Verdict(None, ev, tt.p, 1 if tt.mean > 0 else -1)
+    if (m := claim.get("equivalence")) is not None:  # the paper's effect, halved: "smaller than the paper's"
+        v.margin, v.p_eq = float(m), S.equivalence(d, float(m), det)
+        v.evidence += f"; within ±{v.margin:g} (half the paper's effect, TOST) p = {v.p_eq:.3g}"
+    return v
 
 
-def _best(claim: dict, results, rows: list[str], metric: str, sign: int) -> Verdict:
+def _best(claim: dict, results, rows: list[str], metric: str, sign: int, det: bool) -> Verdict:
     a = claim["a"]
     others = [n for n in rows if n != a]
     tests = {}
@@ -222,7 +246,7 @@ def _best(claim: dict, results, rows: list[str], metric: str, sign: int) -> Verd
         d = paired(results, a, n, metric)
         if np.isnan(d).all():
             return Verdict(UNTESTABLE, _few(metric))
-        tests[n] = S.paired_t(sign * d)
+        tests[n] = S.paired_t(sign * d, deterministic=det)
     means = {n: float(np.nanmean(per_seed(results, n, metric))) for n in rows}
     runner = max(others, key=lambda n: sign * means[n])
     ev = (f"{metric}: {a} {means[a]:.4f}, {'best' if sign > 0 else 'lowest'} other {means[runner]:.4f} ({runner}); "
@@ -230,36 +254,75 @@ def _best(claim: dict, results, rows: list[str], metric: str, sign: int) -> Verd
     if any(math.isnan(t.p) for t in tests.values()):
         return Verdict("inconclusive", ev)
     ahead = [n for n, t in tests.items() if t.mean <= 0]
-    if not ahead:  # every row behind a: held when all are significantly behind
-        return Verdict(None, ev, max(t.p for t in tests.values()), 1)
-    p = min(1.0, len(ahead) * min(tests[n].p for n in ahead))
-    return Verdict(None, ev + f"; {'ahead of' if sign > 0 else 'below'} it: {', '.join(ahead)}", p, -1)
+    if not ahead:  # every row behind a: held when all are significantly behind (intersection-union)
+        worst = max(tests, key=lambda n: tests[n].p)
+        return Verdict(None, ev + f"; decided at the largest pairwise p = {tests[worst].p:.3g} (vs {worst})",
+                       tests[worst].p, 1)
+    near = min(ahead, key=lambda n: tests[n].p)
+    p = min(1.0, len(ahead) * tests[near].p)
+    return Verdict(None, ev + f"; {'ahead of' if sign > 0 else 'below'} it: {', '.join(ahead)}; decided at "
+                   f"{len(ahead)} × p = {tests[near].p:.3g} (vs {near}) = {p:.3g}", p, -1)
 
 
 # ----------------------------------------------------------------------------- the page
 
 
-def decide_all(verdicts: list[Verdict], alpha: float = ALPHA) -> list[Verdict]:
-    """Decide every tested claim together: Holm-adjusted p-values, then held (claimed side) / did
-    not hold (other side) / inconclusive. Claims already decided stay as they are."""
-    family = [v for v in verdicts if v.verdict is None]
-    for v, p in zip(family, S.holm([v.p for v in family])):
-        v.verdict, v.adjusted = S.decide(p, v.sign, alpha), float(p)
-        v.evidence += f"; Holm-adjusted p = {p:.3g}"
+def label(v: Verdict) -> str:
+    """The verdict as the page prints it: a statistical verdict names a compared row that diverged
+    or did not learn (the claim was still tested; its win is worth no more than that row)."""
+    if v.verdict not in STATISTICAL:
+        return str(v.verdict)
+    why = [w for w, bad in (("a compared row diverged", v.diverged), ("a compared row did not learn", not v.learned))
+           if bad]
+    return f"{v.verdict} ({'; '.join(why)})" if why else str(v.verdict)
+
+
+def decisive(v: Verdict) -> bool:
+    """A statistical verdict other than inconclusive, on rows that all learned and none diverged."""
+    return (v.verdict in STATISTICAL and v.verdict != "inconclusive" and not v.deterministic
+            and not v.diverged and v.learned)
+
+
+def decide_all(verdicts: list[Verdict], alphas: dict[str, float] | None = None) -> list[Verdict]:
+    """Decide every tested claim together, family by family (`alphas`, e.g. {"primary": 0.04,
+    "secondary": 0.01}; None: one family at ALPHA): Holm over the family's difference and
+    equivalence tests, then held (claimed side) / did not hold (other side) / inconclusive, and
+    "smaller than the paper's" where the equivalence test at half the paper's effect is shown.
+    Claims already decided (bytes, untestable) stay as they are."""
+    alphas = alphas or {f: ALPHA for f in {v.family for v in verdicts}}
+    for fam, alpha in alphas.items():
+        family = [v for v in verdicts if v.verdict is None and v.family == fam]
+        ps = [v.p for v in family] + [v.p_eq for v in family]
+        adj = S.holm(ps) if ps else np.array([])
+        for v, p, p_eq in zip(family, adj[:len(family)], adj[len(family):]):
+            v.adjusted, v.adjusted_eq, v.alpha = float(p), float(p_eq), alpha
+            v.verdict = S.decide(p, v.sign, alpha)
+            if not math.isnan(p_eq) and p_eq < alpha and v.verdict != "did not hold":
+                v.verdict = SMALLER if v.verdict == "inconclusive" else f"held, {SMALLER}"
+            v.evidence += f"; Holm-adjusted p = {p:.3g}" + ("" if math.isnan(p_eq) else f", equivalence {p_eq:.3g}")
+            v.evidence += f" ({fam} family, α = {alpha:g})"
+    if (left := [v for v in verdicts if v.verdict is None]):
+        raise ValueError(f"decide_all: claims of families {sorted({v.family for v in left})} have no α")
     return verdicts
 
 
-def family_note(verdicts: list[Verdict], alpha: float = ALPHA, seeds: int | None = None) -> str:
-    """What the page's decisions are worth: the family's error rate and, given the fewest seeds
-    a group runs, what the strictest Holm step asks of a claim."""
-    m = sum(not math.isnan(v.adjusted) for v in verdicts)
-    gated = sum(v.verdict == NO_SIGNAL for v in verdicts)
-    note = (f"{m} claims were tested together. Holm's correction keeps the chance that any of their held / did not "
-            f"hold verdicts is false at or below {alpha:g}, so the expected number of false decisions is at most "
-            f"{alpha:g} × {m} = {alpha * m:.2f}. {gated} claims were not tested because a compared row did not learn.")
-    if seeds is not None and seeds > 1 and m > 0:
-        note += (f" With {seeds} seeds a paired t-test has {seeds - 1} degrees of freedom, and the strictest Holm step "
-                 f"needs p ≤ {alpha:g}/{m} = {alpha / m:.2g}, a t of at least {S.t_needed(alpha / m, seeds):.1f}: "
-                 "an inconclusive verdict here says mostly that the seeds are too few to decide, not that the "
-                 "rows tie.")
+def family_note(verdicts: list[Verdict], alphas: dict[str, float] | None = None, seeds: int | None = None) -> str:
+    """What the page's decisions are worth: each family's error rate and, given the fewest seeds a
+    group runs, what the strictest Holm step asks of a claim."""
+    alphas = alphas or {f: ALPHA for f in {v.family for v in verdicts if not math.isnan(v.adjusted)}}
+    sizes = {f: sum(not math.isnan(v.adjusted) and v.family == f for v in verdicts)
+             + sum(not math.isnan(v.adjusted_eq) and v.family == f for v in verdicts) for f in alphas}
+    parts = ", ".join(f"{n} tests in the {f} family at α = {alphas[f]:g}" for f, n in sizes.items() if n)
+    total = sum(alphas[f] for f, n in sizes.items() if n)
+    note = (f"Tested together: {parts or 'none'}. Within each family Holm's correction keeps the chance that "
+            f"one or more of its held / did not hold / smaller-than-the-paper's verdicts is false at or below the "
+            f"family's α, so over the page that chance is at most {total:g} (the families' α added). It bounds "
+            f"the chance of any false verdict, not their number.")
+    strict = [(f, n) for f, n in sizes.items() if n]
+    if seeds is not None and seeds > 1 and strict:
+        f, n = min(strict, key=lambda x: alphas[x[0]] / x[1])
+        a = alphas[f] / n
+        note += (f" With {seeds} seeds a paired t-test has {seeds - 1} degrees of freedom, and the strictest Holm "
+                 f"step ({f}) needs p ≤ {alphas[f]:g}/{n} = {a:.2g}, a t of at least {S.t_needed(a, seeds):.1f}; "
+                 f"a tie over every seed (no spread) can reach at best p = {2 / 2 ** seeds:.2g}.")
     return note

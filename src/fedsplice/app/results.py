@@ -27,6 +27,7 @@ from fedsplice.app import compare as C
 from fedsplice.app.claims import PARAMS, fmt, per_seed, value
 from fedsplice.app.settings import setting_text
 from fedsplice.app import claims as V
+from fedsplice.app import curves as H
 from fedsplice.app import diagnostics as D
 from fedsplice.app import provenance as P
 from fedsplice.app import tuning as T
@@ -50,6 +51,8 @@ class Suite:
     tables: list[dict]
     tuned: dict = dataclasses.field(default_factory=dict)  # filled by run_suite (fedsplice.app.tuning)
     fixed: bool = False
+    # the pre-registered families of claims and the α each is decided at (Holm within each)
+    alphas: dict[str, float] = dataclasses.field(default_factory=lambda: {"secondary": V.ALPHA})
 
     def group_seeds(self, group: str) -> int:
         return self.seeds if self.fixed else int(self.groups[group].get("seeds", self.seeds))
@@ -87,6 +90,11 @@ def load_suite(path: Path) -> Suite:
             if "tune" not in exps.get(src, {}):
                 raise ConfigError(f"{path}: experiment {e['name']!r}: tune_from = {src!r} names no "
                                   f"experiment with a `tune` table")
+    alphas = t.get("families", {"secondary": V.ALPHA})
+    if not (isinstance(alphas, dict) and alphas and all(isinstance(a, float) and 0 < a < 1 for a in alphas.values())
+            and sum(alphas.values()) <= V.ALPHA + 1e-12):
+        raise ConfigError(f"{path}: [families] must give each family of claims its α, with the α summing to at "
+                          f"most {V.ALPHA} (e.g. primary = 0.04, secondary = 0.01); got {alphas!r}")
     tables = t.get("table", [])
     for tb in tables:
         for name in tb.get("rows", []):
@@ -98,13 +106,20 @@ def load_suite(path: Path) -> Suite:
                                   f"one of {', '.join(sorted(COLUMNS))}")
         if "sweep" in tb and len(tb.get("xs", [])) != len(tb["rows"]):
             raise ConfigError(f"{path}: table {tb.get('id')!r}: xs needs one value per row ({len(tb['rows'])})")
-        _check_claims(path, tb)
-    return Suite(int(t.get("seeds", 3)), int(t.get("jobs", 1)), groups, exps, tables)
+        _check_claims(path, tb, alphas)
+    return Suite(int(t.get("seeds", 3)), int(t.get("jobs", 1)), groups, exps, tables, alphas=alphas)
 
 
-def _check_claims(path: Path, tb: dict) -> None:
+def _check_claims(path: Path, tb: dict, alphas: dict[str, float]) -> None:
     """Each claim of a table: a known kind and metric, the fields its kind needs, rows of its table."""
     for cl in tb.get("claim", []):
+        if cl.get("family", "secondary") not in alphas:
+            raise ConfigError(f"{path}: table {tb.get('id')!r}: claim family {cl.get('family')!r} is not in "
+                              f"[families] ({', '.join(alphas)}); name one of them or add it there")
+        eq = cl.get("equivalence")
+        if eq is not None and not (cl.get("kind") in ("greater", "gap_greater") and isinstance(eq, float) and eq > 0):
+            raise ConfigError(f"{path}: table {tb.get('id')!r}: claim equivalence = {eq!r}: a margin > 0 (half "
+                              f"the paper's effect, e.g. 0.0165) on a greater or gap_greater claim")
         m = cl.get("metric")
         if cl.get("kind") not in NO_METRIC and m not in COLUMNS and not str(m).startswith("cold-start e"):
             raise ConfigError(f"{path}: table {tb.get('id')!r}: claim metric {m!r} is unknown; "
@@ -234,7 +249,7 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
     if "sweep" in tb:
         md += [f"![sweep]({rel}/{tb['id']}/{_sweep_plot(tb, suite, results, d / 'sweep.png')})", ""]
     for cl, v in zip(tb.get("claim", []), verdicts):
-        md.append(f"- **{v.verdict}** — {cl['text']} *Measured:* {v.evidence}")
+        md.append(f"- **{V.label(v)}** — {cl['text']} *Measured:* {v.evidence}")
     md.append("")
     return "\n".join(md)
 
@@ -254,8 +269,9 @@ def time_line(meta: dict) -> str:
     total = f"The runs' recorded wall times add up to {meta['compute_min']:.0f} min"
     if meta["executed"] == meta["runs"]:
         return f"{total} (every run ran in this invocation, so {meta['wall_min']:.1f} min is the from-scratch time). "
-    return (f"{total}; runs finished in earlier sittings count any time they were paused or shared the CPU, "
-            "so this sum bounds a from-scratch run from above and does not measure it. ")
+    return (f"{total}; runs finished in earlier sittings count any time they were paused or shared the CPU, and a "
+            "run resumed in a later sitting counts only that sitting, so this sum neither measures nor bounds a "
+            "from-scratch run. ")
 
 
 def provenance_line(meta: dict) -> str:
@@ -271,18 +287,40 @@ def provenance_line(meta: dict) -> str:
             f"and ran again.")
 
 
+def histories(runs) -> dict[str, list[H.History]]:
+    """Each experiment's per-seed curves, read from its runs' metrics.jsonl (to name divergence)."""
+    out: dict[str, list[H.History]] = {}
+    for r in runs:
+        if (h := H.history(r[3])) is not None:
+            out.setdefault(r[0], []).append(h)
+    return out
+
+
+def _counts(verdicts: list[V.Verdict]) -> str:
+    """Statistical and deterministic verdicts counted apart; decisive ones on clean rows apart."""
+    stat = [v for v in verdicts if v.verdict in V.STATISTICAL and not v.deterministic]
+    det = [v for v in verdicts if v.deterministic]
+    by = lambda vs: ", ".join(f"{n} {k}" for k in dict.fromkeys(V.label(v) for v in vs)  # noqa: E731
+                              if (n := sum(V.label(v) == k for v in vs)))
+    other = [v for v in verdicts if v not in stat and v not in det]
+    return (f"**Claims:** {len(stat)} decided by a statistical test ({by(stat) or 'none'}), of which "
+            f"**{sum(map(V.decisive, stat))} decisive** (held, did not hold or smaller than the paper's effect, on "
+            f"rows that all learned and none diverged); {len(det)} deterministic (bytes, parameters: "
+            f"{by(det) or 'none'}); {by(other) or 'no others'}.")
+
+
 def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
     by_run = {r[:2]: res for r, res in zip(runs, res_list)}
     fig_dir = doc.with_suffix("")  # docs/results.md -> docs/results/
     rel = fig_dir.name
-    verdicts = [[V.assess(cl, table_results(tb, runs, by_run), tb["rows"]) for cl in tb.get("claim", [])]
+    curves = histories(runs)
+    verdicts = [[V.assess(cl, table_results(tb, runs, by_run), tb["rows"], curves) for cl in tb.get("claim", [])]
                 for tb in suite.tables]
-    V.decide_all([v for vs in verdicts for v in vs])
+    flat = [v for vs in verdicts for v in vs]
+    V.decide_all(flat, suite.alphas)
     sections = [table_section(tb, suite, runs, by_run, fig_dir, rel, vs) for tb, vs in zip(suite.tables, verdicts)]
-    claims = [(tb["title"], cl["text"], v.verdict) for tb, vs in zip(suite.tables, verdicts)
-              for cl, v in zip(tb.get("claim", []), vs)]
-    order = ("held", "inconclusive", "did not hold", V.NO_SIGNAL, V.UNTESTABLE, V.BENCHMARK)
-    counts = {k: sum(c[2] == k for c in claims) for k in order}
+    claims = [(tb["title"], cl["text"], cl.get("family", "secondary"), V.label(v))
+              for tb, vs in zip(suite.tables, verdicts) for cl, v in zip(tb.get("claim", []), vs)]
     head = [
         "# Results: the two papers' experiments on the offline zoo", "",
         f"Generated by `{meta['command']}` at commit {meta['commit']} on {meta['date']}. "
@@ -296,20 +334,24 @@ def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
         "offline zoo's real models; numbers are not comparable to the papers', only the direction of "
         "each claim is. Runs pair up by seed (same clients, same sampling stream) and personalized accuracy "
         "also by client within a seed; the seed is the unit of replication (a seed's clients share one run). "
-        "A claim is tested only when its compared rows learned: a trained baseline must move off its round-0 "
-        "value by more than its seed spread, and the compared rows must differ; otherwise it is *not tested: "
-        "no training signal*, with the numbers. A tested claim *held* when a two-sided paired t-test over "
-        "seeds (an equivalence test, TOST, for a claim of no difference) is significant on the claimed side "
-        "after Holm's correction over the whole page, *did not hold* when it is significant on the other "
-        "side, and is *inconclusive* otherwise. Byte ratios do not vary with the seed and are compared as "
-        "they are. " + V.family_note([v for vs in verdicts for v in vs],
-                                       seeds=min(map(suite.group_seeds, suite.groups), default=None)), "",
+        "Every claim with a metric is tested; the claims were pre-registered in two families (the papers' "
+        "headline claims: primary; the rest: secondary) before the runs they are decided on. A claim *held* "
+        "when a two-sided paired t-test over seeds (an equivalence test, TOST, for a claim of no difference) "
+        "is significant on the claimed side after Holm's correction within its family, *did not hold* when it "
+        "is significant on the other side, is *smaller than the paper's effect* when an equivalence test at "
+        "half the paper's effect is significant, and is *inconclusive* otherwise. Where every seed gives the "
+        "same accuracy difference the t-test is undefined and the exact sign-flip test decides (p = 2/2^seeds). "
+        "Each claim also prints what its rows did, as information that never blocks the test: each trained "
+        "row's paired change from round 0 (mean, t), and a row that diverged (training loss ending above its "
+        "start, or a fall on every seed after a rise) or did not learn (neither GM nor PM accuracy moved off "
+        "round 0 at p < 0.05); a verdict over such a row says so and is not counted as decisive. Byte ratios "
+        "do not vary with the seed and are compared as they are. "
+        + V.family_note(flat, suite.alphas, seeds=min(map(suite.group_seeds, suite.groups), default=None)), "",
         "| | this page | the paper |", "|---|---|---|"]
     head += [f"| {g.get('title', k)} | {group_setting(suite, runs, k)} | {g.get('paper', '')} |"
              for k, g in suite.groups.items()]
-    head += ["", "**Claims:** " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".", "",
-             "| table | claim | verdict |", "|---|---|---|"]
-    head += [f"| {t} | {c} | **{v}** |" for t, c, v in claims]
+    head += ["", _counts(flat), "", "| table | claim | family | verdict |", "|---|---|---|---|"]
+    head += [f"| {t} | {c} | {f} | **{v}** |" for t, c, f, v in claims]
     tuned = T.tuning_section(suite.tuned, {n: e.get("label", n) for n, e in suite.experiments.items()})
     conv = D.convergence_md(list(suite.experiments), runs, lambda n: f"{suite.experiments[n].get('label', n)} (`{n}`)")
     atomic_write_text(doc, "\n".join(head) + "\n\n" + (tuned + "\n" if tuned else "") + "\n".join(sections)

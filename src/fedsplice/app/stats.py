@@ -15,6 +15,11 @@ per-client ones (personalized accuracy), where NaN marks a missing cell.
   assumed from an interval that contains 0.
 - `holm`: Holm's step-down adjustment of a page's p-values, so that the chance of one or more
   false decisions among all the page's claims is at most alpha (family-wise).
+- No spread (every seed gives the same difference, se = 0): a sure difference only for
+  quantities that do not vary with the seed (bytes, parameter counts: `deterministic=True`).
+  An accuracy difference is a multiple of 1/test items, so seeds can tie by chance; there the
+  t statistic is undefined and the test falls back to the exact sign-flip test of the seeds,
+  whose p is 2/2^n when all n seeds agree (0.25 at 3 seeds, 0.031 at 6): never 0.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class Test:
     cells: int  # non-NaN cells (== n for per-seed metrics)
     level: float
     per_client: bool = False
+    exact: bool = False  # no spread over seeds: p from the exact sign-flip test, no interval
+    t: float = math.nan  # mean / se (NaN with one seed or no spread)
 
 
 def _check_alpha(alpha: float) -> None:
@@ -63,26 +70,37 @@ def seed_means(d) -> tuple[np.ndarray, int, bool]:
     return np.array([row[m].mean() for row, m in zip(d[keep], ok[keep])]), int(ok.sum()), True
 
 
+def _no_spread(x: np.ndarray) -> bool:
+    """Every seed gives the same value, up to float round-off (seed means of per-client tables,
+    1/380 summed in another order on another CPU): then the t statistic is undefined."""
+    return float(np.ptp(x)) <= 1e-12 * max(1.0, float(np.abs(x).max()))
+
+
 def _t():
     from scipy import stats  # lazy: scipy costs a second at import
 
     return stats.t
 
 
-def paired_t(d, alpha: float = 0.05) -> Test:
-    """The two-sided paired t-test of the per-seed differences (see module doc)."""
+def paired_t(d, alpha: float = 0.05, deterministic: bool = False) -> Test:
+    """The two-sided paired t-test of the per-seed differences (see module doc). With no spread
+    over seeds, `deterministic` quantities (bytes) differ surely (p = 0); others get the exact
+    sign-flip test's p = 2/2^n."""
     _check_alpha(alpha)
     x, cells, per_client = seed_means(d)
     n, mean = x.size, float(x.mean())
     if n < 2:
         return Test(mean, math.nan, math.nan, math.nan, n, cells, 1 - alpha, per_client)
-    se = float(x.std(ddof=1)) / math.sqrt(n)
-    if se == 0.0:  # every seed gives the same difference: a deterministic quantity
+    se = 0.0 if _no_spread(x) else float(x.std(ddof=1)) / math.sqrt(n)
+    if se == 0.0 and deterministic:
         return Test(mean, mean, mean, 0.0 if mean != 0 else 1.0, n, cells, 1 - alpha, per_client)
+    if se == 0.0:  # seeds tied by chance: the sign-flip test (all 2^n sign patterns, 2 as extreme)
+        p = 1.0 if mean == 0 else min(1.0, 2.0 / 2 ** n)
+        return Test(mean, math.nan, math.nan, p, n, cells, 1 - alpha, per_client, exact=True)
     t = _t()
     q = float(t.ppf(1 - alpha / 2, n - 1))
     p = float(2 * t.sf(abs(mean) / se, n - 1))
-    return Test(mean, mean - q * se, mean + q * se, p, n, cells, 1 - alpha, per_client)
+    return Test(mean, mean - q * se, mean + q * se, p, n, cells, 1 - alpha, per_client, t=mean / se)
 
 
 def t_needed(p: float, n: int) -> float:
@@ -90,17 +108,19 @@ def t_needed(p: float, n: int) -> float:
     return float(_t().isf(p / 2, n - 1))
 
 
-def equivalence(d, margin: float) -> float:
-    """TOST p-value that |mean(d)| < margin (small: shown equivalent), on the per-seed values."""
+def equivalence(d, margin: float, deterministic: bool = False) -> float:
+    """TOST p-value that |mean(d)| < margin (small: shown equivalent), on the per-seed values.
+    With no spread: 0 or 1 for `deterministic` quantities, else each one-sided sign-flip test's
+    1/2^n (see module doc)."""
     if not margin > 0:
         raise ValueError(f"stats: an equivalence margin must be > 0, got {margin}")
     x, _, _ = seed_means(d)
     n, mean = x.size, float(x.mean())
     if n < 2:
         return math.nan
-    se = float(x.std(ddof=1)) / math.sqrt(n)
+    se = 0.0 if _no_spread(x) else float(x.std(ddof=1)) / math.sqrt(n)
     if se == 0.0:
-        return 0.0 if abs(mean) < margin else 1.0
+        return (0.0 if deterministic else 1.0 / 2 ** n) if abs(mean) < margin else 1.0
     t = _t()
     p_low = float(t.sf((mean + margin) / se, n - 1))  # H0: mean <= −margin
     p_high = float(t.cdf((mean - margin) / se, n - 1))  # H0: mean >= +margin
@@ -141,4 +161,7 @@ def describe(tt: Test, spec: str = "+.4f") -> str:
         seeds += f" × {tt.cells // tt.n} clients" if tt.cells % tt.n == 0 else f" ({tt.cells} seed-client cells)"
     if math.isnan(tt.p):
         return f"Δ {tt.mean:{spec}} from {seeds} (no interval from one seed)"
+    if tt.exact:
+        return (f"Δ {tt.mean:{spec}} on every seed (no spread, so no t-interval), exact sign-flip p = {tt.p:.3g}, "
+                f"{seeds}")
     return f"Δ {tt.mean:{spec}} [{tt.level * 100:g}% CI {tt.lo:{spec}}, {tt.hi:{spec}}], p = {tt.p:.3g}, {seeds}"
