@@ -13,6 +13,16 @@ OUT/tune/runs/<experiment>--<value>/seed-<s>, so a stopped suite resumes here to
 Several keys tune together as a grid: `tune = {grid = {"server.lr" = [...], "server.tau" = [...]},
 metric = "PM acc"}` runs every combination (FedYogi's η with its τ); its runs are labelled
 <experiment>--<v1>,<v2>.
+
+A setting must also have trained stably (`fedsplice.app.curves`, read from its runs'
+metrics.jsonl): one whose validation curve (the tune metric, mean over its seeds at each
+evaluation) falls by more than 0.01 between its last two evaluations, or whose training loss ends
+above its start (mean over seeds; start and end the means of the first and last 3 rounds), is
+*unstable* and not chosen; the best stable setting is (the first on a tie). Where no setting is stable the best is
+chosen anyway, and the record and the page say so. Every unstable setting's reason is recorded
+and shown next to its score. A chosen value on the smallest or largest of its key's values is
+marked (the best may lie outside the grid); `edge_reason = "..."` in the tune table states why
+that is acceptable, and the marker then carries it. `seeds` (default 1) must be an integer >= 1.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsplice.app import compare as C
+from fedsplice.app import curves as K
 from fedsplice.errors import ConfigError
 
 
@@ -41,6 +52,13 @@ def check_tune(path: Path, name: str, tune: dict, columns: set[str]) -> None:
                                   f"values = [0.001, 0.01, 0.1], metric = \"GM acc\"}}), or a `grid`")
         if not isinstance(tune["values"], list) or len(tune["values"]) < 2:
             raise ConfigError(f"{path}: experiment {name!r}: tune.values must list at least 2 values")
+    seeds = tune.get("seeds", 1)
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
+        raise ConfigError(f"{path}: experiment {name!r}: tune.seeds must be an integer >= 1, got {seeds!r}")
+    reason = tune.get("edge_reason", "x")
+    if not isinstance(reason, str) or not reason.strip() or "\n" in reason:
+        raise ConfigError(f"{path}: experiment {name!r}: tune.edge_reason must be a one-line text saying why a "
+                          f"value on the grid's edge is fine, got {reason!r}")
     if tune.get("metric", "GM acc") not in columns:
         raise ConfigError(f"{path}: experiment {name!r}: tune.metric {tune.get('metric')!r} is unknown; "
                           f"one of {', '.join(sorted(columns))}")
@@ -89,13 +107,40 @@ def _label(name: str, combo: tuple) -> str:
     return f"{name}--{','.join(map(_show, combo))}"
 
 
+# A validation curve "falls" when it loses more than a point: the validation splits hold 190 items
+# (10 a class, 19 classes), so smaller falls are one or two items and happen to stable runs too.
+FELL_TOL = 0.01
+
+
+def unstable(run_dirs: list[Path], metric: str) -> str | None:
+    """Why a setting (the run folders of its seeds) is unstable, in short ("fell 0.610 → 0.550",
+    "loss rose 1.45 → 2.10"), or None: its validation curve, the mean over seeds at each
+    evaluation, falls by more than FELL_TOL between its last two evaluations, or its training
+    loss, the mean over seeds at each round, ends above its start (`curves.loss_rose`'s rule).
+    Runs without a metrics.jsonl are not read."""
+    hs = [h for d in run_dirs if (h := K.history(d)) is not None]
+    reasons = []
+    c = K.mean_curve(hs, metric)
+    if len(c) >= 2 and c[-1][1] < c[-2][1] - FELL_TOL:
+        reasons.append(f"fell {K.pair(c[-2][1], c[-1][1])}")
+    ends = K.loss_ends([v for _, v in K.mean_losses(hs)])
+    if K.rose(ends):
+        assert ends is not None
+        reasons.append(f"loss rose {K.pair(ends[0], ends[1], 2)}")
+    return ", ".join(reasons) or None
+
+
 def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[str, dict]:
     """Choose each tuned experiment's value from its validation runs (`value(result, metric)`
-    reads a metric), add it to the experiment's overrides, and return {experiment: {key,
-    metric, scores {value: mean}, chosen}}."""
+    reads a metric; a run's folder, its 4th item, its metrics.jsonl), add it to the experiment's
+    overrides, and return {experiment: {keys, metric, scores {combo: mean}, chosen, unstable
+    {combo: short reason} (every unstable setting), none_stable (True where no stable setting had
+    a score, so that `chosen` is the best unstable one), edge_reason (the tune table's, or None)}}."""
     by_label: dict[str, list[dict]] = {}
+    dirs: dict[str, list[Path]] = {}
     for r, res in zip(runs, results):
         by_label.setdefault(r[0], []).append(res)
+        dirs.setdefault(r[0], []).append(Path(r[3]))
     chosen = {}
     for name, e in suite.experiments.items():
         if "tune" not in e:
@@ -108,9 +153,13 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
         if all(np.isnan(v) for v in scores.values()):
             raise ConfigError(f"tune of {name!r}: no validation run reports {metric!r}; choose a metric its "
                               f"runs report (tune.metric)")
-        best = max(order, key=lambda c: (scores[c] if not np.isnan(scores[c]) else -np.inf, -order.index(c)))
+        bad = {c: why for c in order if (why := unstable(dirs[_label(name, c)], metric))}
+        stable = [c for c in order if c not in bad and not np.isnan(scores[c])]
+        best = max(stable or order,
+                   key=lambda c: (scores[c] if not np.isnan(scores[c]) else -np.inf, -order.index(c)))
         e["set"] = [*e.get("set", []), *_sets(t, best)]
-        chosen[name] = {"keys": keys(t), "metric": metric, "scores": scores, "chosen": best}
+        chosen[name] = {"keys": keys(t), "metric": metric, "scores": scores, "chosen": best, "unstable": bad,
+                        "none_stable": not stable, "edge_reason": t.get("edge_reason")}
     for e in suite.experiments.values():  # tune_from: the values chosen for other experiments,
         own = set(keys(e["tune"])) if "tune" in e else set()  # but never over its own; the last source wins
         for src in sources(e):
@@ -121,10 +170,19 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
 
 def edge(c: dict) -> str:
     """" (edge of the grid: …)" where a chosen value is a key's smallest or largest: the best may
-    lie outside the grid."""
+    lie outside the grid; with the tune table's `edge_reason`, " (edge of the grid: …: <reason>)"."""
     keys_ = [k for i, k in enumerate(c["keys"]) if len({v[i] for v in c["scores"]}) > 1
              and c["chosen"][i] in (min(v[i] for v in c["scores"]), max(v[i] for v in c["scores"]))]
-    return f" (edge of the grid: {', '.join(keys_)})" if keys_ else ""
+    why = f": {_cell(c['edge_reason'])}" if c.get("edge_reason") else ""
+    return f" (edge of the grid: {', '.join(keys_)}{why})" if keys_ else ""
+
+
+def _cell(text: str) -> str:
+    """Text for a markdown table cell (a "|" would end the cell)."""
+    return text.replace("|", "\\|")
+
+
+NONE_STABLE = "**no setting was stable: the best unstable one is used**"
 
 
 def tuning_section(chosen: dict[str, dict], labels: dict[str, str]) -> str:
@@ -132,10 +190,16 @@ def tuning_section(chosen: dict[str, dict], labels: dict[str, str]) -> str:
         return ""
     md = ["## Hyperparameters chosen on a validation split", "",
           "Each value ran with `eval.on = \"validation\"` (evaluated on training samples held out of training; "
-          "the test set is not read); the best mean is used in every measured run of the experiment.", "",
+          "the test set is not read); the best mean is used in every measured run of the experiment. A setting "
+          "is *unstable*, and not chosen, when its validation curve (mean over seeds) falls by more than 0.01 "
+          "between its last two evaluations or its training loss (mean over seeds) ends above its start (means of "
+          "the first and last 3 rounds); where no setting is stable the best is used anyway and the row says so.", "",
           "| experiment | key | metric | validation score by value | chosen |", "|---|---|---|---|---|"]
     for name, c in chosen.items():
-        sc = ", ".join(f"{','.join(map(_show, v))}: {s:.3f}" for v, s in c["scores"].items())
+        bad = c.get("unstable", {})
+        sc = ", ".join(f"{','.join(map(_show, v))}: {s:.3f}" + (f" (unstable: {bad[v]})" if v in bad else "")
+                       for v, s in c["scores"].items())
+        warn = f" {NONE_STABLE}" if c.get("none_stable") else ""
         md.append(f"| {labels.get(name, name)} | `{'`, `'.join(c['keys'])}` | {c['metric']} | {sc} | "
-                  f"**{', '.join(map(_show, c['chosen']))}**{edge(c)} |")
+                  f"**{', '.join(map(_show, c['chosen']))}**{edge(c)}{warn} |")
     return "\n".join(md) + "\n"

@@ -1,0 +1,126 @@
+"""fedsplice.app.tuning's stability rule (a setting whose validation curve fell at its last
+evaluation, or whose training loss ended above its start, is not chosen) and the tune table's
+`edge_reason` and `seeds`, on hand-written validation runs (the grid's own runs and tune_from:
+tests/test_results.py)."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fedsplice.app import tuning as T
+from fedsplice.errors import ConfigError
+
+
+def write_run(d: Path, pm: list[float], losses: list[float]) -> Path:
+    """A run folder: PM accuracy `pm` at rounds 0, 3, 6, ...; `losses` at rounds 1, 2, ..."""
+    d.mkdir(parents=True)
+    lines = [{"round": 0, "gm": {"accuracy": 0.5}, "pm": {"accuracy": pm[0]}}]
+    for t, loss in enumerate(losses, start=1):
+        lines.append({"round": t, "train_loss": loss, **({"gm": {"accuracy": 0.5}, "pm": {"accuracy": pm[t // 3]}}
+                                                         if t % 3 == 0 else {})})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return d
+
+
+DOWN = [2.0, 2.0, 2.0, 1.0, 1.0, 1.0]  # the loss falls: (2 + 2 + 2) / 3 -> (1 + 1 + 1) / 3
+
+
+def tune(tmp_path, runs: dict[float, list[tuple[list[float], list[float]]]], **extra):
+    """apply_tuning over server.lr = the keys of `runs`, each value's seeds as (pm curve, losses);
+    its score is the mean over seeds of the curve's last value."""
+    t = {"key": "server.lr", "values": list(runs), "metric": "PM acc", **extra}
+    suite = SimpleNamespace(experiments={"fl": {"tune": t, "set": ["server.optimizer=fedyogi"]}})
+    planned, results = [], []
+    for v, seeds in runs.items():
+        for s, (pm, losses) in enumerate(seeds):
+            label = f"fl--{v:g}"
+            planned.append((label, s, None, write_run(tmp_path / label / f"seed-{s}", pm, losses)))
+            results.append({"pm": {"accuracy": pm[-1]}})
+    chosen = T.apply_tuning(suite, planned, results, lambda res, m: res["pm"]["accuracy"])
+    return suite, chosen["fl"]
+
+
+def test_a_setting_that_collapsed_at_its_last_evaluation_is_not_chosen(tmp_path):
+    """0.1 scores best, but its validation curve (mean over seeds: 0.4, 0.8, 0.75) fell at the
+    end: the next stable setting is chosen. 0.01 fell on one seed, not on the mean (0.7 -> 0.725)."""
+    suite, c = tune(tmp_path, {0.001: [([0.4, 0.5, 0.6], DOWN)],
+                               0.01: [([0.4, 0.6, 0.7], DOWN), ([0.4, 0.8, 0.75], DOWN)],
+                               0.1: [([0.4, 0.9, 0.7], DOWN), ([0.4, 0.7, 0.8], DOWN)]})
+    assert c["scores"] == pytest.approx({(0.001,): 0.6, (0.01,): 0.725, (0.1,): 0.75})
+    assert c["chosen"] == (0.01,) and suite.experiments["fl"]["set"][-1] == "server.lr=0.01"
+    assert c["unstable"] == {(0.1,): "fell 0.800 → 0.750"} and c["none_stable"] is False
+    assert c["keys"] == ["server.lr"] and c["metric"] == "PM acc" and c["edge_reason"] is None
+    md = T.tuning_section({"fl": c}, {"fl": "FedYogi"})
+    assert ("| FedYogi | `server.lr` | PM acc | 0.001: 0.600, 0.01: 0.725, 0.1: 0.750 (unstable: fell 0.800 → "
+            "0.750) | **0.01** |") in md
+    assert "falls by more than 0.01 between its last two evaluations" in md and T.NONE_STABLE not in md
+
+
+def test_a_setting_whose_loss_rose_is_not_chosen_and_ties_go_to_the_first(tmp_path):
+    """The loss rule is on the mean over seeds: 0.1's seeds start at (1 + 3) / 2 = 2 and end at
+    (3 + 3) / 2 = 3; 0.01's rose on one seed and fell as much on the other (flat)."""
+    up, flat = [1.0, 1.0, 1.0, 3.0, 3.0, 3.0], [3.0] * 6
+    _, c = tune(tmp_path, {0.001: [([0.4, 0.5, 0.6], DOWN), ([0.4, 0.5, 0.6], DOWN)],
+                           0.01: [([0.4, 0.5, 0.6], up), ([0.4, 0.5, 0.6], [3.0, 3.0, 3.0, 1.0, 1.0, 1.0])],
+                           0.1: [([0.4, 0.6, 0.9], up), ([0.4, 0.6, 0.9], flat)]})
+    assert c["unstable"] == {(0.1,): "loss rose 2.00 → 3.00"}
+    assert c["chosen"] == (0.001,)  # 0.001 and 0.01 tie at 0.6: the first in grid order
+    assert T.edge(c) == " (edge of the grid: server.lr)"  # no reason given: the bare marker
+
+
+def test_when_no_setting_is_stable_the_best_is_chosen_and_the_page_says_so(tmp_path):
+    suite, c = tune(tmp_path, {0.01: [([0.4, 0.6, 0.5], DOWN)],
+                               0.1: [([0.4, 0.8, 0.7], [1.0, 1.0, 1.0, 1.2, 1.2, 1.2])]})
+    assert c["chosen"] == (0.1,) and suite.experiments["fl"]["set"][-1] == "server.lr=0.1"
+    assert c["none_stable"] is True
+    assert c["unstable"] == {(0.01,): "fell 0.600 → 0.500", (0.1,): "fell 0.800 → 0.700, loss rose 1.00 → 1.20"}
+    md = T.tuning_section({"fl": c}, {})
+    assert md.rstrip().endswith(f"| **0.1** (edge of the grid: server.lr) {T.NONE_STABLE} |")
+    assert "0.1: 0.700 (unstable: fell 0.800 → 0.700, loss rose 1.00 → 1.20)" in md
+
+
+def test_runs_without_metrics_are_stable(tmp_path):
+    """A run folder without metrics.jsonl tells nothing about the curve: the score decides."""
+    suite = SimpleNamespace(experiments={"fl": {"tune": {"key": "server.lr", "values": [1, 2]}}})
+    runs = [(f"fl--{v}", 0, None, tmp_path / str(v)) for v in (1, 2)]
+    c = T.apply_tuning(suite, runs, [{"gm": {"accuracy": a}} for a in (0.7, 0.6)],
+                       lambda res, m: res["gm"]["accuracy"])["fl"]
+    assert c["chosen"] == (1,) and c["unstable"] == {} and c["none_stable"] is False
+
+
+def test_edge_reason_replaces_the_bare_marker(tmp_path):
+    _, c = tune(tmp_path, {0.01: [([0.4, 0.5, 0.6], DOWN)], 0.1: [([0.4, 0.6, 0.7], DOWN)]},
+                edge_reason="η above 0.1 diverges | see issue 47")
+    assert c["chosen"] == (0.1,) and c["edge_reason"] == "η above 0.1 diverges | see issue 47"
+    assert T.edge(c) == r" (edge of the grid: server.lr: η above 0.1 diverges \| see issue 47)"
+    assert T.tuning_section({"fl": c}, {}).rstrip().endswith(
+        r"| **0.1** (edge of the grid: server.lr: η above 0.1 diverges \| see issue 47) |")
+    inside = {**c, "scores": {(1,): 0.1, (2,): 0.3, (3,): 0.2}, "chosen": (2,)}
+    assert T.edge(inside) == ""  # not on the edge: the reason is not needed
+
+
+@pytest.mark.parametrize("field, bad, match", [
+    ("seeds", 0, r"tune.seeds must be an integer >= 1, got 0"),
+    ("seeds", "2", r"tune.seeds must be an integer >= 1, got '2'"),
+    ("seeds", True, r"tune.seeds must be an integer >= 1, got True"),
+    ("seeds", 1.5, r"tune.seeds must be an integer >= 1, got 1.5"),
+    ("edge_reason", "", r"tune.edge_reason must be a one-line text"),
+    ("edge_reason", "  ", r"tune.edge_reason must be a one-line text"),
+    ("edge_reason", 3, r"tune.edge_reason must be a one-line text .*, got 3"),
+    ("edge_reason", "a\nb", r"tune.edge_reason must be a one-line text"),
+])
+def test_check_tune_rejects_bad_seeds_and_edge_reason(field, bad, match):
+    t = {"key": "server.lr", "values": [0.1, 1.0], "metric": "PM acc"}
+    T.check_tune(Path("suite.toml"), "fl", {**t, "seeds": 3, "edge_reason": "the loss diverges above 1"}, {"PM acc"})
+    with pytest.raises(ConfigError, match=match) as err:
+        T.check_tune(Path("suite.toml"), "fl", {**t, field: bad}, {"PM acc"})
+    assert str(err.value).startswith("suite.toml: experiment 'fl': ") and "\n" not in str(err.value)
+
+
+def test_a_fall_of_a_point_or_less_is_noise(tmp_path):
+    """0.1 ends 0.008 below its previous evaluation (under two of 190 validation items): stable.
+    0.01 scores higher but falls by 0.012 (0.72 -> 0.708): unstable, so 0.1 is chosen."""
+    _, c = tune(tmp_path, {0.01: [([0.4, 0.72, 0.708], DOWN)], 0.1: [([0.4, 0.708, 0.7], DOWN)]})
+    assert c["chosen"] == (0.1,) and c["unstable"] == {(0.01,): "fell 0.720 → 0.708"}
