@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fedsplice.app import results as R
 from fedsplice.app import tuning as T
 from fedsplice.errors import ConfigError
 
@@ -124,3 +125,18 @@ def test_a_fall_of_a_point_or_less_is_noise(tmp_path):
     0.01 scores higher but falls by 0.012 (0.72 -> 0.708): unstable, so 0.1 is chosen."""
     _, c = tune(tmp_path, {0.01: [([0.4, 0.72, 0.708], DOWN)], 0.1: [([0.4, 0.708, 0.7], DOWN)]})
     assert c["chosen"] == (0.1,) and c["unstable"] == {(0.01,): "fell 0.720 → 0.708"}
+
+
+def test_each_experiment_tunes_on_its_own_seeds(tmp_path):
+    """tune.seeds is the experiment's own: a 2-seed grid does not make a 1-seed one run twice."""
+    cfg = Path("configs/fedavg-lora-minilm.toml").resolve()
+    suite = tmp_path / "suite.toml"
+    suite.write_text(f"""[groups.g]\ntitle = "g"\n
+[[experiment]]\nname = "a"\ngroup = "g"\nconfig = "{cfg}"
+tune = {{key = "client.lr", values = [0.001, 0.01], seeds = 2}}
+[[experiment]]\nname = "b"\ngroup = "g"\nconfig = "{cfg}"
+tune = {{key = "client.lr", values = [0.001, 0.01]}}
+""")
+    runs = T.plan_tuning(R.load_suite(suite), tmp_path / "out")
+    assert sorted((r[0], r[1]) for r in runs) == [("a--0.001", 0), ("a--0.001", 1), ("a--0.01", 0), ("a--0.01", 1),
+                                                  ("b--0.001", 0), ("b--0.01", 0)]

@@ -86,17 +86,18 @@ def _sets(tune: dict, combo: tuple) -> list[str]:
 
 
 def plan_tuning(suite, out: Path) -> list[tuple]:
-    """The validation runs of every tuned experiment: (label, seed, cfg, dir) as compare plans them."""
-    entries, seeds = [], 1
+    """The validation runs of every tuned experiment: (label, seed, cfg, dir) as compare plans
+    them, on the experiment's own `tune.seeds` (default 1)."""
+    runs: list[tuple] = []
     for name, e in suite.experiments.items():
         if "tune" not in e:
             continue
         t = e["tune"]
-        seeds = max(seeds, int(t.get("seeds", 1)))
         base = [*suite.groups[e["group"]].get("set", []), *e.get("set", [])]
-        for c in combos(t):
-            entries.append((_label(name, c), Path(e["config"]), [*base, *_sets(t, c), "eval.on=validation"]))
-    return C.plan_entries(entries, seeds, Path(out) / "tune") if entries else []
+        entries = [(_label(name, c), Path(e["config"]), [*base, *_sets(t, c), "eval.on=validation"])
+                   for c in combos(t)]
+        runs += C.plan_entries(entries, int(t.get("seeds", 1)), Path(out) / "tune")
+    return runs
 
 
 def _show(v) -> str:
