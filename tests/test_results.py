@@ -185,6 +185,15 @@ def test_group_seeds_and_convergence_rows(suite, tmp_path):
     suite.write_text(text.replace("seeds = 3", "seeds = 0"))
     with pytest.raises(ConfigError, match=r"\[groups.g\] seeds must be an integer >= 1, got 0"):
         R.load_suite(suite)
+    # a display-only row may run fewer seeds; a row a claim pairs by seed may not
+    shown = text.replace('name = "fl"\n', 'name = "fl"\nseeds = 1\n')
+    suite.write_text(shown.replace('kind = "greater"', 'kind = "untestable"\nreason = "x"\nz = "greater"'))
+    s = R.load_suite(suite)
+    assert [(r[0], r[1]) for r in R.plan_suite(s, tmp_path)] == [("pf", 0), ("pf", 1), ("pf", 2), ("fl", 0)]
+    suite.write_text(shown)
+    with pytest.raises(ConfigError, match="experiment 'fl' sets its own seeds but a claim of table 't1' compares it"):
+        R.load_suite(suite)
+    suite.write_text(text)
     runs = []
     for seed, accs in ((0, [0.5, 0.6, 0.7]), (1, [0.5, 0.7, 0.8])):
         d = tmp_path / f"r{seed}"

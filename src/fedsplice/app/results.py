@@ -57,6 +57,11 @@ class Suite:
     def group_seeds(self, group: str) -> int:
         return self.seeds if self.fixed else int(self.groups[group].get("seeds", self.seeds))
 
+    def experiment_seeds(self, name: str) -> int:
+        """A display-only row may run fewer seeds than its group (`seeds` on the experiment)."""
+        e = self.experiments[name]
+        return self.seeds if self.fixed else int(e.get("seeds", self.group_seeds(e["group"])))
+
 
 def load_suite(path: Path) -> Suite:
     path = Path(path)
@@ -84,6 +89,8 @@ def load_suite(path: Path) -> Suite:
             raise ConfigError(f"{path}: experiment {e['name']!r}: group {e['group']!r} is not in [groups]")
         if "tune" in e:
             T.check_tune(path, e["name"], e["tune"], COLUMNS)
+        if not isinstance(e.get("seeds", 1), int) or isinstance(e.get("seeds"), bool) or e.get("seeds", 1) < 1:
+            raise ConfigError(f"{path}: experiment {e['name']!r}: seeds must be an integer >= 1, got {e['seeds']!r}")
         exps[e["name"]] = e
     for e in exps.values():
         for src in T.sources(e):
@@ -107,7 +114,23 @@ def load_suite(path: Path) -> Suite:
         if "sweep" in tb and len(tb.get("xs", [])) != len(tb["rows"]):
             raise ConfigError(f"{path}: table {tb.get('id')!r}: xs needs one value per row ({len(tb['rows'])})")
         _check_claims(path, tb, alphas)
+        for name in _claimed(tb):
+            if "seeds" in exps[name]:
+                raise ConfigError(f"{path}: experiment {name!r} sets its own seeds but a claim of table "
+                                  f"{tb.get('id')!r} compares it; claims pair rows seed by seed, so remove its "
+                                  f"`seeds` (only display-only rows may run fewer)")
     return Suite(int(t.get("seeds", 3)), int(t.get("jobs", 1)), groups, exps, tables, alphas=alphas)
+
+
+def _claimed(tb: dict) -> set[str]:
+    """The rows a table's claims pair by seed (every row, for a best / lowest claim)."""
+    rows: set[str] = set()
+    for cl in tb.get("claim", []):
+        if cl.get("kind") in ("best", "lowest"):
+            rows |= set(tb["rows"])
+        elif cl.get("kind") in ("greater", "gap_greater", "balanced"):  # a ratio of means (bytes) pairs nothing
+            rows |= {cl[k] for k in ("a", "b", "a1", "b1", "a2", "b2") if k in cl}
+    return rows
 
 
 def _check_claims(path: Path, tb: dict, alphas: dict[str, float]) -> None:
@@ -147,7 +170,7 @@ def plan_suite(suite: Suite, out: Path, seeds: int | None = None, only: list[str
     for n, e in suite.experiments.items():
         if not only or n in only:
             entry = (n, Path(e["config"]), [*suite.groups[e["group"]].get("set", []), *e.get("set", [])])
-            runs += C.plan_entries([entry], seeds or suite.group_seeds(e["group"]), out)
+            runs += C.plan_entries([entry], seeds or suite.experiment_seeds(n), out)
     return runs
 
 
