@@ -74,7 +74,7 @@ SMOLLM2_OVERRIDES = {
 METHOD_OVERRIDES = {"fedpurel": {"method.personal_rounds": "1"}}
 
 # Keys dropped at any depth: they differ between two runs of the same config.
-VOLATILE = {"time_s"}
+VOLATILE = {"time_s", "cpu_s"}
 
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "MPLBACKEND": "Agg"}

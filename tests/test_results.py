@@ -466,3 +466,7 @@ def test_time_line_claims_a_from_scratch_time_only_when_every_run_ran_now():
     reused = R.time_line({"compute_min": 1748.3, "executed": 3, "runs": 233, "wall_min": 4.9})
     assert reused.startswith("The runs' recorded wall times add up to 1748 min; runs finished in earlier")
     assert "from-scratch time" not in reused and "neither measures nor bounds a from-scratch run" in reused
+    cpu = R.time_line({"compute_min": 20.0, "executed": 1, "runs": 4, "wall_min": 1.0, "jobs": 2,
+                       "cpu_min": 150.0, "cpu_runs": 3})
+    assert cpu.endswith("The CPU time of 3 of the runs (process time, which no pause or other job adds to; 1 thread "
+                        "a run) adds up to 150 min, 2.5 h, or 1.2 h with 2 runs at once. ")

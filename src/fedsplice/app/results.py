@@ -288,13 +288,21 @@ def group_setting(suite: Suite, runs, group: str) -> str:
 
 def time_line(meta: dict) -> str:
     """What the runs' recorded times measure: a from-scratch time only when this invocation ran
-    every run; runs finished in earlier sittings may have been paused or shared the CPU."""
+    every run; runs finished in earlier sittings may have been paused or shared the CPU. Their
+    CPU seconds (`cpu_s`, runs from 2026-12-06 on) count neither."""
     total = f"The runs' recorded wall times add up to {meta['compute_min']:.0f} min"
     if meta["executed"] == meta["runs"]:
-        return f"{total} (every run ran in this invocation, so {meta['wall_min']:.1f} min is the from-scratch time). "
-    return (f"{total}; runs finished in earlier sittings count any time they were paused or shared the CPU, and a "
-            "run resumed in a later sitting counts only that sitting, so this sum neither measures nor bounds a "
-            "from-scratch run. ")
+        head = f"{total} (every run ran in this invocation, so {meta['wall_min']:.1f} min is the from-scratch time). "
+    else:
+        head = (f"{total}; runs finished in earlier sittings count any time they were paused or shared the CPU, and "
+                "a run resumed in a later sitting counts only that sitting, so this sum neither measures nor bounds a "
+                "from-scratch run. ")
+    n, cpu = meta.get("cpu_runs", 0), meta.get("cpu_min", 0.0)
+    if not n:
+        return head
+    return head + (f"The CPU time of {'every run' if n == meta['runs'] else f'{n} of the runs'} (process time, which "
+                   f"no pause or other job adds to; 1 thread a run) adds up to {cpu:.0f} min, {cpu / 60:.1f} h, or "
+                   f"{cpu / 60 / meta['jobs']:.1f} h with {meta['jobs']} runs at once. ")
 
 
 def provenance_line(meta: dict) -> str:
@@ -406,5 +414,7 @@ def run_suite(path: Path, out: Path, doc: Path, seeds: int | None = None, jobs: 
             "date": time.strftime("%Y-%m-%d"), "runs": len(runs) + len(tune_runs), "executed": pending, "out": out,
             "wall_min": (time.perf_counter() - t0) / 60, "jobs": jobs or suite.jobs,
             "compute_min": sum(r.get("time_s", 0) for r in [*res, *tune_res]) / 60,
+            "cpu_min": sum(r.get("cpu_s", 0) for r in [*res, *tune_res]) / 60,
+            "cpu_runs": sum("cpu_s" in r for r in [*res, *tune_res]),
             "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), no GPU"}
     return write_doc(suite, runs, res, Path(doc), meta)

@@ -204,7 +204,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     if cfg.privacy.secure_aggregation and make_transport is None:
         raise ConfigError(SECAGG_NEEDS_FLOWER)
     last_ckpt = _start(cfg, out, overwrite, resume)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     name = display_name(cfg)
     if not quiet:
         console.print(f"[bold]{name}[/] on {cfg.data.dataset} with {cfg.model.name} -> {out}")
@@ -240,6 +240,9 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
                               f"{plural(cfg.eval.cold_start_epochs, 'local epoch')}")
             results["cold_start"] = cold_start(exp, transport, final["global_params"])
         results["time_s"] = round(time.perf_counter() - t0, 1)
+        # CPU seconds of this process (every thread): a pause or a second run on the cores does not
+        # count, so `fedsplice results` can sum a from-scratch cost from runs of several sittings
+        results["cpu_s"] = round(time.process_time() - c0, 1)
         trackers.final(results)
     for line in results["warnings"] if echo is not None else ():  # the CLI prints them under its table
         echo(line)
