@@ -374,6 +374,12 @@ def test_setting_text_is_read_from_the_configs():
             in setting_text({"c": c}))
     assert (f"budget: {a.server.rounds} rounds × {a.client.local_epochs} local epoch(s), "
             f"batch {a.client.batch_size}") in text
+    assert (f"GM on {a.data.test_per_class} test samples a class, PM on {a.data.local_test_size} local test samples "
+            "a client redrawn from the global test set") in text
+    a.data.local_test, a.data.global_test_per_class, a.data.local_test_size = "disjoint", 70, 300
+    disjoint = setting_text({"a": a})
+    assert ("GM on 70 test samples a class (at most: a class's unused items may run out), PM on up to 300 local "
+            "test samples a client, disjoint from each other, the global test set and training") in disjoint
 
 
 @pytest.mark.integration

@@ -21,7 +21,6 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 
 from fedsplice.app import compare as C
 from fedsplice.app.claims import PARAMS, fmt, per_seed, value
@@ -30,6 +29,7 @@ from fedsplice.app import claims as V
 from fedsplice.app import curves as H
 from fedsplice.app import diagnostics as D
 from fedsplice.app import provenance as P
+from fedsplice.app import tableplots as TP
 from fedsplice.app import tuning as T
 from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
@@ -177,50 +177,6 @@ def plan_suite(suite: Suite, out: Path, seeds: int | None = None, only: list[str
 # ----------------------------------------------------------------------------- the document
 
 
-def _sweep_plot(tb: dict, suite: Suite, results, path: Path) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    series: dict[str, list[tuple[float, str]]] = {}
-    for i, n in enumerate(tb["rows"]):
-        series.setdefault(tb.get("series", [""] * len(tb["rows"]))[i], []).append((float(tb["xs"][i]), n))
-    for metric in tb.get("sweep_metrics", ["PM acc"]):
-        for label, pts in series.items():
-            xs = [x for x, _ in pts]
-            v = [per_seed(results, n, metric) for _, n in pts]
-            ax.errorbar(xs, [np.nanmean(a) for a in v], yerr=[np.nanstd(a) for a in v], marker="o", capsize=3,
-                        label=f"{label} {metric}".strip())
-    ax.set_xlabel(tb["sweep"])
-    if tb.get("log_x"):  # symlog: a sweep may include 0
-        ax.set_xscale("symlog", linthresh=min(x for x in map(float, tb["xs"]) if x > 0))
-    ax.set_ylabel("accuracy (mean ± std over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return C.save_png(fig, path)
-
-
-def _cold_plot(tb: dict, suite: Suite, results, path: Path, epochs: list[int]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    for n in tb["rows"]:
-        v = [per_seed(results, n, f"cold-start e{e}") for e in epochs]
-        ax.errorbar(epochs, [np.nanmean(a) for a in v], yerr=[np.nanstd(a) for a in v], marker="o", capsize=3,
-                    label=suite.experiments[n].get("label", n))
-    ax.set_xlabel("local epochs on the new client (0 = the global adapters as received)")
-    ax.set_ylabel("accuracy of held-out clients")
-    ax.xaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]  # stubs: Locator
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return C.save_png(fig, path)
-
-
 def table_results(tb: dict, runs, by_run: dict) -> dict[str, list[dict]]:
     """The results.json of each of a table's rows, one per seed."""
     return {n: [by_run[r[:2]] for r in runs if r[0] == n] for n in tb["rows"]}
@@ -261,7 +217,7 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
                "| method | " + " | ".join(f"epoch {e}" for e in epochs) + " |", "|---|" + "---|" * len(epochs)]
         md += [f"| {lab(n)} | " + " | ".join(fmt(per_seed(results, n, f"cold-start e{e}"), "acc") for e in epochs)
                + " |" for n in rows]
-        plot = _cold_plot(tb, suite, results, d / 'cold_start.png', epochs)
+        plot = TP.cold_plot(tb, suite.experiments, results, d / 'cold_start.png', epochs)
         md += ["", f"![cold start]({rel}/{tb['id']}/{plot})", ""]
     if tb.get("plots"):
         shown = [(lab(r[0]), *r[1:]) for r in sub]  # plot legends show the labels
@@ -270,7 +226,7 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
             pngs.append(cls)
         md += [" ".join(f"![{p}]({rel}/{tb['id']}/{p})" for p in pngs), ""]
     if "sweep" in tb:
-        md += [f"![sweep]({rel}/{tb['id']}/{_sweep_plot(tb, suite, results, d / 'sweep.png')})", ""]
+        md += [f"![sweep]({rel}/{tb['id']}/{TP.sweep_plot(tb, results, d / 'sweep.png')})", ""]
     for cl, v in zip(tb.get("claim", []), verdicts):
         md.append(f"- **{V.label(v)}** — {cl['text']} *Measured:* {v.evidence}")
     md.append("")

@@ -186,6 +186,13 @@ def client_side(cfg: ExperimentConfig, exp, store, make_transport):
         yield pool.store, lambda exp, store: pool
 
 
+def _clocks(t0: float, c0: float) -> dict[str, float]:
+    """Wall seconds since t0, and CPU seconds of this process since c0 (every thread): a pause or a
+    second run on the cores adds nothing to the latter, so `fedsplice results` can sum a
+    from-scratch cost from runs of several sittings."""
+    return {"time_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1)}
+
+
 def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, quiet: bool = False,
                    resume: bool = False, make_transport=None, echo=None,
                    progress: Callable[[dict], None] | None = None) -> dict:
@@ -239,10 +246,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
                 console.print(f"cold start: {plural(len(exp.holdout_ids), 'held-out client')}, "
                               f"{plural(cfg.eval.cold_start_epochs, 'local epoch')}")
             results["cold_start"] = cold_start(exp, transport, final["global_params"])
-        results["time_s"] = round(time.perf_counter() - t0, 1)
-        # CPU seconds of this process (every thread): a pause or a second run on the cores does not
-        # count, so `fedsplice results` can sum a from-scratch cost from runs of several sittings
-        results["cpu_s"] = round(time.process_time() - c0, 1)
+        results.update(_clocks(t0, c0))
         trackers.final(results)
     for line in results["warnings"] if echo is not None else ():  # the CLI prints them under its table
         echo(line)

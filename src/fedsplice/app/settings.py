@@ -86,9 +86,19 @@ ASPECTS = [
     ("server", _server),
     ("method settings", _method),
     ("FedPuReL phase 2", _phase2),
-    ("evaluation", lambda c: f"every {c.eval.every} rounds; GM on {c.data.test_per_class} test samples a class, "
-                             f"PM on {c.data.local_test_size} local test samples a client"),
+    ("evaluation", lambda c: f"every {c.eval.every} rounds; " + _tests(c)),
 ]
+
+
+def _tests(c: ExperimentConfig) -> str:
+    """Where the test sets come from: the local ones redrawn from the global set, or disjoint."""
+    d = c.data
+    if d.local_test == "disjoint":
+        return (f"GM on {max(d.test_per_class, d.global_test_per_class)} test samples a class (at most: a class's "
+                f"unused items may run out), PM on up to {d.local_test_size} local test samples a client, disjoint "
+                f"from each other, the global test set and training")
+    return (f"GM on {d.test_per_class} test samples a class, PM on {d.local_test_size} local test samples a client "
+            f"redrawn from the global test set")
 
 
 def setting_text(cfgs: dict[str, ExperimentConfig], label=lambda n: n) -> str:

@@ -151,6 +151,18 @@ class DataConfig:
     test_per_class: int = 20  # balanced global test set
     max_per_class: int = 0  # cap on training samples per class; 0 = no cap
     local_test_size: int = 40  # per client, drawn to match its training label distribution
+    # Where the local test sets come from. "global": drawn from the global test set, so clients'
+    # sets overlap each other and the global one. "disjoint": drawn from training-split items that
+    # nothing else uses (not trained on, not in the global test set or the validation hold-out), no
+    # item in two sets; a class whose unused items run out gets fewer (docs/data.md)
+    local_test: Literal["global", "disjoint"] = "global"
+    # "disjoint" only, when a class's unused items run out: "cap" cuts the clients' quotas there
+    # (smaller sets, the other classes in training proportion); "refill" gives the missing items to
+    # the client's other classes, so its set keeps data.local_test_size while they have items
+    local_test_shortfall: Literal["cap", "refill"] = "cap"
+    # "disjoint" only: the global test set is topped up to this many per class from those unused
+    # items, where they last (the carve is balanced at the smallest class); 0: as carved
+    global_test_per_class: int = 0
     holdout_clients: int = 0  # clients kept out of training for cold-start evaluation
     # Long tail (FedPuReL): n_c = n_max·IF^(−c/(C−1)) training samples for the c-th largest
     # class before partitioning; imbalance = 1 keeps the data as it is.
@@ -214,6 +226,28 @@ class DataConfig:
                 raise ConfigError(f"{name}: the long-tail cut is for one data set partitioned by seed; with "
                                   f"per-site data each site's file is used as it is; remove {name}")
 
+    def _check_local_test(self) -> None:
+        if self.local_test not in ("global", "disjoint"):
+            raise ConfigError(f"data.local_test must be 'global' or 'disjoint', got {self.local_test!r}")
+        if self.local_test == "disjoint" and self.dataset == SITES:
+            raise ConfigError("data.local_test = 'disjoint' draws local test sets from one shared data set; per-site "
+                              "data tests each site on its own file's rows: remove data.local_test")
+        if self.local_test_shortfall not in ("cap", "refill"):
+            raise ConfigError(f"data.local_test_shortfall must be 'cap' or 'refill', got {self.local_test_shortfall!r}")
+        if self.local_test_shortfall != "cap" and self.local_test != "disjoint":
+            raise ConfigError("data.local_test_shortfall is for data.local_test = 'disjoint' (sets drawn from the "
+                              "global test set reuse items instead): set that, or remove data.local_test_shortfall")
+        g = self.global_test_per_class
+        if g < 0 or 0 < g < self.test_per_class:
+            raise ConfigError(f"data.global_test_per_class must be 0 (the carved test set as it is) or at least "
+                              f"data.test_per_class = {self.test_per_class}, got {g}")
+        if g and self.local_test != "disjoint":
+            raise ConfigError("data.global_test_per_class tops the global test set up from unused training items, "
+                              "only with data.local_test = 'disjoint': set that, or remove data.global_test_per_class")
+        if g and self.test:
+            raise ConfigError("data.global_test_per_class: data.test is your own test split, used as it is; "
+                              "remove data.global_test_per_class")
+
     def check(self) -> None:
         # the files of a user's data set exist; a built-in name is checked against the registry
         # by fedsplice.federation.validate
@@ -239,6 +273,7 @@ class DataConfig:
         check_positive("data.local_test_size", self.local_test_size)
         if self.max_per_class < 0:
             raise ConfigError("data.max_per_class must be >= 0 (0 = no cap)")
+        self._check_local_test()
         if self.long_tail_order not in ("size", "permuted"):
             raise ConfigError(f"data.long_tail_order must be 'size' or 'permuted', got {self.long_tail_order!r}")
         if self.imbalance < 1:

@@ -65,6 +65,12 @@ class TextDataset:
     # what happened to the data: split (how train / test were made), dropped (counts, by
     # reason), notes and warnings (lines a person should read); see `fedsplice.data.report`
     report: dict = field(default_factory=dict)
+    # load_dataset(keep_pool=True): every item of the training split, before any cap or cut, with
+    # its label: the candidates of disjoint local test sets (fedsplice.data.testsets), dropped once
+    # they are drawn. None: not kept
+    pool_texts: list[str] | None = None
+    pool_labels: np.ndarray | None = None
+    given_split: bool = False  # the user gave the test split (used as it is: never topped up)
 
     @property
     def global_test_size(self) -> int:
@@ -313,14 +319,15 @@ def small_test_warnings(ds: TextDataset, given: bool = False) -> list[str]:
 
 def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
                  max_per_class: int | None = None, skip_bad_images: bool = False,
-                 class_names: list[str] | None = None, test: str = "", hub: HubColumns | None = None) -> TextDataset:
+                 class_names: list[str] | None = None, test: str = "", hub: HubColumns | None = None,
+                 keep_pool: bool = False) -> TextDataset:
     """Load a built-in data set (fetching it once) or a user's `csv:PATH` / `jsonl:PATH` file or
     `images:DIR` folder. A split the user gives (a `split` column, or `test` = data.test) is used
     as it is; a built-in set's official test split gives a balanced test set; otherwise a
     balanced test set is carved, deterministically for `seed`. skip_bad_images: report and skip
     users' images that do not decode (else an error); class_names: readable names replacing the
-    labels, in class order; hub: an hf: data set's columns and splits. `report` says what
-    happened to the data."""
+    labels, in class order; hub: an hf: data set's columns and splits; keep_pool: keep the whole
+    training split (`pool_texts`). `report` says what happened to the data."""
     parsed = _parse(name, test, skip_bad_images, hub)
     names = rename_classes(parsed["class_names"], class_names)
     rng = np.random.default_rng(seed)
@@ -336,6 +343,10 @@ def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
                      test_labels=te_y, source=parsed["source"],
                      class_prompt=parsed.get("class_prompt", GENERIC_PROMPT))
     ds.report = split_report(parsed, test_per_class, seed, ds)
+    ds.given_split = bool(parsed["split"])
+    if keep_pool:
+        ds.pool_texts = [t for texts in parsed["texts"] for t in texts]
+        ds.pool_labels = np.repeat(np.arange(len(parsed["texts"]), dtype=np.int64), [len(t) for t in parsed["texts"]])
     return ds
 
 

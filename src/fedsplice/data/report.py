@@ -52,6 +52,8 @@ def data_report(data: TextDataset, clients: list[Client], holdout_ids: Sequence[
         "dropped": {k: v for k, v in rep.get("dropped", {}).items() if v},
         "notes": list(rep.get("notes", [])),
         "warnings": list(rep.get("warnings", [])) + _held_out_warning(clients, held),
+        # data.local_test = "disjoint" only: the pool, the top-up, what ran out (fedsplice.data.testsets)
+        **({"local_test": rep["local_test"]} if "local_test" in rep else {}),
     }
 
 

@@ -5,7 +5,7 @@ either, on all or a share of its samples) and whether its images are noisy, then
 samples that change as derived `Sample`s (`key|noimg`, `key|notext`, `key|noise=σ,seed=s`):
 
     training samples   each belongs to exactly one client: replaced in place in train_texts
-    local test sets    they point into the shared global test set and clients overlap, so a
+    local test sets    they point into the shared test set (where clients may overlap), so a
                        changed sample is appended to test_texts (once per key) and the client's
                        test_idx is repointed to it; test_texts[:n_global_test] stays the clean,
                        aligned global test set on which GM is measured
@@ -141,7 +141,7 @@ def apply_scenario(sc: ScenarioConfig, data: TextDataset, clients: list[Client],
     plans = _plans(sc, k, g)
     sigma = sc.noise_std * 255.0
     tag = noise_tag(sc.noise_std, seed)
-    n_global = data.global_test_size
+    n_global, n_test = data.global_test_size, len(data.test_texts)  # disjoint local test sets follow the global one
     data.n_global_test = n_global
     appended: dict[str, int] = {}  # key of a changed local test copy -> its index in test_texts
     new_texts: list[str] = []
@@ -160,7 +160,7 @@ def apply_scenario(sc: ScenarioConfig, data: TextDataset, clients: list[Client],
             if s is data.test_texts[i]:
                 continue  # unchanged: keep pointing into the global test set
             if s not in appended:
-                appended[s] = n_global + len(new_texts)
+                appended[s] = n_test + len(new_texts)
                 new_texts.append(s)
                 new_labels.append(int(data.test_labels[i]))
             idx[j] = appended[s]

@@ -6,7 +6,8 @@ the same seed see the same partition, the same local test sets and the same samp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from fedsplice.data.datasets import TextDataset, load_dataset
 from fedsplice.data.hubdata import HubColumns
 from fedsplice.data.sites import SITES, load_server_test, load_site
 from fedsplice.data.scenarios import apply_scenario
+from fedsplice.data.testsets import disjoint_clients
 from fedsplice.core.server import ServerOptimizer, make_server_optimizer
 from fedsplice.core.split import GLOBAL, PRIVATE, names_in
 from fedsplice.federation.pooled import prepare_reference
@@ -52,7 +54,9 @@ class Experiment:
     ledger: Path | None = None
 
 
-def make_clients(cfg: ExperimentConfig, data: TextDataset) -> list[Client]:
+def make_clients(cfg: ExperimentConfig, data: TextDataset, reserved: Collection[str] = ()) -> list[Client]:
+    """Partition the training set; each client's local test set (data.local_test: from the global
+    test set, or disjoint from unused items other than `reserved`, fedsplice.data.testsets)."""
     dc = cfg.data
     g = rng(cfg, PARTITION)
     if dc.partition == "iid":
@@ -62,6 +66,8 @@ def make_clients(cfg: ExperimentConfig, data: TextDataset) -> list[Client]:
     else:
         parts = P.dirichlet_partition(data.train_labels, dc.num_clients, dc.alpha, g)
     gt = rng(cfg, LOCAL_TEST)
+    if dc.local_test == "disjoint":
+        return disjoint_clients(dc, data, parts, reserved, gt, validation=cfg.eval.on == "validation")
     c = len(data.class_names)
     global_labels = data.test_labels[:data.global_test_size]  # never a scenario's local copies
     return [Client(k, idx, P.local_test_indices(data.train_labels[idx], global_labels,
@@ -137,15 +143,34 @@ def build_data(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> tu
     see `site_data`."""
     if cfg.data.dataset == SITES:
         return site_data(cfg, site)
+    data, clients = split_data(cfg)
+    scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, SCENARIO), seed=cfg.seed)
+    return data, clients, scenario
+
+
+def split_data(cfg: ExperimentConfig) -> tuple[TextDataset, list[Client]]:
+    """The data set, its split, long-tail cut and validation hold-out, and the clients."""
+    disjoint = cfg.data.local_test == "disjoint"
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
                         max_per_class=cfg.data.max_per_class or None, skip_bad_images=cfg.data.skip_bad_images,
                         class_names=cfg.data.class_names, test=cfg.data.test,
                         hub=HubColumns(cfg.data.hf_text, cfg.data.hf_image, cfg.data.hf_label, cfg.data.hf_train_split,
-                                       cfg.data.hf_test_split))
+                                       cfg.data.hf_test_split), keep_pool=disjoint)
+    reserved = reserved_items(cfg, data) if disjoint else set()
     data = apply_long_tail(cfg, apply_validation(cfg, data))
-    clients = make_clients(cfg, data)
-    scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, SCENARIO), seed=cfg.seed)
-    return data, clients, scenario
+    return data, make_clients(cfg, data, reserved)
+
+
+def reserved_items(cfg: ExperimentConfig, data: TextDataset) -> set[str]:
+    """What disjoint local test sets must not take besides training and the evaluation set. Under
+    eval.on = "test": the validation hold-out (the same draw as `apply_validation`), which tuning
+    evaluates on. Under "validation": every test item of the same run under "test" (global and
+    local), so that tuning never reads what the measured run tests on."""
+    if cfg.eval.on == "validation":
+        test, _ = split_data(replace(cfg, eval=replace(cfg.eval, on="test")))
+        return set(test.test_texts)
+    val = P.validation_indices(data.train_labels, cfg.eval.validation_per_class, rng(cfg, VALIDATION))
+    return {data.train_texts[i] for i in val}
 
 
 def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experiment:
