@@ -93,13 +93,15 @@ def test_disjoint_invariants(toy):
 
 
 def test_validation_never_reads_the_test_runs_items(toy):
+    """A validation run draws its local sets from the hold-out in training proportions (as
+    "global" does); the measured run's disjoint sets leave the hold-out out, and the validation
+    run trains on neither."""
     test_data, test_clients, _ = build_data(toy())
     val_data, val_clients, _ = build_data(toy(**{"eval.on": '"validation"'}))
+    hold_out = set(val_data.test_texts[:val_data.global_test_size])
     _, local = _test_items(val_data, val_clients)
-    flat = {t for items in local for t in items}
-    assert flat and not flat & set(test_data.test_texts)  # neither the test run's global nor local items
-    assert not flat & set(val_data.test_texts[:val_data.global_test_size]) and not flat & set(val_data.train_texts)
-    assert any("leave out" in n for n in val_data.report["notes"])
+    assert {t for items in local for t in items} <= hold_out and "local_test" not in val_data.report
+    assert not hold_out & set(test_data.test_texts) and not set(test_data.test_texts) & set(val_data.train_texts)
 
 
 def test_exhaustion_is_handled_and_reported(toy):

@@ -2,7 +2,7 @@
 
 The pool is every item of the training split that nothing else uses: not trained on (after the
 cap and the long-tail cut), not in the global test set and not in `reserved` (the validation
-hold-out; under eval.on = "validation", the test run's test items). Items are compared by
+hold-out; a validation run draws no disjoint sets: `federation.experiment.disjoint_tests`). Items are compared by
 content, so a copy of a training text never becomes a test item. From the pool, in order:
 
 1. data.global_test_per_class > 0: each class of the global test set is topped up to that many,
@@ -81,12 +81,9 @@ def _short(names: list[str], short: np.ndarray) -> str:
 
 
 def disjoint_clients(dc: DataConfig, data: TextDataset, parts: list[np.ndarray], reserved: Collection[str],
-                     rng: np.random.Generator, validation: bool = False) -> list[Client]:
+                     rng: np.random.Generator) -> list[Client]:
     """The clients (training indices `parts`) with disjoint local test sets; `data`'s test set
-    becomes the global test set (topped up) followed by the clients' local sets, in client order.
-    validation (eval.on = "validation", whose pool excludes the test run's items): the evaluation
-    set is the validation hold-out as it is, and too few items shrink the sets by the shortfall
-    rule instead of being an error."""
+    becomes the global test set (topped up) followed by the clients' local sets, in client order."""
     if data.pool_texts is None or data.pool_labels is None:
         raise ValueError("data.local_test = 'disjoint' needs the training split: load_dataset(keep_pool=True)")
     c, k, size = data.num_classes, len(parts), dc.local_test_size
@@ -96,7 +93,7 @@ def disjoint_clients(dc: DataConfig, data: TextDataset, parts: list[np.ndarray],
     px, py = [data.pool_texts[i] for i in keep], data.pool_labels[keep]
     gx, gy = list(data.test_texts[:n_glob]), data.test_labels[:n_glob]
     top = np.empty(0, np.int64)
-    if dc.global_test_per_class and not validation:
+    if dc.global_test_per_class:
         if data.given_split:
             raise ConfigError("data.global_test_per_class: this data set's test split is given (data.test, a `split` "
                               "column or data.hf_test_split) and used as it is; remove data.global_test_per_class")
@@ -107,7 +104,7 @@ def disjoint_clients(dc: DataConfig, data: TextDataset, parts: list[np.ndarray],
         data.report["warnings"] = ([w for w in data.report.get("warnings", []) if w not in stale]
                                    + small_test_warnings(replace(data, test_labels=gy)))
     rest = np.setdiff1d(np.arange(len(px)), top)
-    if not validation and len(rest) < k * size:
+    if len(rest) < k * size:
         raise ConfigError(f"data.local_test_size = {size}: {k} disjoint local test sets need {k * size} unused "
                           f"training items, but {len(rest)} are left (of {len(px)} unused, {len(top)} topping up the "
                           f"global test set); lower it to at most {len(rest) // k}, or data.global_test_per_class")
@@ -125,16 +122,10 @@ def disjoint_clients(dc: DataConfig, data: TextDataset, parts: list[np.ndarray],
         clients.append(Client(cid, part, np.arange(len(tx), len(tx) + len(pick), dtype=np.int64)))
         tx.extend(px[i] for i in rest[pick])
         ty.append(ry[pick])
-    n_reserved = sum(t in reserved for t in data.pool_texts)
     data.test_texts, data.test_labels, data.n_global_test = tx, np.concatenate(ty), len(gx)
     data.pool_texts = data.pool_labels = None  # drawn: not carried into workers (image sets hold pixels)
     _report(dc, data, len(px), len(top), weights, quotas, counts)
-    if validation:
-        data.report.setdefault("notes", []).append(
-            f"data.local_test = disjoint under eval.on = validation: the local validation sets leave out the "
-            f"{n_reserved} items the test run tests on; the validation hold-out is not topped up "
-            f"(eval.validation_per_class sets it)")
-    elif (low := np.maximum(dc.global_test_per_class - np.bincount(gy, minlength=c), 0)).any():  # 0: none
+    if (low := np.maximum(dc.global_test_per_class - np.bincount(gy, minlength=c), 0)).any():  # 0: none
         data.report.setdefault("warnings", []).append(
             f"global test set: {int((low > 0).sum())} classes below data.global_test_per_class = "
             f"{dc.global_test_per_class} ({_short(data.class_names, low)} short): their unused items ran out; GM "

@@ -66,8 +66,8 @@ def make_clients(cfg: ExperimentConfig, data: TextDataset, reserved: Collection[
     else:
         parts = P.dirichlet_partition(data.train_labels, dc.num_clients, dc.alpha, g)
     gt = rng(cfg, LOCAL_TEST)
-    if dc.local_test == "disjoint":
-        return disjoint_clients(dc, data, parts, reserved, gt, validation=cfg.eval.on == "validation")
+    if disjoint_tests(cfg):
+        return disjoint_clients(dc, data, parts, reserved, gt)
     c = len(data.class_names)
     global_labels = data.test_labels[:data.global_test_size]  # never a scenario's local copies
     return [Client(k, idx, P.local_test_indices(data.train_labels[idx], global_labels,
@@ -148,27 +148,46 @@ def build_data(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> tu
     return data, clients, scenario
 
 
+def disjoint_tests(cfg: ExperimentConfig) -> bool:
+    """data.local_test = "disjoint" in a measured run. A validation run (tuning) draws its local
+    validation sets from the hold-out as "global" does, in each client's training proportions: the
+    unused items left once the measured run's test items are out cannot keep those proportions,
+    and tuning scores are never reported. It trains on none of the measured run's test items, and
+    the measured run's sets leave the hold-out out (`reserved_items`)."""
+    return cfg.data.local_test == "disjoint" and cfg.eval.on != "validation"
+
+
 def split_data(cfg: ExperimentConfig) -> tuple[TextDataset, list[Client]]:
     """The data set, its split, long-tail cut and validation hold-out, and the clients."""
-    disjoint = cfg.data.local_test == "disjoint"
+    disjoint = disjoint_tests(cfg)
     data = load_dataset(cfg.data.dataset, seed=cfg.seed, test_per_class=cfg.data.test_per_class,
                         max_per_class=cfg.data.max_per_class or None, skip_bad_images=cfg.data.skip_bad_images,
                         class_names=cfg.data.class_names, test=cfg.data.test,
                         hub=HubColumns(cfg.data.hf_text, cfg.data.hf_image, cfg.data.hf_label, cfg.data.hf_train_split,
                                        cfg.data.hf_test_split), keep_pool=disjoint)
     reserved = reserved_items(cfg, data) if disjoint else set()
-    data = apply_long_tail(cfg, apply_validation(cfg, data))
+    data = apply_validation(cfg, data)
+    if cfg.data.local_test == "disjoint" and not disjoint:  # a validation run: it never trains on a test item
+        data = _within(data, set(split_data(replace(cfg, eval=replace(cfg.eval, on="test")))[0].train_texts))
+    else:
+        data = apply_long_tail(cfg, data)
     return data, make_clients(cfg, data, reserved)
 
 
+def _within(data: TextDataset, texts: set[str]) -> TextDataset:
+    """`data`'s training items that are in `texts`: a validation run trains on the measured run's
+    training set (its long-tail cut included) less the hold-out. Its own cut could pick items the
+    measured run's cut left unused, from which its disjoint test sets are drawn."""
+    keep = np.array([i for i, t in enumerate(data.train_texts) if t in texts], dtype=np.int64)
+    if data.report:
+        data.report["dropped"]["long_tail"] = len(data.train_labels) - len(keep)
+    data.train_texts, data.train_labels = [data.train_texts[i] for i in keep], data.train_labels[keep]
+    return data
+
+
 def reserved_items(cfg: ExperimentConfig, data: TextDataset) -> set[str]:
-    """What disjoint local test sets must not take besides training and the evaluation set. Under
-    eval.on = "test": the validation hold-out (the same draw as `apply_validation`), which tuning
-    evaluates on. Under "validation": every test item of the same run under "test" (global and
-    local), so that tuning never reads what the measured run tests on."""
-    if cfg.eval.on == "validation":
-        test, _ = split_data(replace(cfg, eval=replace(cfg.eval, on="test")))
-        return set(test.test_texts)
+    """What disjoint local test sets must not take besides training and the global test set: the
+    validation hold-out (the same draw as `apply_validation`), on which tuning evaluates."""
     val = P.validation_indices(data.train_labels, cfg.eval.validation_per_class, rng(cfg, VALIDATION))
     return {data.train_texts[i] for i in val}
 
