@@ -13,6 +13,7 @@ from fedsplice.config import (
     read_toml,
     to_dict,
 )
+from fedsplice.app.rundir import write_config
 from fedsplice.errors import ConfigError
 from fedsplice.federation.validate import load_config  # parse + leaf checks + the cross-checks
 
@@ -222,3 +223,37 @@ def test_unknown_zoo_model_rejected_at_load():
 
 def test_unknown_dataset_rejected_at_load():
     assert "data.dataset" in _err(["data.dataset=nope"])
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    # the issue's case: DP parameters without privacy.mode run without privacy, and said nothing
+    (["privacy.clip=1.0", "privacy.noise_multiplier=1.0", "privacy.delta=1e-5"],
+     "privacy.clip = 1.0, privacy.noise_multiplier = 1.0 do nothing while privacy.mode = 'off': set privacy.mode = "
+     "'central' or 'distributed' (client-level DP) for it to take effect, or remove them"),
+    (["privacy.local_noise_multiplier=1.0"], "privacy.local_noise_multiplier = 1.0 does nothing while privacy.local "
+     "= 'off': set privacy.local = 'dpsgd'"),
+    (["privacy.delta=1e-6"], "privacy.delta = 1e-06 does nothing while privacy.mode and privacy.local are off"),
+    (["privacy.secagg_threshold=0.6"], "privacy.secagg_threshold = 0.6 does nothing while "
+     "privacy.secure_aggregation = false"),
+    (['data.hf_text="x"'], "data.hf_text = 'x' does nothing while data.dataset = 'fortunes' is no hf: data set"),
+    (["grab.kp=3.0"], "grab.kp = 3.0 does nothing while grab.enabled = false: set grab.enabled = true"),
+])
+def test_a_setting_that_does_nothing_is_refused(overrides, needle):
+    """A value the rest of the config makes inert is an error naming it and what would make it
+    take effect (issue 49), through `fedsplice validate`'s load as through a run's."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value)
+
+
+def test_inert_checks_let_active_and_saved_settings_through(tmp_path):
+    """The same values where they take effect load; a run's saved config.toml, which writes every
+    default, reads back (fields count as set only where they differ from the default)."""
+    cfg = load_config(None, ["privacy.mode=central", "privacy.clip=1.0", "privacy.noise_multiplier=1.0",
+                             "privacy.delta=1e-6"])
+    assert (cfg.privacy.clip, cfg.privacy.delta) == (1.0, 1e-6)
+    assert load_config(None, ["privacy.local=dpsgd", "privacy.local_noise_multiplier=1.0"]).privacy.local == "dpsgd"
+    assert load_config(None, ["grab.enabled=true", "grab.kp=3.0"]).grab.kp == 3.0
+    saved = tmp_path / "config.toml"
+    write_config(tmp_path, load_config(None, []))
+    assert to_dict(load_config(saved)) == to_dict(load_config(None, []))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from fedsplice.config.checks import refuse_inert
 from fedsplice.errors import ConfigError
 
 
@@ -52,6 +53,7 @@ class PrivacyConfig:
         return self.mode != "off"
 
     def check(self) -> None:
+        self._check_inert()
         if self.local == "dpsgd":
             self._check_mechanism("privacy.local = 'dpsgd'", "local_", self.local_clip,
                                   "the L2 bound of one example's gradient",
@@ -62,6 +64,22 @@ class PrivacyConfig:
             self._check_mechanism(f"privacy.mode = {self.mode!r}", "", self.clip,
                                   "the L2 bound of a client's GLOBAL update",
                                   self.noise_multiplier, self.target_epsilon)
+
+    def _check_inert(self) -> None:
+        """Settings of a mechanism that is off (docs/privacy.md: what each one takes effect under)."""
+        if not self.enabled:
+            refuse_inert("privacy", self, ("clip", "noise_multiplier", "target_epsilon"), "privacy.mode = 'off'",
+                         "set privacy.mode = 'central' or 'distributed' (client-level DP) for it to take effect")
+        if self.local != "dpsgd":
+            refuse_inert("privacy", self, ("local_clip", "local_noise_multiplier", "local_target_epsilon"),
+                         "privacy.local = 'off'", "set privacy.local = 'dpsgd' (sample-level DP) for it to take effect")
+        if not self.enabled and self.local != "dpsgd":
+            refuse_inert("privacy", self, ("delta", "accountant", "noise"), "privacy.mode and privacy.local are off",
+                         "turn on privacy.mode or privacy.local for it to take effect")
+        if not self.secure_aggregation:
+            refuse_inert("privacy", self, ("secagg_num_shares", "secagg_threshold", "secagg_clipping_range",
+                                           "secagg_quantization_range"), "privacy.secure_aggregation = false",
+                         "set privacy.secure_aggregation = true (on Flower) for it to take effect")
 
     def _check_secagg(self) -> None:
         """Flower's own checks of SecAggPlusWorkflow's arguments, as one-line errors naming the field."""

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fedsplice.config.checks import check_device_name, check_positive
+from fedsplice.config.checks import check_device_name, check_positive, refuse_inert
 from fedsplice.errors import ConfigError
 
 
@@ -95,7 +95,11 @@ class GrabConfig:
     loss: Literal["softmax", "sigmoid"] = "softmax"
 
     def check(self) -> None:
-        """Every field, whether or not grab.enabled is on."""
+        """Every field, whether or not grab.enabled is on; none set while it is off."""
+        if not self.enabled:
+            refuse_inert("grab", self, ("kp", "ki", "kd", "pos_scale", "neg_scale", "out_limit", "prior",
+                                        "tail_ratio", "loss"),
+                         "grab.enabled = false", "set grab.enabled = true for it to take effect")
         for name, lo, strict in (("kp", 0, False), ("ki", 0, False), ("kd", 0, False), ("pos_scale", 0, False),
                                  ("neg_scale", 0, False), ("out_limit", 0, True), ("tail_ratio", 0, False)):
             v = getattr(self, name)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from fedsplice.config.checks import ROLES, check_positive, check_roles
+from fedsplice.config.checks import ROLES, check_positive, check_roles, refuse_inert
 from fedsplice.errors import ConfigError
 
 USER_DATA_KINDS = ("csv", "jsonl", "images")
@@ -201,6 +201,9 @@ class DataConfig:
 
     def _check_hf(self) -> None:
         if not self.dataset.startswith(HF):
+            refuse_inert("data", self, ("hf_text", "hf_image", "hf_label", "hf_train_split", "hf_test_split"),
+                         f"data.dataset = {self.dataset!r} is no hf: data set",
+                         "set data.dataset = 'hf:NAME' for it to take effect")
             return
         if not self.dataset[len(HF):].partition(":")[0]:
             raise ConfigError(f"data.dataset = {self.dataset!r}: give hf:NAME or hf:NAME:CONFIG (a hub id such as "
