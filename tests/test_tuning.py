@@ -140,3 +140,11 @@ tune = {{key = "client.lr", values = [0.001, 0.01]}}
     runs = T.plan_tuning(R.load_suite(suite), tmp_path / "out")
     assert sorted((r[0], r[1]) for r in runs) == [("a--0.001", 0), ("a--0.001", 1), ("a--0.01", 0), ("a--0.01", 1),
                                                   ("b--0.001", 0), ("b--0.01", 0)]
+    # a group's tune_set reaches its validation runs only, before the experiment's own set
+    suite.write_text(suite.read_text().replace('title = "g"', 'title = "g"\ntune_set = ["data.local_test_size=7"]'))
+    loaded = R.load_suite(suite)
+    assert {r[2].data.local_test_size for r in T.plan_tuning(loaded, tmp_path / "out")} == {7}
+    assert {r[2].data.local_test_size for r in R.plan_suite(loaded, tmp_path / "out")} == {40}
+    suite.write_text(suite.read_text().replace('tune_set = ["data.local_test_size=7"]', 'tune_set = "x"'))
+    with pytest.raises(ConfigError, match=r"\[groups.g\] tune_set must list overrides"):
+        R.load_suite(suite)

@@ -76,6 +76,10 @@ def load_suite(path: Path) -> Suite:
         if "setting" in g:
             raise ConfigError(f"{path}: [groups.{k}] setting: the page generates it from the runs' configs; "
                               f"remove it (the paper's setting stays in `paper`)")
+        ts = g.get("tune_set", [])
+        if not (isinstance(ts, list) and all(isinstance(x, str) and "=" in x for x in ts)):
+            raise ConfigError(f"{path}: [groups.{k}] tune_set must list overrides for the group's validation runs, "
+                              f"e.g. tune_set = [\"data.local_test_size=100\"]; got {ts!r}")
         if not isinstance(g.get("seeds", 1), int) or g.get("seeds", 1) < 1:
             raise ConfigError(f"{path}: [groups.{k}] seeds must be an integer >= 1, got {g['seeds']!r}")
     exps = {}

@@ -10,6 +10,10 @@ data; an ablation that takes its server optimizer's η and its method's client l
 experiment tunes itself is not taken, and where two sources tune a key the last one's is used. Runs live under
 OUT/tune/runs/<experiment>--<value>/seed-<s>, so a stopped suite resumes here too.
 
+A group's `tune_set = [...]` adds overrides to its validation runs only (the results suite's
+groups draw 100 local validation items a client, not the measured runs' 300: they come from a
+190-item hold-out, so more would repeat items and only cost evaluation time).
+
 Several keys tune together as a grid: `tune = {grid = {"server.lr" = [...], "server.tau" = [...]},
 metric = "PM acc"}` runs every combination (FedYogi's η with its τ); its runs are labelled
 <experiment>--<v1>,<v2>.
@@ -93,7 +97,8 @@ def plan_tuning(suite, out: Path) -> list[tuple]:
         if "tune" not in e:
             continue
         t = e["tune"]
-        base = [*suite.groups[e["group"]].get("set", []), *e.get("set", [])]
+        g = suite.groups[e["group"]]  # tune_set: the group's overrides for validation runs only
+        base = [*g.get("set", []), *g.get("tune_set", []), *e.get("set", [])]
         entries = [(_label(name, c), Path(e["config"]), [*base, *_sets(t, c), "eval.on=validation"])
                    for c in combos(t)]
         runs += C.plan_entries(entries, int(t.get("seeds", 1)), Path(out) / "tune")
