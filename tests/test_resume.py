@@ -1,7 +1,7 @@
 """Kill a run at any moment, resume it, and get the same outputs as a run that never stopped.
 
 "Same" is bit for bit: every metrics.jsonl record and results.json equal after dropping the
-wall-clock `time_s` fields (the only fields excluded), results.csv byte-equal, and the final
+wall-clock `time_s` and `cpu_s` fields (the only fields excluded), results.csv byte-equal, and the final
 GLOBAL tensors, server state, every client's PRIVATE state and torch's RNG byte-equal.
 
 The SIGKILL tests run a real `fedsplice run` subprocess on the tiny BERT and the toy data set,
@@ -62,7 +62,7 @@ def _records(run: Path) -> list[dict]:
 
 def _results(run: Path) -> dict:
     r = json.loads((run / "results.json").read_text())
-    r.pop("time_s")
+    r.pop("time_s"), r.pop("cpu_s")
     return r
 
 

@@ -63,6 +63,19 @@ class Suite:
         return self.seeds if self.fixed else int(e.get("seeds", self.group_seeds(e["group"])))
 
 
+def _check_group(path: Path, k: str, g: dict) -> None:
+    """A [groups.K] table: no hand-written setting, its tune_set and seeds well formed."""
+    if "setting" in g:
+        raise ConfigError(f"{path}: [groups.{k}] setting: the page generates it from the runs' configs; "
+                          f"remove it (the paper's setting stays in `paper`)")
+    ts = g.get("tune_set", [])
+    if not (isinstance(ts, list) and all(isinstance(x, str) and "=" in x for x in ts)):
+        raise ConfigError(f"{path}: [groups.{k}] tune_set must list overrides for the group's validation runs, "
+                          f"e.g. tune_set = [\"data.local_test_size=100\"]; got {ts!r}")
+    if not isinstance(g.get("seeds", 1), int) or g.get("seeds", 1) < 1:
+        raise ConfigError(f"{path}: [groups.{k}] seeds must be an integer >= 1, got {g['seeds']!r}")
+
+
 def load_suite(path: Path) -> Suite:
     path = Path(path)
     if not path.is_file():
@@ -73,15 +86,7 @@ def load_suite(path: Path) -> Suite:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
     groups = t.get("groups", {})
     for k, g in groups.items():
-        if "setting" in g:
-            raise ConfigError(f"{path}: [groups.{k}] setting: the page generates it from the runs' configs; "
-                              f"remove it (the paper's setting stays in `paper`)")
-        ts = g.get("tune_set", [])
-        if not (isinstance(ts, list) and all(isinstance(x, str) and "=" in x for x in ts)):
-            raise ConfigError(f"{path}: [groups.{k}] tune_set must list overrides for the group's validation runs, "
-                              f"e.g. tune_set = [\"data.local_test_size=100\"]; got {ts!r}")
-        if not isinstance(g.get("seeds", 1), int) or g.get("seeds", 1) < 1:
-            raise ConfigError(f"{path}: [groups.{k}] seeds must be an integer >= 1, got {g['seeds']!r}")
+        _check_group(path, k, g)
     exps = {}
     for e in t.get("experiment", []):
         for k in ("name", "config", "group"):
