@@ -148,3 +148,29 @@ tune = {{key = "client.lr", values = [0.001, 0.01]}}
     suite.write_text(suite.read_text().replace('tune_set = ["data.local_test_size=7"]', 'tune_set = "x"'))
     with pytest.raises(ConfigError, match=r"\[groups.g\] tune_set must list overrides"):
         R.load_suite(suite)
+
+
+def test_a_dependent_grid_runs_at_its_sources_chosen_values(tmp_path):
+    """FedYogi's η is tuned at FedAvg-LoRA's chosen client lr, not its config's: `b` (tune_from
+    `a`) comes a stage later, and its validation runs carry a's choice; a cycle is an error."""
+    cfg = Path("configs/fedavg-lora-minilm.toml").resolve()
+    suite = tmp_path / "suite.toml"
+    suite.write_text(f"""[groups.g]\ntitle = "g"\n
+[[experiment]]\nname = "a"\ngroup = "g"\nconfig = "{cfg}"
+tune = {{key = "client.lr", values = [0.001, 0.003], metric = "PM acc"}}
+[[experiment]]\nname = "b"\ngroup = "g"\nconfig = "{cfg}"\ntune_from = "a"
+tune = {{key = "server.lr", values = [0.1, 1.0], metric = "PM acc"}}
+""")
+    s = R.load_suite(suite)
+    assert T.stages(s) == [["a"], ["b"]]
+    first = T.plan_tuning(s, tmp_path / "out", ["a"])
+    for r in first:
+        write_run(Path(r[3]), [0.4, 0.5, 0.6], DOWN)
+    score = {"a--0.001": 0.5, "a--0.003": 0.7}
+    chosen = T.choose(s, ["a"], first, [{"pm": {"accuracy": score[r[0]]}} for r in first],
+                      lambda res, m: res["pm"]["accuracy"])
+    T.inherit(s, chosen, ["b"])
+    assert {r[2].client.lr for r in T.plan_tuning(s, tmp_path / "out", ["b"])} == {0.003}
+    s.experiments["a"]["tune_from"] = "b"
+    with pytest.raises(ConfigError, match="tune_from forms a cycle among a, b"):
+        T.stages(s)

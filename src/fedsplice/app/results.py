@@ -362,14 +362,20 @@ def run_suite(path: Path, out: Path, doc: Path, seeds: int | None = None, jobs: 
     if seeds:
         suite.seeds, suite.fixed = seeds, True
     out = Path(out)
-    tune_runs = T.plan_tuning(suite, out)
+    T.plan_tuning(suite, out)
     plan_suite(suite, out)  # every config is validated before anything runs
     t0 = time.perf_counter()
     prov = {"commit": P.commit(), "goldens": P.goldens_hash()}
-    reuse = P.prepare(tune_runs, out, records, prov["goldens"])
-    pending = sum(not (r[3] / "results.json").exists() for r in tune_runs)
-    tune_res = C.run_all(tune_runs, quiet=quiet, jobs=jobs or suite.jobs, on_done=P.stamper(prov, out, records))
-    suite.tuned = T.apply_tuning(suite, tune_runs, tune_res, value)
+    reuse, pending, tune_runs, tune_res = {"restored": 0, "stale": 0}, 0, [], []
+    for names in T.stages(suite):  # each stage at the values its sources chose (tune_from)
+        T.inherit(suite, suite.tuned, names)
+        stage = T.plan_tuning(suite, out, names)
+        reuse = {k: v + P.prepare(stage, out, records, prov["goldens"])[k] for k, v in reuse.items()}
+        pending += sum(not (r[3] / "results.json").exists() for r in stage)
+        res = C.run_all(stage, quiet=quiet, jobs=jobs or suite.jobs, on_done=P.stamper(prov, out, records))
+        suite.tuned.update(T.choose(suite, names, stage, res, value))
+        tune_runs, tune_res = tune_runs + stage, tune_res + res
+    T.inherit(suite, suite.tuned, [n for n, e in suite.experiments.items() if "tune" not in e])
     runs = plan_suite(suite, out)  # with the chosen values
     reuse = {k: v + P.prepare(runs, out, records, prov["goldens"])[k] for k, v in reuse.items()}
     pending += sum(not (r[3] / "results.json").exists() for r in runs)

@@ -7,7 +7,9 @@ never reads the test set; the value with the best mean metric (the first on a ti
 to the experiment's overrides, and the page records every score. `tune_from = "<experiment>"`
 (or a list of them) reuses the values chosen for other experiments (the same method on other
 data; an ablation that takes its server optimizer's η and its method's client lr): a key the
-experiment tunes itself is not taken, and where two sources tune a key the last one's is used. Runs live under
+experiment tunes itself is not taken, and where two sources tune a key the last one's is used.
+A tuned experiment's own validation runs already use its sources' values: the suite tunes in
+stages (`stages`), each after the ones it takes values from. Runs live under
 OUT/tune/runs/<experiment>--<value>/seed-<s>, so a stopped suite resumes here too.
 
 A group's `tune_set = [...]` adds overrides to its validation runs only (the results suite's
@@ -89,12 +91,30 @@ def _sets(tune: dict, combo: tuple) -> list[str]:
     return [f"{k}={v}" for k, v in zip(keys(tune), combo)]
 
 
-def plan_tuning(suite, out: Path) -> list[tuple]:
-    """The validation runs of every tuned experiment: (label, seed, cfg, dir) as compare plans
-    them, on the experiment's own `tune.seeds` (default 1)."""
+def stages(suite) -> list[list[str]]:
+    """The tuned experiments in the order their validation runs can be planned: an experiment
+    whose `tune_from` names another tuned experiment runs its grid at that one's chosen values
+    (FedYogi's η at FedAvg-LoRA's chosen client lr, not at its config's), so it comes a stage later."""
+    left = [n for n, e in suite.experiments.items() if "tune" in e]
+    done: set[str] = set()
+    out = []
+    while left:
+        ready = [n for n in left if all(s in done for s in sources(suite.experiments[n]))]
+        if not ready:
+            raise ConfigError(f"tune_from forms a cycle among {', '.join(left)}; one of them must tune first")
+        out.append(ready)
+        done.update(ready)
+        left = [n for n in left if n not in done]
+    return out
+
+
+def plan_tuning(suite, out: Path, names: list[str] | None = None) -> list[tuple]:
+    """The validation runs of the tuned experiments `names` (default: all): (label, seed, cfg,
+    dir) as compare plans them, on each experiment's own `tune.seeds` (default 1), with the
+    overrides it has so far (its sources' chosen values once `inherit` added them)."""
     runs: list[tuple] = []
     for name, e in suite.experiments.items():
-        if "tune" not in e:
+        if "tune" not in e or (names is not None and name not in names):
             continue
         t = e["tune"]
         g = suite.groups[e["group"]]  # tune_set: the group's overrides for validation runs only
@@ -137,7 +157,15 @@ def unstable(run_dirs: list[Path], metric: str) -> str | None:
 
 
 def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[str, dict]:
-    """Choose each tuned experiment's value from its validation runs (`value(result, metric)`
+    """`choose` for every tuned experiment, then `inherit` for every experiment (one stage: the
+    validation runs given were planned before any choice)."""
+    chosen = choose(suite, [n for n, e in suite.experiments.items() if "tune" in e], runs, results, value)
+    inherit(suite, chosen, list(suite.experiments))
+    return chosen
+
+
+def choose(suite, names: list[str], runs: list[tuple], results: list[dict], value) -> dict[str, dict]:
+    """Choose each tuned experiment of `names` from its validation runs (`value(result, metric)`
     reads a metric; a run's folder, its 4th item, its metrics.jsonl), add it to the experiment's
     overrides, and return {experiment: {keys, metric, scores {combo: mean}, chosen, unstable
     {combo: short reason} (every unstable setting), none_stable (True where no stable setting had
@@ -148,9 +176,8 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
         by_label.setdefault(r[0], []).append(res)
         dirs.setdefault(r[0], []).append(Path(r[3]))
     chosen = {}
-    for name, e in suite.experiments.items():
-        if "tune" not in e:
-            continue
+    for name in names:
+        e = suite.experiments[name]
         t, metric = e["tune"], e["tune"].get("metric", "GM acc")
         scores, order = {}, combos(t)
         for c in order:
@@ -166,12 +193,18 @@ def apply_tuning(suite, runs: list[tuple], results: list[dict], value) -> dict[s
         e["set"] = [*e.get("set", []), *_sets(t, best)]
         chosen[name] = {"keys": keys(t), "metric": metric, "scores": scores, "chosen": best, "unstable": bad,
                         "none_stable": not stable, "edge_reason": t.get("edge_reason")}
-    for e in suite.experiments.values():  # tune_from: the values chosen for other experiments,
-        own = set(keys(e["tune"])) if "tune" in e else set()  # but never over its own; the last source wins
-        for src in sources(e):
-            ch = chosen[src]  # (not `c`: above, a combo tuple)
-            e["set"] = [*e.get("set", []), *(f"{k}={v}" for k, v in zip(ch["keys"], ch["chosen"]) if k not in own)]
     return chosen
+
+
+def inherit(suite, chosen: dict[str, dict], names: list[str]) -> None:
+    """tune_from: add the values chosen for an experiment's sources to its overrides, never over a
+    key it tunes itself; where two sources tune a key the last one's is used."""
+    for name in names:
+        e = suite.experiments[name]
+        own = set(keys(e["tune"])) if "tune" in e else set()
+        for src in sources(e):
+            ch = chosen[src]
+            e["set"] = [*e.get("set", []), *(f"{k}={v}" for k, v in zip(ch["keys"], ch["chosen"]) if k not in own)]
 
 
 def edge(c: dict) -> str:
