@@ -193,6 +193,9 @@ def test_group_seeds_and_convergence_rows(suite, tmp_path):
     suite.write_text(shown)
     with pytest.raises(ConfigError, match="experiment 'fl' sets its own seeds but a claim of table 't1' compares it"):
         R.load_suite(suite)
+    suite.write_text(text.replace('b = "fl"\nmetric = "PM acc"', 'metric = "PM acc"'))
+    with pytest.raises(ConfigError, match="a greater claim needs b: the rows it compares"):
+        R.load_suite(suite)
     suite.write_text(text)
     runs = []
     for seed, accs in ((0, [0.5, 0.6, 0.7]), (1, [0.5, 0.7, 0.8])):

@@ -126,12 +126,19 @@ def loss_rose(h: History) -> str | None:
     return f"training loss {pair(ends[0], ends[1], 2)} ({_window(ends[2])})"
 
 
+def last_fall(points: Sequence[tuple[int, float]], tol: float = 0.0) -> tuple[float, float] | None:
+    """(the one before, the last) where a curve's last point is more than `tol` below the one
+    before it; None otherwise or with fewer than 2 points."""
+    if len(points) < 2 or not points[-1][1] < points[-2][1] - tol:
+        return None
+    return points[-2][1], points[-1][1]
+
+
 def fell(points: Sequence[tuple[int, float]], metric: str) -> str | None:
     """A reason when a curve is lower at its last point than at the one before."""
-    if len(points) < 2 or not points[-1][1] < points[-2][1]:
+    if (drop := last_fall(points)) is None:
         return None
-    (r0, a), (r1, b) = points[-2:]
-    return f"{metric} fell {pair(a, b)} (round {r0} → {r1})"
+    return f"{metric} fell {pair(*drop)} (round {points[-2][0]} → {points[-1][0]})"
 
 
 def fell_at_end(h: History, metric: str) -> str | None:

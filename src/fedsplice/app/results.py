@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 COLUMNS = {c for c, _ in C.METRICS} | set(PARAMS)
 KINDS = ("greater", "best", "lowest", "balanced", "ratio", "gap_greater", "benchmark", "untestable")
 NO_METRIC = ("untestable", "benchmark")
+ROWS_OF = {"greater": ("a", "b"), "ratio": ("a", "b"), "best": ("a",), "lowest": ("a",), "balanced": ("a",),
+           "gap_greater": ("a1", "b1", "a2", "b2")}  # the row fields each kind needs
 
 
 @dataclasses.dataclass
@@ -133,13 +135,7 @@ def load_suite(path: Path) -> Suite:
 
 def _claimed(tb: dict) -> set[str]:
     """The rows a table's claims pair by seed (every row, for a best / lowest claim)."""
-    rows: set[str] = set()
-    for cl in tb.get("claim", []):
-        if cl.get("kind") in ("best", "lowest"):
-            rows |= set(tb["rows"])
-        elif cl.get("kind") in ("greater", "gap_greater", "balanced"):  # a ratio of means (bytes) pairs nothing
-            rows |= {cl[k] for k in ("a", "b", "a1", "b1", "a2", "b2") if k in cl}
-    return rows
+    return {n for cl in tb.get("claim", []) for n in V.compared(cl, tb["rows"])[0]}  # a ratio (bytes): none
 
 
 def _check_claims(path: Path, tb: dict, alphas: dict[str, float]) -> None:
@@ -168,6 +164,9 @@ def _check_claims(path: Path, tb: dict, alphas: dict[str, float]) -> None:
         if cl.get("kind") == "benchmark" and not (cl.get("measured") and cl.get("source")):
             raise ConfigError(f"{path}: table {tb.get('id')!r}: a benchmark claim needs `measured` (the number) "
                               f"and `source` (the benchmark's result file)")
+        if (miss := [k for k in ROWS_OF.get(cl["kind"], ()) if k not in cl]):
+            raise ConfigError(f"{path}: table {tb.get('id')!r}: a {cl['kind']} claim needs "
+                              f"{', '.join(miss)}: the rows it compares")
         for k in ("a", "b", "a1", "b1", "a2", "b2"):
             if k in cl and cl[k] not in tb["rows"]:
                 raise ConfigError(f"{path}: table {tb.get('id')!r}: claim {k} = {cl[k]!r} is not one of its rows")
@@ -366,7 +365,9 @@ def run_suite(path: Path, out: Path, doc: Path, seeds: int | None = None, jobs: 
     plan_suite(suite, out)  # every config is validated before anything runs
     t0 = time.perf_counter()
     prov = {"commit": P.commit(), "goldens": P.goldens_hash()}
-    reuse, pending, tune_runs, tune_res = {"restored": 0, "stale": 0}, 0, [], []
+    reuse, pending = {"restored": 0, "stale": 0}, 0
+    tune_runs: list[tuple] = []
+    tune_res: list[dict] = []
     for names in T.stages(suite):  # each stage at the values its sources chose (tune_from)
         T.inherit(suite, suite.tuned, names)
         stage = T.plan_tuning(suite, out, names)

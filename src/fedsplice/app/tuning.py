@@ -146,9 +146,8 @@ def unstable(run_dirs: list[Path], metric: str) -> str | None:
     Runs without a metrics.jsonl are not read."""
     hs = [h for d in run_dirs if (h := K.history(d)) is not None]
     reasons = []
-    c = K.mean_curve(hs, metric)
-    if len(c) >= 2 and c[-1][1] < c[-2][1] - FELL_TOL:
-        reasons.append(f"fell {K.pair(c[-2][1], c[-1][1])}")
+    if (drop := K.last_fall(K.mean_curve(hs, metric), FELL_TOL)) is not None:
+        reasons.append(f"fell {K.pair(*drop)}")
     ends = K.loss_ends([v for _, v in K.mean_losses(hs)])
     if K.rose(ends):
         assert ends is not None

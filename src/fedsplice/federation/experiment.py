@@ -82,13 +82,19 @@ def sampling_stream(cfg: ExperimentConfig, train_ids: list[int]) -> list[list[in
             for _ in range(cfg.server.rounds)]
 
 
+def validation_draw(cfg: ExperimentConfig, data: TextDataset) -> np.ndarray:
+    """The validation hold-out's training indices: one draw, whether it is evaluated on (tuning)
+    or kept out of disjoint local test sets (a measured run)."""
+    return P.validation_indices(data.train_labels, cfg.eval.validation_per_class, rng(cfg, VALIDATION))
+
+
 def apply_validation(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
     """eval.on = "validation" (tuning): eval.validation_per_class training samples of each class
     become the evaluation set in place of the test set, which is then not read at all; the rest
     of the pipeline (long tail, partition, local test sets) runs on what is left."""
     if cfg.eval.on != "validation":
         return data
-    val = P.validation_indices(data.train_labels, cfg.eval.validation_per_class, rng(cfg, VALIDATION))
+    val = validation_draw(cfg, data)
     keep = np.setdiff1d(np.arange(len(data.train_labels)), val)
     data.test_texts, data.test_labels = [data.train_texts[i] for i in val], data.train_labels[val]
     data.n_global_test = None
@@ -188,8 +194,7 @@ def _within(data: TextDataset, texts: set[str]) -> TextDataset:
 def reserved_items(cfg: ExperimentConfig, data: TextDataset) -> set[str]:
     """What disjoint local test sets must not take besides training and the global test set: the
     validation hold-out (the same draw as `apply_validation`), on which tuning evaluates."""
-    val = P.validation_indices(data.train_labels, cfg.eval.validation_per_class, rng(cfg, VALIDATION))
-    return {data.train_texts[i] for i in val}
+    return {data.train_texts[i] for i in validation_draw(cfg, data)}
 
 
 def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experiment:
