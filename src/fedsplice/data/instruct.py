@@ -1,0 +1,197 @@
+"""Instruction data: prompt -> response records, in the three forms the field ships them.
+
+    prompt / response                  one user turn and its answer
+    instruction / input / output       Alpaca's form; a non-empty `input` follows the instruction
+                                       after a blank line, in the same user turn
+    messages                           chat turns [{role, content}]: system / user / assistant,
+                                       ending in the assistant turn that is the response (earlier
+                                       turns are context; the loss is on the last one only)
+
+Optional in every form: `options` (a list of 2-26 answer texts: a multiple-choice record) with
+`answer` (the right option's letter "A".. or its text; the response defaults to "B. <its text>",
+the form the prompt lists the options in: `option_text`), `system` (a first turn), `client` (a
+natural per-user split), `split` (train / test), `image` (a path relative to the file: the VLM
+path), and any other scalar field, kept for partitioning by a named field.
+
+An `Instruction` is a `str` — a key naming its content exactly (`instruct:<sha1 of the content>`),
+as `fedsplice.data.samples.Sample` is — so partitions, fingerprints and the training loop handle it
+as any sample; the content travels beside the key.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+from pathlib import Path
+
+from fedsplice.errors import ConfigError
+
+ROLES = ("system", "user", "assistant")
+FORMS = ("prompt/response", "instruction/input/output", "messages")
+TRAIN, TEST = "train", "test"
+_USED = ("prompt", "response", "instruction", "input", "output", "messages", "options", "answer", "client",
+         "split", "image")
+
+
+class Instruction(str):
+    messages: tuple[tuple[str, str], ...]  # the context turns: (role, content), the last a user turn
+    response: str
+    options: tuple[str, ...]  # () unless multiple choice
+    answer: int | None  # the right option's index
+    image: str | None
+    fields: dict[str, str]  # the record's other scalar fields (client, split, and the rest)
+
+    def __new__(cls, messages, response: str, options=(), answer: int | None = None, image: str | None = None,
+                fields: dict[str, str] | None = None):
+        content = json.dumps([list(map(list, messages)), response, list(options), answer, image],
+                             ensure_ascii=False)
+        s = super().__new__(cls, "instruct:" + hashlib.sha1(content.encode()).hexdigest()[:20])
+        s.messages, s.response, s.options, s.answer = tuple(map(tuple, messages)), response, tuple(options), answer
+        s.image, s.fields = image, dict(fields or {})
+        return s
+
+    def __reduce__(self):  # pickle (spawned workers, the Flower launcher)
+        return (Instruction, (self.messages, self.response, self.options, self.answer, self.image, self.fields))
+
+    @property
+    def prompt(self) -> str:
+        """The last user turn (what a plain template shows)."""
+        return self.messages[-1][1]
+
+    @property
+    def choice(self) -> bool:
+        return bool(self.options)
+
+
+def option_text(options, i: int) -> str:
+    """Option i as the prompt lists it and an answer gives it: "B. <text>"."""
+    return f"{chr(ord('A') + i)}. {options[i]}"
+
+
+def _text(row: dict, key: str, where: str, required: bool = True) -> str | None:
+    v = row.get(key)
+    if v is None or (isinstance(v, str) and v == "" and not required):
+        if required:
+            raise ConfigError(f"{where}: missing field `{key}`")
+        return None
+    if not isinstance(v, (str, int, float)):
+        raise ConfigError(f"{where}: `{key}` is a {type(v).__name__}; write it as text")
+    t = str(v).strip()  # inner whitespace stays: code and lists are answers too
+    if not t and required:
+        raise ConfigError(f"{where}: `{key}` is empty or whitespace only; every record needs a non-empty `{key}`")
+    return t
+
+
+def _messages(row: dict, where: str) -> tuple[list[tuple[str, str]], str]:
+    raw = row["messages"]
+    if isinstance(raw, str):  # a CSV cell holds the list as JSON
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise ConfigError(f"{where}: `messages` is not a JSON list of {{role, content}} objects") from None
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise ConfigError(f"{where}: `messages` needs a list of at least a user turn and the assistant's answer")
+    turns = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ConfigError(f"{where}: messages[{i}] is {m!r}; each turn is {{\"role\": one of "
+                              f"{'/'.join(ROLES)}, \"content\": text}}")
+        turns.append((m["role"], m["content"].strip()))
+    if turns[-1][0] != "assistant" or not turns[-1][1]:
+        raise ConfigError(f"{where}: the last of `messages` must be a non-empty assistant turn: the response "
+                          f"the loss is on")
+    if turns[-2][0] != "user":
+        raise ConfigError(f"{where}: the turn before the last (the assistant's answer) must be a user turn, "
+                          f"got {turns[-2][0]!r}")
+    return turns[:-1], turns[-1][1]
+
+
+def _options(row: dict, where: str) -> tuple[list[str], int | None]:
+    opts = row.get("options")
+    if opts is None:
+        if row.get("answer") is not None:
+            raise ConfigError(f"{where}: `answer` without `options`; list the options, or write the "
+                              f"answer as `response`")
+        return [], None
+    if isinstance(opts, str):
+        try:
+            opts = json.loads(opts)
+        except ValueError:
+            raise ConfigError(f"{where}: `options` is not a JSON list of texts") from None
+    if not isinstance(opts, list) or not 2 <= len(opts) <= 26 or not all(isinstance(o, str) and o.strip()
+                                                                          for o in opts):
+        raise ConfigError(f"{where}: `options` must be a list of 2 to 26 non-empty texts, got {opts!r}")
+    opts = [o.strip() for o in opts]
+    ans = row.get("answer")
+    if ans is None:
+        raise ConfigError(f"{where}: `options` without `answer`; give the right option's letter (A, B, ...) or text")
+    a = str(ans).strip()
+    letters = [chr(ord("A") + i) for i in range(len(opts))]
+    if a in letters:
+        return opts, letters.index(a)
+    if a in opts:
+        return opts, opts.index(a)
+    raise ConfigError(f"{where}: `answer` {ans!r} is neither a letter {letters[0]}-{letters[-1]} "
+                      f"nor one of the options")
+
+
+def record(row, where: str) -> Instruction:
+    """One record in any of the three forms -> an Instruction; a bad one is a one-line error
+    naming `where` (file and line) and the field."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: a record must be an object with fields, got {type(row).__name__}")
+    forms = [f for f, key in zip(FORMS, ("prompt", "instruction", "messages")) if row.get(key) is not None]
+    if len(forms) != 1:
+        what = "none of" if not forms else "more than one of"
+        raise ConfigError(f"{where}: {what} the forms {', '.join(FORMS)}; give exactly one (fields found: "
+                          f"{', '.join(sorted(row)) or 'none'})")
+    options, answer = _options(row, where)
+    system = _text(row, "system", where, required=False)
+    if forms[0] == "messages":
+        context, response = _messages(row, where)
+    else:
+        if forms[0] == "prompt/response":
+            user = _text(row, "prompt", where)
+            resp_key = "response"
+        else:
+            user, extra = _text(row, "instruction", where), _text(row, "input", where, required=False)
+            user = f"{user}\n\n{extra}" if extra else user
+            resp_key = "output"
+        given = _text(row, resp_key, where, required=not options)
+        response = given if given else option_text(options, answer) if answer is not None else ""
+        context = ([("system", system)] if system else []) + [("user", user or "")]
+    fields = {k: str(v) for k, v in row.items()
+              if k not in _USED and k != "system" and isinstance(v, (str, int, float, bool))}
+    for k in ("client", "split"):
+        if row.get(k) is not None:
+            fields[k] = str(row[k]).strip()
+    image = _text(row, "image", where, required=False)
+    return Instruction(context, response, options, answer, image, fields)
+
+
+def read(path: str | Path) -> list[Instruction]:
+    """The records of a JSONL (one object a line; blank lines skipped) or CSV (a header row;
+    `messages` and `options` cells as JSON lists) file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data.dataset: {path} is not a file; give a .jsonl or .csv of instruction records")
+    text = path.read_text(encoding="utf-8-sig")
+    out: list[Instruction] = []
+    if path.suffix.lower() == ".csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        for row in reader:
+            out.append(record({k: (v if v != "" else None) for k, v in row.items()}, f"{path} line {reader.line_num}"))
+    else:
+        for i, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line is one "
+                                      f"record object") from None
+                out.append(record(row, f"{path} line {i}"))
+    if not out:
+        raise ConfigError(f"{path}: no records; each needs one of the forms {', '.join(FORMS)}")
+    return out
