@@ -93,6 +93,9 @@ def test_read_jsonl_and_csv_name_the_bad_line(tmp_path):
     c.write_text("prompt,response\nq1,\n")
     with pytest.raises(ConfigError, match=r"d.csv line 2: missing field `response`"):
         I.read(c)
+    c.write_bytes(b"prompt,response\nq1,caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"d.csv line 2: not UTF-8"):
+        I.read(c)
     with pytest.raises(ConfigError, match="not a file"):
         I.read(tmp_path / "absent.jsonl")
 

@@ -26,11 +26,11 @@ import io
 import json
 from pathlib import Path
 
+from fedsplice.data.userdata import read_text
 from fedsplice.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
 FORMS = ("prompt/response", "instruction/input/output", "messages")
-TRAIN, TEST = "train", "test"
 _USED = ("prompt", "response", "instruction", "input", "output", "messages", "options", "answer", "client",
          "split", "image")
 
@@ -177,7 +177,7 @@ def read(path: str | Path) -> list[Instruction]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"data.dataset: {path} is not a file; give a .jsonl or .csv of instruction records")
-    text = path.read_text(encoding="utf-8-sig")
+    text = read_text(path)  # UTF-8 (a BOM allowed); a bad byte is named by its line
     out: list[Instruction] = []
     if path.suffix.lower() == ".csv":
         reader = csv.DictReader(io.StringIO(text, newline=""))
