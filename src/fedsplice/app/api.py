@@ -130,7 +130,7 @@ class RunResult:
         up = self.communication.get("up_bytes_per_round") or 0.0
         rnd = f", RANDOM WEIGHTS {list(self.random_weights)}" if self.random_weights else ""
         return (f"RunResult({self.algorithm}, {self.rounds} rounds, seed {self.seed}, "
-                f"GM acc {_num(self.gm.get('accuracy'))}, PM acc {_num(self.pm.get('accuracy'))}, "
+                f"GM {_head(self.gm)}, PM {_head(self.pm)}, "
                 f"up {up:,.0f} B/round, out={str(self.out)!r}{rnd})")
 
     def records(self) -> list[dict[str, Any]]:
@@ -147,6 +147,13 @@ class RunResult:
 def _num(v) -> str:
     """A metric for display; an undefined one (null in results.json) is "n/a"."""
     return "n/a" if v is None or v != v else f"{v:.4f}"
+
+
+def _head(m: dict) -> str:
+    """A model's headline numbers: accuracy, or (model.task = "generate") response loss and ROUGE-L."""
+    if "response_loss" in m:
+        return f"loss {_num(m['response_loss'])} ROUGE-L {_num(m['rouge_l'])}"
+    return f"acc {_num(m.get('accuracy'))}"
 
 
 def load_result(out: PathLike) -> RunResult:

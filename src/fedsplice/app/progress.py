@@ -28,6 +28,14 @@ def acc_text(v) -> str:
     return "—" if v is None else f"{v:.3f}"  # null in results.json: an undefined metric
 
 
+def headline(m: dict) -> str:
+    """A model's metrics in a few words: "acc 0.512"; free-text answers (model.task = "generate"):
+    "loss 2.341 ROUGE-L 0.123"."""
+    if "response_loss" in m:
+        return f"loss {acc_text(m['response_loss'])} ROUGE-L {acc_text(m['rouge_l'])}"
+    return f"acc {acc_text(m['accuracy'])}"
+
+
 def progress_line(ev: dict) -> str:
     """A progress event as one line: `round 3/10 evaluate: 40/140 client tasks, 1:02 elapsed, ETA 2:15`."""
     where = ev["stage"]
@@ -38,7 +46,7 @@ def progress_line(ev: dict) -> str:
         if "train_loss" in rec:
             where += f", loss {rec['train_loss']:.3f}"
         if "gm" in rec:
-            where += f", GM acc {acc_text(rec['gm']['accuracy'])}, PM acc {acc_text(rec['pm']['accuracy'])}"
+            where += f", GM {headline(rec['gm'])}, PM {headline(rec['pm'])}"
     return (f"{where}: {ev['done']}/{ev['total']} client tasks, {clock(ev['elapsed_s'])} elapsed, "
             f"ETA {clock(ev['eta_s'])}")
 

@@ -99,15 +99,17 @@ def plot_accuracy(out: Path, records: list[dict], title: str) -> None:
 
     ev = [r for r in records if "gm" in r and "phase" not in r]  # rounds only
 
+    key = "response_loss" if ev and "response_loss" in ev[0]["gm"] else "accuracy"  # model.task = "generate"
+
     def acc(r: dict, part: str) -> float:  # an undefined metric (null) is a gap in the line
-        v = r[part]["accuracy"]
+        v = r[part][key]
         return float("nan") if v is None else v
 
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
     ax.plot([r["round"] for r in ev], [acc(r, "gm") for r in ev], "o-", label="GM (global test)")
     ax.plot([r["round"] for r in ev], [acc(r, "pm") for r in ev], "s-", label="PM (mean over clients)")
     ax.set_xlabel("round")
-    ax.set_ylabel("accuracy")
+    ax.set_ylabel(key.replace("_", " "))
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -17,7 +17,7 @@ from typing import Callable
 from fedsplice.algorithms import display_name
 from fedsplice.app import rundir
 from fedsplice.app.console import console, plural
-from fedsplice.app.progress import RunProgress, acc_text
+from fedsplice.app.progress import RunProgress, headline
 from fedsplice.app.summary import data_table, hardware_line, results_table
 from fedsplice.app.tracking import Trackers
 from fedsplice.app.tracking import check_installed as check_trackers
@@ -50,9 +50,9 @@ def round_line(r: dict, refs: dict | None = None) -> str:
     if failed:
         s += "  " + " ".join(f"{k} {v}" for k, v in failed.items())
     if "gm" in r:
-        s += f"  GM acc {acc_text(r['gm']['accuracy'])}"
+        s += f"  GM {headline(r['gm'])}"
         s += f" (majority {refs['majority']['gm']['accuracy']:.3f})" if refs else ""
-        s += f"  PM acc {acc_text(r['pm']['accuracy'])}"
+        s += f"  PM {headline(r['pm'])}"
         s += f" (local prior {refs['local_prior']['pm']['accuracy']:.3f})" if refs else ""
     return s
 

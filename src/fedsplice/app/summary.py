@@ -113,6 +113,8 @@ def learning_warnings(cfg: ExperimentConfig, exp, results: dict) -> list[str]:
     PM not above the local prior (each client's own majority class), zero-shot (round 0) at
     chance. None for the references themselves, or without references (per-site data)."""
     refs = results["references"]
+    if cfg.model.task == "generate":
+        return _generate_warnings(exp, results)
     if refs is None or exp.recipe.prior:
         return []
     out, maj, loc = [], refs["majority"], refs["local_prior"]
@@ -134,6 +136,17 @@ def learning_warnings(cfg: ExperimentConfig, exp, results: dict) -> list[str]:
     if zero_shot_at_round_0(cfg):
         out += _zero_shot_warning(cfg, zs, results["data"]["global_test_per_class"], maj["gm"]["accuracy"])
     return out
+
+
+def _generate_warnings(exp, results: dict) -> list[str]:
+    """Free-text answers: a trained global model whose held-out response loss is not below the
+    zero-shot model's (round 0) has not learned the task."""
+    gm, zs = results["gm"]["response_loss"], results["zero_shot_gm"]["response_loss"]
+    if exp.recipe.trains and exp.global_names and gm >= zs:
+        return [f"warning: GM response loss {gm:.3f} is not below zero-shot's {zs:.3f} (round 0): the global model "
+                f"does not yet answer the held-out prompts better than the base model; more rounds "
+                f"(server.rounds), more local steps (client.max_steps) or a larger client.lr usually help"]
+    return []
 
 
 UNMOVED_TKL = 1e-7  # a GM whose TKL to zero-shot is below this predicts as zero-shot, to rounding
@@ -166,11 +179,7 @@ def _prompt_hint(cfg: ExperimentConfig) -> str:
             f"(e.g. \"Review: {{text}}\\nIs it great or other?\") or {names} usually help")
 
 
-def print_table(results: dict) -> None:
-    """The end-of-run summary: GM and PM beside the references, traffic, the warnings."""
-    from rich.table import Table
-
-    t = Table(title=f"{results['algorithm']} — {results['dataset']}, {plural(results['rounds'], 'round')}")
+def _class_rows(t, results: dict) -> None:
     for col in ("", "accuracy", "F1 macro", "std", "min"):
         t.add_column(col)
     rows = [("GM (global test)", results["gm"], False), ("PM (all clients)", results["pm"], True)]
@@ -181,6 +190,27 @@ def print_table(results: dict) -> None:
     for label, m, spread in rows:
         t.add_row(label, f"{m['accuracy']:.4f}", f"{m['f1_macro']:.4f}",
                   f"{m['accuracy_std']:.4f}" if spread else "", f"{m['accuracy_min']:.4f}" if spread else "")
+
+
+def _answer_rows(t, results: dict) -> None:
+    """model.task = "generate": the scores of fedsplice.federation.generative, zero-shot beside."""
+    cols = ("response_loss", "perplexity", "exact_match", "token_f1", "rouge_l", "choice_loglik", "choice_parsed")
+    for col in ("", *cols):
+        t.add_column(col.replace("_", " "))
+    for label, m in (("GM (global test)", results["gm"]), ("  zero-shot (round 0)", results["zero_shot_gm"]),
+                     ("PM (all clients)", results["pm"])):
+        t.add_row(label, *("—" if m.get(c) is None else f"{m[c]:.4f}" for c in cols))
+
+
+def print_table(results: dict) -> None:
+    """The end-of-run summary: GM and PM beside the references, traffic, the warnings."""
+    from rich.table import Table
+
+    t = Table(title=f"{results['algorithm']} — {results['dataset']}, {plural(results['rounds'], 'round')}")
+    if "response_loss" in results["gm"]:
+        _answer_rows(t, results)
+    else:
+        _class_rows(t, results)
     c = results["communication"]
     t.caption = (f"upload {c['up_bytes'] / 1e6:.2f} MB total, {c['up_bytes_per_round'] / 1e3:.1f} kB/round; "
                  f"download {c['down_bytes'] / 1e6:.2f} MB")

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedsplice.config.generate import check_generate
 from fedsplice.config.parsing import apply_overrides, from_dict, read_toml
 from fedsplice.config.privacy import PrivacyConfig
 from fedsplice.config.tracking import TrackingConfig
@@ -83,6 +84,7 @@ class ExperimentConfig:
         if self.privacy.secure_aggregation:
             self.check_secagg()
         self.check_hardware()
+        check_generate(self)
 
     def check_secagg(self) -> None:
         """What Flower's SecAgg+ cannot do: the server sees only the sum of the sampled updates."""

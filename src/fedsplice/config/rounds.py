@@ -187,6 +187,7 @@ class EvalConfig:
     # training, instead of the test set (choosing hyperparameters without looking at the test set)
     on: Literal["test", "validation"] = "test"
     validation_per_class: int = 10
+    max_new_tokens: int = 64  # generate: the longest answer generated (greedy, stopped at EOS)
 
     def check(self) -> None:
         check_positive("eval.every", self.every)
@@ -199,6 +200,7 @@ class EvalConfig:
         check_positive("eval.balancedness_sigma", self.balancedness_sigma)
         check_positive("eval.min_group_samples", self.min_group_samples)
         check_positive("eval.validation_per_class", self.validation_per_class)
+        check_positive("eval.max_new_tokens", self.max_new_tokens)
         if self.on not in ("test", "validation"):
             raise ConfigError(f"eval.on must be 'test' or 'validation', got {self.on!r}")
 

@@ -42,7 +42,8 @@ class ModelConfig:
     name: str = "zoo:minilm"  # zoo:minilm, zoo:smollm2, a hub id or a local path
     # dual_encoder: MiniLM (text) or CLIP (images; text prompts per class); vlm: a LLaVA-style
     # vision tower (model.vision) + projector + causal LM (model.name), verbalizer scoring
-    task: Literal["dual_encoder", "encoder_head", "causal_lm", "vlm"] = "dual_encoder"
+    # generate: instruction tuning, free-text answers (prompt -> response records; docs/instruct.md)
+    task: Literal["dual_encoder", "encoder_head", "causal_lm", "vlm", "generate"] = "dual_encoder"
     vision: str = ""  # vlm: the vision tower, zoo:tiny-vit, a hub id or a local path
     projector: Literal["linear", "mlp"] = "mlp"  # vlm: vision -> LM embeddings (trainable, GLOBAL)
     input_template: str = "{text}"  # causal LM: e.g. "Text: {text}\nTopic:"
@@ -60,6 +61,9 @@ class ModelConfig:
     # then peft's k-bit preparation); needs bitsandbytes (`fedsplice[quant]`; 0.50.2 also runs on a CPU)
     quantization: Literal["none", "int8", "nf4"] = "none"
     gradient_checkpointing: bool = False  # HF's own switch: recompute activations in backward
+    # generate: "auto" renders records with the tokenizer's chat template when it has one, else the
+    # plain template (fedsplice.model.generate); "chat" requires the template, "plain" ignores it
+    chat_template: Literal["auto", "chat", "plain"] = "auto"
 
     def check(self) -> None:
         check_positive("model.logit_scale", self.logit_scale)
@@ -143,6 +147,8 @@ def check_user_path(field: str, kind: str, path: str) -> None:
 
 @dataclass
 class DataConfig:
+    # generate, data.partition = "dirichlet": the record field whose values the clients' shares skew over
+    group_field: str = ""
     dataset: str = "fortunes"  # see `fedsplice list datasets`; or csv:PATH / jsonl:PATH / images:DIR / hf:NAME[:CONFIG]
     num_clients: int = 10
     partition: Literal["dirichlet", "iid", "shards"] = "dirichlet"

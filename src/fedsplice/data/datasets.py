@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from fedsplice.data import imagesets
+from fedsplice.data import imagesets, instruct
 from fedsplice.data.assets import atomic_write_json, cache_dir
 from fedsplice.errors import AssetError, ConfigError
 from fedsplice.data.text import (BROWN_GENRES, BROWN_PACKAGE, BROWN_VERSION, FORTUNE_CLASSES, SPAM_CLASSES,
@@ -260,8 +260,13 @@ def rename_classes(found: list[str], class_names: list[str] | None) -> list[str]
     return [str(c) for c in class_names]
 
 
-def _parse(name: str, test: str, skip_bad_images: bool, hub: HubColumns | None = None) -> dict:
-    """The parsed form of any data set: {class_names, texts, test_texts, source, ...}."""
+def _parse(name: str, test: str, skip_bad_images: bool, hub: HubColumns | None = None,
+           instructions: str | None = None) -> dict:
+    """The parsed form of any data set: {class_names, texts, test_texts, source, ...}; `instructions`
+    (not None: the records are instruction records, grouped by that field, "" for none)."""
+    if instructions is not None:
+        kind, _, path = name.partition(":")
+        return instruct.parsed(kind, path, test, instructions)
     if name.startswith(HF):
         return load_hub(name[len(HF):], hub or HubColumns(), skip_bad_images)
     kind, _, path = name.partition(":")
@@ -320,15 +325,16 @@ def small_test_warnings(ds: TextDataset, given: bool = False) -> list[str]:
 def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
                  max_per_class: int | None = None, skip_bad_images: bool = False,
                  class_names: list[str] | None = None, test: str = "", hub: HubColumns | None = None,
-                 keep_pool: bool = False) -> TextDataset:
+                 keep_pool: bool = False, instructions: str | None = None) -> TextDataset:
     """Load a built-in data set (fetching it once) or a user's `csv:PATH` / `jsonl:PATH` file or
     `images:DIR` folder. A split the user gives (a `split` column, or `test` = data.test) is used
     as it is; a built-in set's official test split gives a balanced test set; otherwise a
     balanced test set is carved, deterministically for `seed`. skip_bad_images: report and skip
     users' images that do not decode (else an error); class_names: readable names replacing the
     labels, in class order; hub: an hf: data set's columns and splits; keep_pool: keep the whole
-    training split (`pool_texts`). `report` says what happened to the data."""
-    parsed = _parse(name, test, skip_bad_images, hub)
+    training split (`pool_texts`); instructions: read instruction records (`fedsplice.data.instruct`)
+    grouped by that field ("": one group). `report` says what happened to the data."""
+    parsed = _parse(name, test, skip_bad_images, hub, instructions)
     names = rename_classes(parsed["class_names"], class_names)
     rng = np.random.default_rng(seed)
     if parsed["split"]:

@@ -26,7 +26,7 @@ import io
 import json
 from pathlib import Path
 
-from fedsplice.data.userdata import read_text
+from fedsplice.data.userdata import group, read_text, sorted_labels
 from fedsplice.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
@@ -195,3 +195,39 @@ def read(path: str | Path) -> list[Instruction]:
     if not out:
         raise ConfigError(f"{path}: no records; each needs one of the forms {', '.join(FORMS)}")
     return out
+
+
+def parsed(kind: str, path: str, test: str, group_field: str = "") -> dict:
+    """The parsed form `fedsplice.data.datasets.load_dataset` splits (as `userdata.load_user`'s):
+    the records grouped by `group_field`'s values (the "classes" a Dirichlet partition skews
+    over and the local test sets follow; one group, "all", without it), and the split a `split`
+    field or data.test (`test`, "jsonl:PATH" / "csv:PATH") gives, else none (a test set is carved)."""
+    recs = read(path)
+    splits: list[str | None] = [r.fields.get("split") for r in recs]
+    bad = sorted({s for s in splits if s not in (None, "train", "test")})
+    if bad:
+        raise ConfigError(f"{path}: `split` has {bad[:3]}; write train or test, or drop the field to have a test "
+                          f"set carved")
+    given_as = ""
+    if test:
+        tkind, _, tpath = test.partition(":")
+        if tkind not in ("csv", "jsonl") or not tpath:
+            raise ConfigError(f"data.test = {test!r}: give jsonl:PATH or csv:PATH of instruction records")
+        if any(s is not None for s in splits):
+            raise ConfigError(f"data.test: {path} already has a `split` field; give the test split one way")
+        more = read(tpath)
+        splits = [*(["train"] * len(recs)), *(["test"] * len(more))]
+        recs, given_as = recs + more, f"given: data.test = {test!r}"
+    if any(r.image is not None for r in recs):
+        raise ConfigError(f"{path}: records with `image` need the VLM path, which model.task = 'generate' does not "
+                          f"run yet; remove the images or the records")
+    if group_field:
+        missing = sum(group_field not in r.fields for r in recs)
+        if missing:
+            raise ConfigError(f"data.group_field = {group_field!r}: {missing} of {len(recs)} records have no such "
+                              f"field; give it on every record, or use data.partition = 'iid'")
+    groups = [r.fields[group_field] if group_field else "all" for r in recs]
+    facts = {"bad_images": 0, "blank_lines": 0, "ignored_columns": [], "first_line": {}}
+    fixed = sorted_labels(groups)
+    return group(recs, groups, splits, facts, kind, path, None, False, fixed,
+                 source=f"user instruction file {Path(path).expanduser()}", given_as=given_as)

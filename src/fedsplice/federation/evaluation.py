@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedsplice.core.tkl import tkl
+from fedsplice.federation.generative import scores as answer_scores, summarize as summarize_answers
 from fedsplice.federation.metrics import classification_metrics, longtail_metrics, per_class_counts, summarize_clients
 from fedsplice.federation.state import ClientState
 
@@ -51,7 +52,7 @@ def references(exp) -> dict | None:
     prior's majority class everywhere; `local_prior` gives each client's PM from its own prior
     (its GM is the pooled prior, the same as majority's). Scalars only. None with per-site data,
     whose labels the server never holds."""
-    if exp.caches.get("train_counts") is None:
+    if exp.caches.get("train_counts") is None or _answers(exp):  # free-text answers: no classes
         return None
     d, size = exp.data, exp.data.global_test_size
     gm = _counted(exp, d.test_labels[:size], prior_logits(exp, exp.train_ids, size))
@@ -64,6 +65,11 @@ def references(exp) -> dict | None:
         pm = summarize_pm(exp, per_client)
         out[name] = {"gm": _scalars(gm), "pm": _scalars(pm)}
     return out
+
+
+def _answers(exp) -> bool:
+    """model.task = "generate": the model answers in free text (fedsplice.federation.generative)."""
+    return getattr(exp.model, "task", None) == "generate"
 
 
 def _scalars(m: dict) -> dict:
@@ -91,6 +97,8 @@ def with_longtail(exp, m: dict, correct, total, zs_correct) -> dict:
 def summarize_pm(exp, per_client: list[dict]) -> dict:
     """PM: scalar metrics averaged over ALL clients (accuracy also std/min/max); the long-tail
     metrics pool the clients' local test predictions (per-class counts summed)."""
+    if "response_loss" in per_client[0]:  # free-text answers (model.task = "generate")
+        return summarize_answers(per_client)
     pooled = [None if per_client[0][k] is None else np.sum([m[k] for m in per_client], axis=0)
               for k in ("class_correct", "class_total", "zs_class_correct")]
     out = with_longtail(exp, summarize_clients(per_client), *pooled)
@@ -123,6 +131,9 @@ def evaluate_global(exp, global_params: dict) -> dict:
     global_test_size test samples; a scenario's transformed local test copies follow it)."""
     d = exp.data
     size = d.global_test_size
+    if _answers(exp):  # free-text answers: GLOBAL + fresh PRIVATE tensors on the global test records
+        exp.model.load_params({**global_params, **{n: exp.init_params[n] for n in exp.private_names}})
+        return answer_scores(exp, d.test_texts[:size])
     if exp.recipe.prior:  # a prior reference (majority, local-prior): the pooled prior, no model
         logits = prior_logits(exp, exp.train_ids, size)
     else:

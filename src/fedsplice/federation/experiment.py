@@ -17,6 +17,7 @@ import torch
 from fedsplice.data import partition as P
 from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.algorithms import Recipe, build_recipe, clone
+from fedsplice.federation.generative import check_recipe as check_generate_recipe, length_warnings_of
 from fedsplice.federation.dpsgd import check as dpsgd_check
 from fedsplice.federation.privacy import Plan, check_recipe
 from fedsplice.federation.privacy import plan as privacy_plan
@@ -170,7 +171,8 @@ def split_data(cfg: ExperimentConfig) -> tuple[TextDataset, list[Client]]:
                         max_per_class=cfg.data.max_per_class or None, skip_bad_images=cfg.data.skip_bad_images,
                         class_names=cfg.data.class_names, test=cfg.data.test,
                         hub=HubColumns(cfg.data.hf_text, cfg.data.hf_image, cfg.data.hf_label, cfg.data.hf_train_split,
-                                       cfg.data.hf_test_split), keep_pool=disjoint)
+                                       cfg.data.hf_test_split), keep_pool=disjoint,
+                        instructions=cfg.data.group_field if cfg.model.task == "generate" else None)
     reserved = reserved_items(cfg, data) if disjoint else set()
     data = apply_validation(cfg, data)
     if cfg.data.local_test == "disjoint" and not disjoint:  # a validation run: it never trains on a test item
@@ -208,6 +210,9 @@ def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experim
     params = model.trainable()
     recipe = build_recipe(cfg, model.param_infos(), {n: p.shape for n, p in params.items()},
                           model.scalings())
+    if cfg.model.task == "generate":
+        check_generate_recipe(cfg, recipe)
+        data.report.setdefault("warnings", []).extend(length_warnings_of(cfg, model, data))
     server_opt = make_server_optimizer(cfg.server.optimizer, **cfg.server.optimizer_kwargs())
     exp = Experiment(cfg, data, clients, train_ids, holdout_ids, model, recipe,
                      names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE),
@@ -227,7 +232,7 @@ def zero_shot_caches(exp: Experiment) -> dict:
     (majority, local-prior): it never runs the model."""
     bs = exp.cfg.eval.batch_size
     out: dict[str, Any] = {}
-    if not exp.recipe.prior:
+    if not exp.recipe.prior and exp.cfg.model.task != "generate":  # generate: no class logits
         with exp.model.zero_shot():
             out["zero_shot_test"] = exp.model.predict(exp.data.test_texts, bs) if exp.data.test_texts else None
             if exp.recipe.needs_zero_shot and exp.cfg.runtime.cache:

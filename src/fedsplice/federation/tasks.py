@@ -34,6 +34,7 @@ from fedsplice.core import grab as G
 from fedsplice.core import wire
 from fedsplice.core import streams
 from fedsplice.core.context import TrainContext
+from fedsplice.federation.generative import scores as answer_scores
 from fedsplice.federation.dpsgd import session as dpsgd_session
 from fedsplice.federation.evaluation import prior_logits, score
 from fedsplice.federation.metrics import classification_metrics
@@ -223,6 +224,9 @@ def evaluate(exp, store, cid: int, global_params: dict) -> dict:
         return score(exp, exp.data.test_labels[idx], logits, idx)
     stored = ClientState.from_store(store.get(cid))
     priv, _ = split_state(exp, stored)
+    if exp.cfg.model.task == "generate":  # free-text answers (fedsplice.federation.generative)
+        exp.model.load_params({**global_params, **priv})
+        return answer_scores(exp, [exp.data.test_texts[i] for i in idx])
     stage = exp.recipe.personalize
     if stage and stage.predict:  # the method's own PM
         logits = stage.predict(OnClient(exp, cid), {**global_params, **priv}, stored.branch if stored else {})

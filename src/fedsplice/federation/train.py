@@ -51,6 +51,16 @@ def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.nd
     return {"task": F.cross_entropy(logits, y) if grab is None else grab.loss(logits, y)}
 
 
+def response_objective(model, texts: list, y: torch.Tensor, ids: np.ndarray, ctx: TrainContext) -> dict:
+    """model.task = "generate": the mean -log p of the batch's response tokens (prompts masked)."""
+    return {"task": model.response_loss(texts)}
+
+
+def default_objective(model) -> Callable:
+    """The task's own loss: cross-entropy over classes, or the response loss of free-text answers."""
+    return response_objective if getattr(model, "task", None) == "generate" else cross_entropy_objective
+
+
 def backward(losses: dict, total, plist: list, grad_transform, sums: dict, scaler=None) -> None:
     """Set every parameter's .grad: of the summed losses, or, with a grad transform, the
     transform's combination of each loss's own gradient (adding its statistics to `sums`).
@@ -174,7 +184,7 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
     server's) and training statistics (means over steps). `private` (a federation.dpsgd.LocalDP)
     makes every step DP-SGD.
     """
-    objective = step.objective or cross_entropy_objective
+    objective = step.objective or default_objective(model)
     params = model.trainable()
     names = sorted(params)
     plist = [params[n] for n in names]

@@ -102,6 +102,26 @@ def encode(tokenizer, rec: Instruction, template: str = "auto") -> Encoded:
     return Encoded(prompt_ids(tokenizer, rec, template), answer_ids(tokenizer, rec, rec.response, template))
 
 
+def fit(e: Encoded, max_length: int, bos: int | None = None) -> Encoded:
+    """`e` within max_length tokens: the prompt cut from the left (a leading `bos` kept), so the
+    question's end and the whole answer stay; an answer longer than max_length - 1 keeps its start
+    (and loses its end token). `fedsplice.federation.generative` counts and reports such records."""
+    if len(e) <= max_length:
+        return e
+    room = max(max_length - len(e.response), 1)
+    head = e.prompt[:1] if bos is not None and e.prompt[:1] == [bos] and room > 1 else []
+    prompt = head + e.prompt[len(e.prompt) - (room - len(head)):]
+    return Encoded(prompt, e.response[:max_length - len(prompt)])
+
+
+def pad_id(tokenizer) -> int:
+    for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
+        v = getattr(tokenizer, name, None)
+        if v is not None:
+            return int(v)
+    return 0
+
+
 def _device(lm) -> torch.device:
     return next(lm.parameters()).device
 

@@ -116,7 +116,7 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
         kw["device_map"] = {"": str(device)}  # straight to the accelerator: no second copy on the host
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        cls = AutoModelForCausalLM if cfg.model.task in ("causal_lm", "vlm") else AutoModel
+        cls = AutoModelForCausalLM if cfg.model.task in ("causal_lm", "vlm", "generate") else AutoModel
         model = cls.from_pretrained(path, **kw)
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -60,7 +60,7 @@ def text_prefix_layer(cfg: ExperimentConfig, is_clip: bool) -> int:
     image side instead)."""
     pc = cfg.peft
     if (cfg.runtime.cache and pc.type == "lora" and pc.layers and min(pc.layers) > 0
-            and cfg.model.task not in ("causal_lm", "vlm") and not is_clip):
+            and cfg.model.task not in ("causal_lm", "vlm", "generate") and not is_clip):
         return min(pc.layers)
     return 0
 

@@ -33,6 +33,7 @@ from fedsplice.model.adapters import PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.device import DTYPES, autocast, resolve_device
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
+from fedsplice.model.generate import Encoded, encode, fit, greedy, option_logliks, pad_id, response_nll
 from fedsplice.model.loading import Backbone, load_backbone, run_precision
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
 from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, TokenScorer,
@@ -140,7 +141,7 @@ class TaskModel(nn.Module):
         if self._parts is not None:  # the method composes the class side from its prompt modules
             self._classes.compose = lambda: self._parts.class_embeddings(self._classes.from_prompt,
                                                                          self._method_modules)
-        lm_task = self.task in ("causal_lm", "vlm")
+        lm_task = self.task in ("causal_lm", "vlm", "generate")
         # prompt/adapter: the input side is frozen whole, so its pooled features are cached
         features = (FrozenCache({"kind": "features"}, 1 << 62, device=self.device)
                     if rc.cache and pc.type in ("prompt", "adapter") and not lm_task else None)
@@ -157,6 +158,7 @@ class TaskModel(nn.Module):
         self._vis = (FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20, device=self.device)
                      if rc.cache and self.task == "vlm" else None)
         self._scorer = self._build_scorer()
+        self._encoded: dict[str, Encoded] = {}
         self._unpad = rc.unpad
         self._set_unpad(self.training)
 
@@ -328,6 +330,46 @@ class TaskModel(nn.Module):
                    for i in range(0, len(texts), batch_size)]
         self.train(was)
         return torch.cat(out) if out else torch.zeros(0, 0)
+
+    # ----------------------------------------------------------------- free-text answers (generate)
+    @property
+    def _lm(self) -> nn.Module:
+        """The causal LM under peft's wrapper, its LoRA in place (looked up, never an attribute: a
+        module attribute would register the HF model a second time)."""
+        return peft.hf_model(self.backbone, self.pcfg.type)
+
+    def encoded(self, item) -> Encoded:
+        """An instruction record's prompt and response ids, fitted to model.max_length (the prompt
+        cut from the left; `fedsplice.model.generate.fit`), once per record."""
+        got = self._encoded.get(item)
+        if got is None:
+            e = encode(self.tokenizer, item, self.mcfg.chat_template)
+            got = self._encoded[item] = fit(e, self.mcfg.max_length, getattr(self.tokenizer, "bos_token_id", None))
+        return got
+
+    def response_loss(self, items: list) -> torch.Tensor:
+        """The mean -log p over the batch's response tokens (prompt tokens masked)."""
+        nll, count = response_nll(self._lm, [self.encoded(x) for x in items], pad_id(self.tokenizer))
+        return nll.sum() / count.sum().clamp(min=1)
+
+    @torch.no_grad()
+    def answers(self, items: list, batch_size: int, max_new_tokens: int) -> dict:
+        """Per record: the response's summed -log p and token count, the greedy answer, and for a
+        multiple-choice record each option's log-likelihood (in eval mode, the run's precision)."""
+        was = self.training
+        self.eval()
+        pad = pad_id(self.tokenizer)
+        enc = [self.encoded(x) for x in items]
+        with self.autocast():
+            parts = [response_nll(self._lm, enc[i:i + batch_size], pad) for i in range(0, len(enc), batch_size)]
+            text = greedy(self._lm, self.tokenizer, [e.prompt for e in enc], max_new_tokens=max_new_tokens,
+                          batch_size=batch_size, pad_id=pad)
+            options = [option_logliks(self._lm, self.tokenizer, x, self.mcfg.chat_template, pad).tolist()
+                       if x.choice else None for x in items]
+        self.train(was)
+        nll = torch.cat([p[0] for p in parts]).double().cpu() if parts else torch.zeros(0)
+        count = torch.cat([p[1] for p in parts]).cpu() if parts else torch.zeros(0)
+        return {"nll": nll.tolist(), "tokens": count.tolist(), "text": text, "options": options}
 
     def cache_stats(self) -> dict:
         img = self._img_prefix.cache if self._img_prefix is not None else None

@@ -1,0 +1,58 @@
+"""What `model.task = "generate"` (instruction tuning: free-text answers, docs/instruct.md) takes and
+refuses, from the config alone. What a method's recipe needs (an objective of its own, a
+personalized prediction) is checked where the recipe is built (fedsplice.federation.experiment)."""
+
+from __future__ import annotations
+
+from fedsplice.config.checks import refuse_inert
+from fedsplice.errors import ConfigError
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def check_generate(cfg) -> None:  # an ExperimentConfig (which calls this: no import back)
+    m = cfg.model
+    if m.task != "generate":
+        refuse_inert("model", m, ("chat_template",), f"model.task = {m.task!r}", "set model.task = 'generate'")
+        refuse_inert("data", cfg.data, ("group_field",), f"model.task = {m.task!r} (classes come from `label`)",
+                     "set model.task = 'generate'")
+        if cfg.eval.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
+            raise ConfigError(f"eval.max_new_tokens = {cfg.eval.max_new_tokens} does nothing while model.task = "
+                              f"{m.task!r} (it bounds generated answers): set model.task = 'generate', or remove it")
+        return
+    refuse_inert("model", m, ("input_template",), "model.task = 'generate'",
+                 "the prompt comes from each record (and the chat template)")
+    if cfg.data.partition != "dirichlet":
+        refuse_inert("data", cfg.data, ("group_field",), f"data.partition = {cfg.data.partition!r}",
+                     "set data.partition = 'dirichlet'")
+    why = "model.task = 'generate' answers in free text; "
+    refusals = (
+        (cfg.peft.type not in ("lora", "full"), f"peft.type = {cfg.peft.type!r}: {why}prompts, adapters and heads "
+                                                "score a class set; use peft.type = 'lora'"),
+        (cfg.grab.enabled, f"grab.enabled: {why}Fed-GraB balances classes; set grab.enabled = false"),
+        (cfg.client.logit_adjustment > 0, f"client.logit_adjustment: {why}it shifts class logits; set it to 0"),
+        (cfg.eval.cold_start_epochs > 0, "eval.cold_start_epochs: cold-start curves are accuracy curves, not yet "
+                                         "measured for generated answers; set eval.cold_start_epochs = 0"),
+        (cfg.runtime.kind == "flower", "runtime.kind = 'flower' does not run model.task = 'generate' yet; use "
+                                       "runtime.kind = 'simulation'"),
+        (cfg.privacy.local == "dpsgd", "privacy.local = 'dpsgd' does not run model.task = 'generate' yet (per-example "
+                                       "gradients of the response loss); set privacy.local = 'off'"),
+        (cfg.eval.on != "test", "eval.on = 'validation' draws per class; model.task = 'generate' has no classes: "
+                                "set eval.on = 'test'"),
+        (cfg.scenario.active(), "[scenario] transforms images and class labels; remove it with model.task = "
+                                "'generate'"),
+        (cfg.data.partition == "shards", "data.partition = 'shards' deals classes to clients; use 'iid', or "
+                                         "'dirichlet' over data.group_field"),
+        (cfg.data.partition == "dirichlet" and not cfg.data.group_field,
+         "data.partition = 'dirichlet' with model.task = 'generate' needs data.group_field (the record field whose "
+         "values the clients' shares skew over), or data.partition = 'iid'"),
+        (cfg.data.local_test == "disjoint", "data.local_test = 'disjoint' is not built for instruction records yet; "
+                                            "use 'global'"),
+    )
+    for refused, line in refusals:
+        if refused:
+            raise ConfigError(line)
+    kind = cfg.data.dataset.partition(":")[0]
+    if kind not in ("csv", "jsonl"):
+        raise ConfigError(f"data.dataset = {cfg.data.dataset!r}: model.task = 'generate' reads instruction records "
+                          f"from jsonl:PATH or csv:PATH (prompt/response, instruction/input/output or messages)")

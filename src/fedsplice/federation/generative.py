@@ -1,0 +1,79 @@
+"""model.task = "generate": the scores of free-text answers, for one client, over clients (PM) and
+on the global test set (GM), as the instruction-tuning field reports them (docs/instruct.md).
+
+  response_loss   the mean -log p of the reference responses' tokens given their prompts (the
+                  training loss on held-out records), and its perplexity exp(loss)
+  exact_match, token_f1, rouge_l   the greedy answer (at most eval.max_new_tokens, stopped at EOS)
+                  against the reference response (`fedsplice.federation.textmetrics`), mean over records
+  choice_loglik, choice_parsed     multiple-choice records only: right when the right option has the
+                  highest log-likelihood, and when the greedy answer's letter (FlowerTune's parse)
+                  names it; None without such records
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fedsplice.errors import ConfigError
+from fedsplice.federation.textmetrics import choice_letter, scores as text_scores
+from fedsplice.model.generate import encode
+
+SCORES = ("response_loss", "perplexity", "exact_match", "token_f1", "rouge_l", "choice_loglik", "choice_parsed")
+
+
+def check_recipe(cfg, recipe) -> None:
+    """A method that needs class logits (an objective of its own, a personalized prediction, the
+    zero-shot logits, a prior reference) is refused with model.task = "generate", in one line."""
+    needs = [what for what, on in (("an objective of its own", recipe.objective is not None),
+                                   ("its own personalized model (personalize hooks)", recipe.personalize is not None),
+                                   ("zero-shot class logits", recipe.needs_zero_shot),
+                                   ("a class prior (a reference row)", bool(recipe.prior))) if on]
+    if needs:
+        raise ConfigError(f"algorithm {cfg.algorithm!r} scores a class set ({'; '.join(needs)}), which "
+                          f"model.task = 'generate' does not have; use a LoRA method (e.g. pfadapter, lora, local)")
+
+
+def length_warnings_of(cfg, model, data) -> list[str]:
+    """A line counting the records longer than model.max_length (their prompts are cut from the
+    left to fit: `fedsplice.model.generate.fit`), in training and in the test sets."""
+    tok, mc = model.tokenizer, cfg.model
+    long = {name: sum(len(encode(tok, r, mc.chat_template)) > mc.max_length for r in recs)
+            for name, recs in (("training", data.train_texts), ("test", data.test_texts))}
+    if not any(long.values()):
+        return []
+    return [f"{long['training']} training and {long['test']} test records are longer than model.max_length = "
+            f"{mc.max_length} tokens: their prompts are cut from the left to fit (an answer longer than that "
+            f"keeps its start); raise model.max_length to keep them whole"]
+
+
+def scores(exp, items: list) -> dict:
+    """The scores of the model as loaded on instruction records `items`."""
+    got = exp.model.answers(items, exp.cfg.eval.batch_size, exp.cfg.eval.max_new_tokens)
+    tokens = int(sum(got["tokens"]))
+    loss = float(sum(got["nll"]) / tokens) if tokens else float("nan")
+    per = [text_scores(a, r.response) for a, r in zip(got["text"], items)]
+    out: dict[str, float | int | None] = {
+        "response_loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
+        **{k: float(np.mean([p[k] for p in per])) if per else float("nan")
+           for k in ("exact_match", "token_f1", "rouge_l")},
+        "test_size": len(items), "response_tokens": tokens}
+    choice = [(r, a, o) for r, a, o in zip(items, got["text"], got["options"]) if o is not None]
+    out["choice_n"] = len(choice)
+    out["choice_loglik"] = float(np.mean([int(np.argmax(o)) == r.answer for r, _, o in choice])) if choice else None
+    out["choice_parsed"] = (float(np.mean([choice_letter(a, len(r.options)) == r.answer for r, a, _ in choice]))
+                            if choice else None)
+    return out
+
+
+def summarize(per_client: list[dict]) -> dict:
+    """PM: each score's mean over ALL clients (a client without multiple-choice records leaves the
+    choice scores' means), and per client, in order, for paired comparisons across methods."""
+    out: dict = {}
+    for k in (*SCORES, "test_size", "response_tokens"):
+        vals = [m[k] for m in per_client if m.get(k) is not None]
+        out[k] = float(np.mean(vals)) if vals else None
+    for k in ("response_loss", "rouge_l"):
+        out[f"client_{k}"] = [m[k] for m in per_client]
+    return out

@@ -1,0 +1,129 @@
+"""model.task = "generate" end to end on the tiny Llama: instruction records in, response loss and
+generated-answer scores out, the methods' splits and refusals (docs/instruct.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from fedsplice import core
+from fedsplice.core import wire
+from fedsplice.errors import ConfigError
+
+WORDS = "tree sea bird fire road city king song star dog".split()
+ANSWER = "it is a good thing"
+
+
+@pytest.fixture(scope="module")
+def instruct_jsonl(tmp_path_factory):
+    """40 records in the three forms, every answer the same phrase (a pattern a model learns in a few
+    steps), 6 of them multiple choice; a `topic` field for a Dirichlet partition."""
+    rows = []
+    for i in range(40):
+        w = WORDS[i % len(WORDS)]
+        topic = "nature" if i % 2 else "town"
+        if i % 7 == 3:
+            rows.append({"prompt": f"Is the {w} good?", "options": ["no", ANSWER], "answer": "B", "topic": topic})
+        elif i % 3 == 0:
+            rows.append({"instruction": f"Tell me of the {w}.", "input": WORDS[(i + 3) % 10], "output": ANSWER,
+                         "topic": topic})
+        elif i % 3 == 1:
+            rows.append({"prompt": f"What of the {w} and the {WORDS[(i + 1) % 10]}?", "response": ANSWER,
+                         "topic": topic})
+        else:
+            rows.append({"messages": [{"role": "user", "content": f"Say the {w}."},
+                                      {"role": "assistant", "content": ANSWER}], "topic": topic})
+    path = tmp_path_factory.mktemp("instruct") / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+GEN = dict(model__task='"generate"', data__partition='"iid"', eval__cold_start_epochs=0, data__num_clients=4,
+           data__holdout_clients=0, data__test_per_class=8, data__local_test_size=4, model__max_length=64,
+           eval__max_new_tokens=6, client__lr=0.03, client__batch_size=4, client__max_steps=4,
+           server__clients_per_round=2, server__rounds=3)
+
+
+@pytest.fixture
+def gen_cfg(cfg_factory, tiny_llama_dir, instruct_jsonl):
+    def make(**kw):
+        return cfg_factory(tiny_llama_dir, instruct_jsonl, **{**GEN, **kw})
+    return make
+
+
+def test_pfadapter_learns_the_answers_and_keeps_its_private_half(gen_cfg, tmp_path, capture_uploads):
+    from fedsplice import run
+
+    res = run(gen_cfg(), tmp_path / "run")
+    zs, gm, pm = res.raw["zero_shot_gm"], res.gm, res.pm
+    for m in (zs, gm, pm):
+        assert set(m) >= {"response_loss", "perplexity", "exact_match", "token_f1", "rouge_l", "choice_loglik",
+                          "choice_parsed"}
+    assert gm["perplexity"] == pytest.approx(math.exp(gm["response_loss"]))
+    assert gm["test_size"] == 8 and res.raw["num_classes"] == 1 and res.references is None
+    # 3 rounds of 4 steps at lr 0.03 on one repeated answer: the held-out loss falls well below
+    # zero-shot's (measured: 7.45 -> GM 5.81, PM 5.16)
+    assert gm["response_loss"] < 0.85 * zs["response_loss"] and pm["response_loss"] < 0.85 * zs["response_loss"]
+    assert len(pm["client_response_loss"]) == 4 and res.warnings == ()
+    # PFAdapter's split: only the query/key LoRA (GLOBAL) leaves a client
+    names = {n for _, _, up in capture_uploads for n in wire.decode(up)}
+    assert names and all("q_proj" in n or "k_proj" in n for n in names)
+    assert res.params["private"] > 0 and "loss" in repr(res) and "ROUGE-L" in repr(res)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["round"] == 0 and "response_loss" in json.loads(lines[-1])["gm"]
+
+
+def test_fedavg_and_local_and_centralized_run(gen_cfg, tmp_path):
+    from fedsplice import run
+
+    for algo in ("lora", "local", "centralized"):
+        res = run(gen_cfg(algorithm=f'"{algo}"', server__rounds=1), tmp_path / algo)
+        assert math.isfinite(res.pm["response_loss"]) and res.pm["test_size"] == 4
+
+
+def test_dirichlet_over_a_named_field(gen_cfg):
+    from fedsplice.federation import build
+
+    exp = build(gen_cfg(data__partition='"dirichlet"', data__group_field='"topic"', data__alpha=0.1))
+    assert exp.data.class_names == ["nature", "town"]
+    d = exp.data
+    assert sum(len(c.train_idx) for c in exp.clients) == len(d.train_texts)
+    assert list(d.test_counts()) == [8, 8]  # data.test_per_class from each group
+    assert len(d.train_texts) + len(d.test_texts) + d.report["dropped"]["duplicates"] == 40
+    assert d.report["dropped"]["duplicates"] > 0  # the fixture repeats some records exactly
+
+
+def test_records_longer_than_max_length_are_counted(gen_cfg):
+    from fedsplice.federation import build
+
+    assert not [w for w in build(gen_cfg()).data.report["warnings"] if "max_length" in w]
+    warned = [w for w in build(gen_cfg(model__max_length=16)).data.report["warnings"] if "max_length" in w]
+    assert len(warned) == 1 and "are longer than model.max_length = 16 tokens" in warned[0]
+
+
+@pytest.mark.parametrize("sets, match", [
+    (dict(algorithm='"fedpurel"'), "fedpurel"),
+    (dict(grab__enabled="true"), "grab.enabled"),
+    (dict(peft__type='"prompt"'), "peft.type = 'prompt'"),
+    (dict(eval__cold_start_epochs=1), "eval.cold_start_epochs"),
+    (dict(data__partition='"dirichlet"'), "needs data.group_field"),
+    (dict(data__group_field='"topic"'), "data.group_field = 'topic' does nothing while data.partition = 'iid'"),
+    (dict(model__input_template='"Q: {text}"'), "model.input_template"),
+])
+def test_what_generate_refuses_is_one_line(gen_cfg, sets, match):
+    from fedsplice.federation import build
+
+    with pytest.raises(ConfigError, match=match) as e:
+        cfg = gen_cfg(**sets)
+        build(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_generate_settings_are_inert_elsewhere(tiny_cfg):
+    with pytest.raises(ConfigError, match="eval.max_new_tokens = 8 does nothing"):
+        tiny_cfg(eval__max_new_tokens=8)
+    with pytest.raises(ConfigError, match="model.chat_template = 'plain' does nothing"):
+        tiny_cfg(model__chat_template='"plain"')
+    assert core is not None
