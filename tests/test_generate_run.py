@@ -8,7 +8,6 @@ import math
 
 import pytest
 
-from fedsplice import core
 from fedsplice.core import wire
 from fedsplice.errors import ConfigError
 
@@ -111,6 +110,9 @@ def test_records_longer_than_max_length_are_counted(gen_cfg):
     (dict(data__partition='"dirichlet"'), "needs data.group_field"),
     (dict(data__group_field='"topic"'), "data.group_field = 'topic' does nothing while data.partition = 'iid'"),
     (dict(model__input_template='"Q: {text}"'), "model.input_template"),
+    (dict(data__dataset='"hf:tatsu-lab/alpaca"'), "reads instruction records from jsonl:PATH or csv:PATH"),
+    (dict(data__dataset='"fortunes"'), "data.dataset = 'fortunes': model.task = 'generate' reads instruction records"),
+    (dict(runtime__kind='"flower"'), "runtime.kind = 'flower' does not run model.task = 'generate' yet"),
 ])
 def test_what_generate_refuses_is_one_line(gen_cfg, sets, match):
     from fedsplice.federation import build
@@ -122,8 +124,27 @@ def test_what_generate_refuses_is_one_line(gen_cfg, sets, match):
 
 
 def test_generate_settings_are_inert_elsewhere(tiny_cfg):
+    with pytest.raises(ConfigError, match="data.dataset = 'wordnet' holds instruction records"):
+        tiny_cfg(data__dataset='"wordnet"')
     with pytest.raises(ConfigError, match="eval.max_new_tokens = 8 does nothing"):
         tiny_cfg(eval__max_new_tokens=8)
     with pytest.raises(ConfigError, match="model.chat_template = 'plain' does nothing"):
         tiny_cfg(model__chat_template='"plain"')
-    assert core is not None
+
+
+def test_the_end_of_run_table_and_the_not_learned_warning(gen_cfg, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from fedsplice import run
+    from fedsplice.app.summary import learning_warnings, print_table
+
+    cfg = gen_cfg(server__rounds=1, algorithm='"lora"', method="{}")
+    res = run(cfg, tmp_path / "run")
+    print_table(res.raw)
+    out = capsys.readouterr().out
+    assert "response loss" in out and "rouge l" in out and "zero-shot (round 0)" in out
+    exp = SimpleNamespace(recipe=SimpleNamespace(trains=True, prior=None), global_names=["a"])
+    worse = {**res.raw, "gm": {**res.gm, "response_loss": res.raw["zero_shot_gm"]["response_loss"]}}
+    (line,) = learning_warnings(cfg, exp, worse)
+    assert "GM response loss" in line and "not below zero-shot" in line
+    assert learning_warnings(cfg, exp, {**worse, "gm": {**res.gm, "response_loss": 0.0}}) == []

@@ -53,6 +53,7 @@ def check_generate(cfg) -> None:  # an ExperimentConfig (which calls this: no im
         if refused:
             raise ConfigError(line)
     kind = cfg.data.dataset.partition(":")[0]
-    if kind not in ("csv", "jsonl"):
+    if kind in ("images", "hf", "sites"):  # the built-in names are checked against the registry one layer up
         raise ConfigError(f"data.dataset = {cfg.data.dataset!r}: model.task = 'generate' reads instruction records "
-                          f"from jsonl:PATH or csv:PATH (prompt/response, instruction/input/output or messages)")
+                          f"from jsonl:PATH or csv:PATH (prompt/response, instruction/input/output or messages), "
+                          f"or the built-in 'wordnet'")

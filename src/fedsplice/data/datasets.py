@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from fedsplice.data import imagesets, instruct
+from fedsplice.data import imagesets, instruct, wordnet
 from fedsplice.data.assets import atomic_write_json, cache_dir
 from fedsplice.errors import AssetError, ConfigError
 from fedsplice.data.text import (BROWN_GENRES, BROWN_PACKAGE, BROWN_VERSION, FORTUNE_CLASSES, SPAM_CLASSES,
@@ -264,6 +264,11 @@ def _parse(name: str, test: str, skip_bad_images: bool, hub: HubColumns | None =
            instructions: str | None = None) -> dict:
     """The parsed form of any data set: {class_names, texts, test_texts, source, ...}; `instructions`
     (not None: the records are instruction records, grouped by that field, "" for none)."""
+    if instructions is not None and name == wordnet.NAME:
+        if test:
+            raise ConfigError(f"data.test: {name!r} is a built-in data set; data.test is for users' files")
+        recs, source = wordnet.load()
+        return instruct.grouped(recs, name, "", instructions, source)
     if instructions is not None:
         kind, _, path = name.partition(":")
         return instruct.parsed(kind, path, test, instructions)
@@ -349,6 +354,9 @@ def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
                      test_labels=te_y, source=parsed["source"],
                      class_prompt=parsed.get("class_prompt", GENERIC_PROMPT))
     ds.report = split_report(parsed, test_per_class, seed, ds)
+    if "unit" in parsed:  # instruction records: groups, not classes
+        ds.report["unit"] = parsed["unit"]
+        ds.report["split"] = ds.report["split"].replace("per class", f"per {parsed['unit']}")
     ds.given_split = bool(parsed["split"])
     if keep_pool:
         ds.pool_texts = [t for texts in parsed["texts"] for t in texts]

@@ -202,7 +202,11 @@ def parsed(kind: str, path: str, test: str, group_field: str = "") -> dict:
     the records grouped by `group_field`'s values (the "classes" a Dirichlet partition skews
     over and the local test sets follow; one group, "all", without it), and the split a `split`
     field or data.test (`test`, "jsonl:PATH" / "csv:PATH") gives, else none (a test set is carved)."""
-    recs = read(path)
+    return grouped(read(path), path, test, group_field, f"user instruction file {Path(path).expanduser()}")
+
+
+def grouped(recs: list[Instruction], path: str, test: str, group_field: str, source: str) -> dict:
+    """`parsed` of records already read (`path` names them in messages; a built-in set's name)."""
     splits: list[str | None] = [r.fields.get("split") for r in recs]
     bad = sorted({s for s in splits if s not in (None, "train", "test")})
     if bad:
@@ -229,5 +233,5 @@ def parsed(kind: str, path: str, test: str, group_field: str = "") -> dict:
     groups = [r.fields[group_field] if group_field else "all" for r in recs]
     facts = {"bad_images": 0, "blank_lines": 0, "ignored_columns": [], "first_line": {}}
     fixed = sorted_labels(groups)
-    return group(recs, groups, splits, facts, kind, path, None, False, fixed,
-                 source=f"user instruction file {Path(path).expanduser()}", given_as=given_as)
+    return {**group(recs, groups, splits, facts, "jsonl", path, None, False, fixed, source=source, given_as=given_as),
+            "unit": "group"}

@@ -50,6 +50,8 @@ def data_report(data: TextDataset, clients: list[Client], holdout_ids: Sequence[
                      "train_per_class": _counts(data.train_labels[k.train_idx], c),
                      "local_test_per_class": _counts(data.test_labels[k.test_idx], c)} for k in clients],
         "dropped": {k: v for k, v in rep.get("dropped", {}).items() if v},
+        # instruction records (model.task = "generate"): "group", grouped by data.group_field
+        **({"unit": rep["unit"]} if "unit" in rep else {}),
         "notes": list(rep.get("notes", [])),
         "warnings": list(rep.get("warnings", [])) + _held_out_warning(clients, held),
         # data.local_test = "disjoint" only: the pool, the top-up, what ran out (fedsplice.data.testsets)
@@ -75,15 +77,16 @@ def _held_out_warning(clients: list[Client], held: set[int]) -> list[str]:
 def summary_lines(rep: dict) -> list[str]:
     """A few lines a person reads before the rounds start; warnings last, prefixed."""
     te = rep["global_test_per_class"]
-    n = len(rep["class_names"])
-    lines = [f"data: {rep['source']}; {n} class{'' if n == 1 else 'es'}", f"  split: {rep['split']}"]
+    n, unit = len(rep["class_names"]), rep.get("unit", "class")
+    units = unit + ("" if n == 1 else "es" if unit == "class" else "s")
+    lines = [f"data: {rep['source']}; {n} {units}", f"  split: {rep['split']}"]
     test = (f"global test {rep['global_test_size']}"
-            + (f" ({min(te)}-{max(te)} per class)" if rep["global_test_size"] else ""))
+            + (f" ({min(te)}-{max(te)} per {unit})" if rep["global_test_size"] else ""))
     if rep["train_size"] is None:  # per-site data, on the server
         lines.append(f"  {test}")
     else:
         tr = rep["train_per_class"]
-        lines.append(f"  train {rep['train_size']} ({min(tr)}-{max(tr)} per class); {test}")
+        lines.append(f"  train {rep['train_size']} ({min(tr)}-{max(tr)} per {unit}); {test}")
     if rep["clients"]:
         sizes = [k["train"] for k in rep["clients"]]
         tests = [k["local_test"] for k in rep["clients"]]

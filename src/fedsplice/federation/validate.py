@@ -25,10 +25,14 @@ from fedsplice.algorithms import method_params
 from fedsplice.config import ExperimentConfig
 from fedsplice.core.server import make_server_optimizer
 from fedsplice.data.datasets import DATASETS
+from fedsplice.data.wordnet import NAME as WORDNET
 from fedsplice.data.report import data_report
 from fedsplice.data.zoo import ZOO
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build_data
+
+
+INSTRUCTION_SETS = (WORDNET,)  # built-in instruction data (model.task = "generate")
 
 
 def check_zoo_model(cfg: ExperimentConfig) -> None:
@@ -40,6 +44,15 @@ def check_zoo_model(cfg: ExperimentConfig) -> None:
 
 def check_dataset(cfg: ExperimentConfig) -> None:
     dataset = cfg.data.dataset
+    generate = cfg.model.task == "generate"
+    if generate and config.user_data(dataset) is None and dataset not in INSTRUCTION_SETS:
+        raise ConfigError(f"data.dataset = {dataset!r}: model.task = 'generate' reads instruction records: "
+                          f"jsonl:PATH, csv:PATH or one of {', '.join(INSTRUCTION_SETS)}")
+    if dataset in INSTRUCTION_SETS and not generate:
+        raise ConfigError(f"data.dataset = {dataset!r} holds instruction records (prompt -> response), not classes: "
+                          f"set model.task = 'generate'")
+    if generate:
+        return
     if (config.user_data(dataset) is None and dataset not in DATASETS and dataset != config.SITES
             and not dataset.startswith(config.HF)):
         raise ConfigError(f"data.dataset: unknown {dataset!r}; choose one of "
