@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from fedsplice.core import wire
 from fedsplice.errors import ConfigError
@@ -148,3 +149,36 @@ def test_the_end_of_run_table_and_the_not_learned_warning(gen_cfg, tmp_path, cap
     (line,) = learning_warnings(cfg, exp, worse)
     assert "GM response loss" in line and "not below zero-shot" in line
     assert learning_warnings(cfg, exp, {**worse, "gm": {**res.gm, "response_loss": 0.0}}) == []
+
+
+def test_an_exported_client_adapter_generates_what_fedsplice_does(gen_cfg, tmp_path):
+    """The client's model as fedsplice scores it (GLOBAL + its PRIVATE tensors from the last
+    checkpoint) against `fedsplice export --client` loaded with peft alone onto the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fedsplice import run
+    from fedsplice.app.export import export
+    from fedsplice.federation import build
+    from fedsplice.federation import checkpoint as ckpt
+    from fedsplice.federation.state import ClientState
+    from fedsplice.model.generate import greedy, pad_id
+
+    cfg = gen_cfg(server__rounds=2, runtime__precision='"fp32"', client__lr=0.05)
+    run(cfg, tmp_path / "run")
+    loaded = ckpt.load(ckpt.latest(tmp_path / "run" / ckpt.DIRNAME), cfg, build(cfg).sampling)
+    cid = next(c for c in loaded.clients if ClientState.from_store(loaded.clients[c]) is not None)
+    exp = build(cfg)
+    exp.model.load_params({**loaded.state.global_params, **ClientState.from_store(loaded.clients[cid]).params})
+    items = [exp.data.test_texts[i] for i in exp.clients[cid].test_idx]
+    ours = exp.model.answers(items, 4, 6)["text"]
+    export(tmp_path / "run", tmp_path / "export", client=cid)
+    base = AutoModelForCausalLM.from_pretrained(cfg.model.name, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "export")).eval()
+    tok = exp.model.tokenizer
+    theirs = greedy(peft_model, tok, [exp.model.encoded(x).prompt for x in items], max_new_tokens=6,
+                    pad_id=pad_id(tok))
+    assert ours == theirs and any(ours)
+    fresh = AutoModelForCausalLM.from_pretrained(cfg.model.name, dtype=torch.float32).eval()  # peft changed `base`
+    plain = greedy(fresh, tok, [exp.model.encoded(x).prompt for x in items], max_new_tokens=6, pad_id=pad_id(tok))
+    assert plain != ours  # the adapters change the answers: the comparison above can fail
