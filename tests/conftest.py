@@ -159,6 +159,43 @@ def tmp_cache(tmp_path, monkeypatch):
     return cache
 
 
+# ----------------------------------------------------------------------------- instruction records
+
+WORDS = "tree sea bird fire road city king song star dog".split()
+ANSWER = "it is a good thing"
+
+
+@pytest.fixture(scope="session")
+def instruct_jsonl(tmp_path_factory):
+    """40 records in the three forms, every answer the same phrase (a pattern a model learns in a few
+    steps), 6 of them multiple choice; a `topic` field for a Dirichlet partition."""
+    rows = []
+    for i in range(40):
+        w = WORDS[i % len(WORDS)]
+        topic = "nature" if i % 2 else "town"
+        if i % 7 == 3:
+            rows.append({"prompt": f"Is the {w} good?", "options": ["no", ANSWER], "answer": "B", "topic": topic})
+        elif i % 3 == 0:
+            rows.append({"instruction": f"Tell me of the {w}.", "input": WORDS[(i + 3) % 10], "output": ANSWER,
+                         "topic": topic})
+        elif i % 3 == 1:
+            rows.append({"prompt": f"What of the {w} and the {WORDS[(i + 1) % 10]}?", "response": ANSWER,
+                         "topic": topic})
+        else:
+            rows.append({"messages": [{"role": "user", "content": f"Say the {w}."},
+                                      {"role": "assistant", "content": ANSWER}], "topic": topic})
+    path = tmp_path_factory.mktemp("instruct") / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+# model.task = "generate" on the tiny Llama and `instruct_jsonl`: make_cfg keywords
+GEN_BUDGET = dict(model__task='"generate"', data__partition='"iid"', eval__cold_start_epochs=0, data__num_clients=4,
+                  data__holdout_clients=0, data__test_per_class=8, data__local_test_size=4, model__max_length=64,
+                  eval__max_new_tokens=6, client__lr=0.03, client__batch_size=4, client__max_steps=4,
+                  server__clients_per_round=2, server__rounds=3)
+
+
 # ----------------------------------------------------------------------------- models
 
 

@@ -593,3 +593,20 @@ def test_flower_app_is_a_valid_flower_app(cfg_factory, tiny_bert_dir, toy_jsonl,
     assert conf["project"]["dependencies"] == []  # nothing for Flower to install (no CUDA torch)
     back = config_from_text(app["config"][CONFIG_KEY])
     assert back.runtime.kind == "flower" and back.algorithm == "pfadapter"
+
+
+def test_in_process_flower_equals_the_simulation_on_generated_answers(in_process, cfg_factory, tiny_llama_dir,
+                                                                      instruct_jsonl):
+    """model.task = "generate": the same response losses and answer scores through Flower's messages."""
+    from conftest import GEN_BUDGET
+    from fedsplice.runtimes.inprocess import run_rounds
+    from fedsplice.federation.store import MemoryStore
+
+    cfg = cfg_factory(tiny_llama_dir, instruct_jsonl, **{**GEN_BUDGET, "server__rounds": 2})
+    exp_s, sim = build(cfg), []
+    run_rounds(exp_s, MemoryStore(), sim.append)
+    _, fl, events, _ = in_process(cfg)
+    assert events == [] and "response_loss" in sim[-1]["gm"]
+    for a, b in zip(sim, fl, strict=True):
+        assert (a["gm"], a["pm"], a.get("clients"), a.get("train_loss")) == (b["gm"], b["pm"], b.get("clients"),
+                                                                              b.get("train_loss"))

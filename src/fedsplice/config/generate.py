@@ -33,8 +33,6 @@ def check_generate(cfg) -> None:  # an ExperimentConfig (which calls this: no im
         (cfg.client.logit_adjustment > 0, f"client.logit_adjustment: {why}it shifts class logits; set it to 0"),
         (cfg.eval.cold_start_epochs > 0, "eval.cold_start_epochs: cold-start curves are accuracy curves, not yet "
                                          "measured for generated answers; set eval.cold_start_epochs = 0"),
-        (cfg.runtime.kind == "flower", "runtime.kind = 'flower' does not run model.task = 'generate' yet; use "
-                                       "runtime.kind = 'simulation'"),
         (cfg.privacy.local == "dpsgd", "privacy.local = 'dpsgd' does not run model.task = 'generate' yet (per-example "
                                        "gradients of the response loss); set privacy.local = 'off'"),
         (cfg.eval.on != "test", "eval.on = 'validation' draws per class; model.task = 'generate' has no classes: "

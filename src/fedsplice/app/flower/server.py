@@ -125,7 +125,9 @@ def server_main(grid: Grid, context: Context) -> None:
                               node_wait_s=float(rc.get(NODE_WAIT_KEY, 300.0)), run_id=context.run_id,
                               resume=str(rc.get(RESUME_KEY, False)).lower() in ("true", "1"))
         atomic_write_json(status, {"ok": True, "run_id": context.run_id, "time_s": round(time.time() - t0, 1),
-                                   "gm_accuracy": results["gm"]["accuracy"], "pm_accuracy": results["pm"]["accuracy"]})
+                                   # generated answers (model.task = "generate") have no accuracy: None
+                                   "gm_accuracy": results["gm"].get("accuracy"),
+                                   "pm_accuracy": results["pm"].get("accuracy")})
         _say("[fedsplice] ServerApp: done")
     except BaseException as e:
         out.mkdir(parents=True, exist_ok=True)
