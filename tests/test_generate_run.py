@@ -46,8 +46,9 @@ def test_pfadapter_learns_the_answers_and_keeps_its_private_half(gen_cfg, tmp_pa
 def test_fedavg_and_local_and_centralized_run(gen_cfg, tmp_path):
     from fedsplice import run
 
-    for algo in ("lora", "local", "centralized"):
-        res = run(gen_cfg(algorithm=f'"{algo}"', server__rounds=1), tmp_path / algo)
+    for algo, more in (("lora", {"server__optimizer": '"fedyogi"'}), ("local", {}), ("centralized", {}),
+                       ("fedsa-lora", {}), ("pfedlora", {}), ("zeroshot", {})):
+        res = run(gen_cfg(algorithm=f'"{algo}"', method="{}", server__rounds=1, **more), tmp_path / algo)
         assert math.isfinite(res.pm["response_loss"]) and res.pm["test_size"] == 4
 
 
@@ -73,6 +74,7 @@ def test_records_longer_than_max_length_are_counted(gen_cfg):
 
 @pytest.mark.parametrize("sets, match", [
     (dict(algorithm='"fedpurel"'), "fedpurel"),
+    (dict(algorithm='"hetlora"', method="{}"), "'hetlora' needs its own personalized prediction, in class logits"),
     (dict(grab__enabled="true"), "grab.enabled"),
     (dict(peft__type='"prompt"'), "peft.type = 'prompt'"),
     (dict(eval__cold_start_epochs=1), "eval.cold_start_epochs"),

@@ -27,12 +27,13 @@ def check_recipe(cfg, recipe) -> None:
     """A method that needs class logits (an objective of its own, a personalized prediction, the
     zero-shot logits, a prior reference) is refused with model.task = "generate", in one line."""
     needs = [what for what, on in (("an objective of its own", recipe.objective is not None),
-                                   ("its own personalized model (personalize hooks)", recipe.personalize is not None),
+                                   ("its own personalized prediction, in class logits", recipe.personalize is not None),
                                    ("zero-shot class logits", recipe.needs_zero_shot),
                                    ("a class prior (a reference row)", bool(recipe.prior))) if on]
     if needs:
-        raise ConfigError(f"algorithm {cfg.algorithm!r} scores a class set ({'; '.join(needs)}), which "
-                          f"model.task = 'generate' does not have; use a LoRA method (e.g. pfadapter, lora, local)")
+        raise ConfigError(f"algorithm {cfg.algorithm!r} needs {'; '.join(needs)}, which model.task = 'generate' "
+                          f"does not run yet; use pfadapter, lora (and the server optimizers), fedsa-lora, pfedlora, "
+                          f"local, centralized or zeroshot")
 
 
 def length_warnings_of(cfg, model, data) -> list[str]:
