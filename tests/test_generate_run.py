@@ -151,3 +151,18 @@ def test_an_exported_client_adapter_generates_what_fedsplice_does(gen_cfg, tmp_p
     fresh = AutoModelForCausalLM.from_pretrained(cfg.model.name, dtype=torch.float32).eval()  # peft changed `base`
     plain = greedy(fresh, tok, [exp.model.encoded(x).prompt for x in items], max_new_tokens=6, pad_id=pad_id(tok))
     assert plain != ours  # the adapters change the answers: the comparison above can fail
+
+
+def test_stop_strings_reach_the_generation_and_are_checked(gen_cfg, tiny_cfg, monkeypatch):
+    from fedsplice.federation import build, generative
+    from fedsplice.model import taskmodel
+
+    exp = build(gen_cfg(eval__stop='["###", "ok"]'))
+    seen = []
+    monkeypatch.setattr(taskmodel, "greedy", lambda *a, **k: seen.append(k["stop"]) or [""] * len(a[2]))
+    generative.scores(exp, exp.data.test_texts[:2])
+    assert seen == [["###", "ok"]]
+    with pytest.raises(ConfigError, match="eval.stop = \\['x', ''\\]: each stop string must be non-empty"):
+        gen_cfg(eval__stop='["x", ""]')
+    with pytest.raises(ConfigError, match="eval.stop = \\['x'\\] does nothing while model.task = 'dual_encoder'"):
+        tiny_cfg(eval__stop='["x"]')

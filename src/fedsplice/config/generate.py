@@ -16,6 +16,7 @@ def check_generate(cfg) -> None:  # an ExperimentConfig (which calls this: no im
         refuse_inert("model", m, ("chat_template",), f"model.task = {m.task!r}", "set model.task = 'generate'")
         refuse_inert("data", cfg.data, ("group_field",), f"model.task = {m.task!r} (classes come from `label`)",
                      "set model.task = 'generate'")
+        refuse_inert("eval", cfg.eval, ("stop",), f"model.task = {m.task!r}", "set model.task = 'generate'")
         if cfg.eval.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
             raise ConfigError(f"eval.max_new_tokens = {cfg.eval.max_new_tokens} does nothing while model.task = "
                               f"{m.task!r} (it bounds generated answers): set model.task = 'generate', or remove it")

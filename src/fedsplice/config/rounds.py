@@ -188,6 +188,7 @@ class EvalConfig:
     on: Literal["test", "validation"] = "test"
     validation_per_class: int = 10
     max_new_tokens: int = 64  # generate: the longest answer generated (greedy, stopped at EOS)
+    stop: list[str] = field(default_factory=list)  # generate: an answer also ends before the first of these
 
     def check(self) -> None:
         check_positive("eval.every", self.every)
@@ -201,6 +202,9 @@ class EvalConfig:
         check_positive("eval.min_group_samples", self.min_group_samples)
         check_positive("eval.validation_per_class", self.validation_per_class)
         check_positive("eval.max_new_tokens", self.max_new_tokens)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"eval.stop = {self.stop!r}: each stop string must be non-empty text (an empty one "
+                              f"would end every answer at once)")
         if self.on not in ("test", "validation"):
             raise ConfigError(f"eval.on must be 'test' or 'validation', got {self.on!r}")
 

@@ -3,7 +3,8 @@ on the global test set (GM), as the instruction-tuning field reports them (docs/
 
   response_loss   the mean -log p of the reference responses' tokens given their prompts (the
                   training loss on held-out records), and its perplexity exp(loss)
-  exact_match, token_f1, rouge_l   the greedy answer (at most eval.max_new_tokens, stopped at EOS)
+  exact_match, token_f1, rouge_l   the greedy answer (at most eval.max_new_tokens, stopped at EOS
+                  or before the first of eval.stop)
                   against the reference response (`fedsplice.federation.textmetrics`), mean over records
   choice_loglik, choice_parsed     multiple-choice records only: right when the right option has the
                   highest log-likelihood, and when the greedy answer's letter (FlowerTune's parse)
@@ -51,7 +52,7 @@ def length_warnings_of(cfg, model, data) -> list[str]:
 
 def scores(exp, items: list) -> dict:
     """The scores of the model as loaded on instruction records `items`."""
-    got = exp.model.answers(items, exp.cfg.eval.batch_size, exp.cfg.eval.max_new_tokens)
+    got = exp.model.answers(items, exp.cfg.eval.batch_size, exp.cfg.eval.max_new_tokens, exp.cfg.eval.stop)
     tokens = int(sum(got["tokens"]))
     loss = float(sum(got["nll"]) / tokens) if tokens else float("nan")
     per = [text_scores(a, r.response) for a, r in zip(got["text"], items)]

@@ -353,9 +353,10 @@ class TaskModel(nn.Module):
         return nll.sum() / count.sum().clamp(min=1)
 
     @torch.no_grad()
-    def answers(self, items: list, batch_size: int, max_new_tokens: int) -> dict:
-        """Per record: the response's summed -log p and token count, the greedy answer, and for a
-        multiple-choice record each option's log-likelihood (in eval mode, the run's precision)."""
+    def answers(self, items: list, batch_size: int, max_new_tokens: int, stop: list[str] | None = None) -> dict:
+        """Per record: the response's summed -log p and token count, the greedy answer (ended at EOS
+        or before the first of `stop`), and for a multiple-choice record each option's
+        log-likelihood (in eval mode, the run's precision)."""
         was = self.training
         self.eval()
         pad = pad_id(self.tokenizer)
@@ -363,7 +364,7 @@ class TaskModel(nn.Module):
         with self.autocast():
             parts = [response_nll(self._lm, enc[i:i + batch_size], pad) for i in range(0, len(enc), batch_size)]
             text = greedy(self._lm, self.tokenizer, [e.prompt for e in enc], max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, pad_id=pad)
+                          stop=stop or (), batch_size=batch_size, pad_id=pad)
             options = [option_logliks(self._lm, self.tokenizer, x, self.mcfg.chat_template, pad).tolist()
                        if x.choice else None for x in items]
         self.train(was)
