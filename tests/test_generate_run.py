@@ -94,6 +94,8 @@ def test_what_generate_refuses_is_one_line(gen_cfg, sets, match):
 
 
 def test_generate_settings_are_inert_elsewhere(tiny_cfg):
+    with pytest.raises(ConfigError, match="data.partition = 'natural' reads the `client` field"):
+        tiny_cfg(data__partition='"natural"')
     with pytest.raises(ConfigError, match="data.dataset = 'wordnet' holds instruction records"):
         tiny_cfg(data__dataset='"wordnet"')
     with pytest.raises(ConfigError, match="eval.max_new_tokens = 8 does nothing"):
@@ -166,3 +168,27 @@ def test_stop_strings_reach_the_generation_and_are_checked(gen_cfg, tiny_cfg, mo
         gen_cfg(eval__stop='["x", ""]')
     with pytest.raises(ConfigError, match="eval.stop = \\['x'\\] does nothing while model.task = 'dual_encoder'"):
         tiny_cfg(eval__stop='["x"]')
+
+
+def test_a_natural_partition_gives_each_named_client_its_own_records(cfg_factory, tiny_llama_dir, tmp_path):
+    from fedsplice.federation import build
+
+    rows = [{"prompt": f"q {i}", "response": f"r {i}", "client": ["ann", "bob", "cy"][i % 3]} for i in range(30)]
+    path = tmp_path / "users.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    sets = {**GEN_BUDGET, "data__partition": '"natural"', "data__num_clients": 3, "data__test_per_class": 2,
+            "data__local_test_size": 40}  # the default: a natural partition's local test sets are the clients' own
+    exp = build(cfg_factory(tiny_llama_dir, path, **sets))
+    d = exp.data
+    for k, name in enumerate(["ann", "bob", "cy"]):
+        c = exp.clients[k]
+        assert len(c.train_idx) == 8 and len(c.test_idx) == 2  # 10 records each: 2 carved to test
+        assert {d.train_texts[i].fields["client"] for i in c.train_idx} == {name}
+        assert {d.test_texts[i].fields["client"] for i in c.test_idx} == {name}
+    from fedsplice import run
+
+    assert run(cfg_factory(tiny_llama_dir, path, **sets), tmp_path / "run").pm["test_size"] == 2
+    with pytest.raises(ConfigError, match=r"name 3 clients \('ann', 'bob', 'cy'\) but data.num_clients = 4"):
+        build(cfg_factory(tiny_llama_dir, path, **{**sets, "data__num_clients": 4}))
+    with pytest.raises(ConfigError, match="data.local_test_size = 4 does nothing while data.partition = 'natural'"):
+        cfg_factory(tiny_llama_dir, path, **{**sets, "data__local_test_size": 4})

@@ -12,6 +12,9 @@ DEFAULT_MAX_NEW_TOKENS = 64
 
 def check_generate(cfg) -> None:  # an ExperimentConfig (which calls this: no import back)
     m = cfg.model
+    if cfg.data.partition == "natural" and m.task != "generate":
+        raise ConfigError("data.partition = 'natural' reads the `client` field of instruction records: set "
+                          "model.task = 'generate', or choose dirichlet, iid or shards")
     if m.task != "generate":
         refuse_inert("model", m, ("chat_template",), f"model.task = {m.task!r}", "set model.task = 'generate'")
         refuse_inert("data", cfg.data, ("group_field",), f"model.task = {m.task!r} (classes come from `label`)",
@@ -26,6 +29,9 @@ def check_generate(cfg) -> None:  # an ExperimentConfig (which calls this: no im
     if cfg.data.partition != "dirichlet":
         refuse_inert("data", cfg.data, ("group_field",), f"data.partition = {cfg.data.partition!r}",
                      "set data.partition = 'dirichlet'")
+    if cfg.data.partition == "natural":
+        refuse_inert("data", cfg.data, ("local_test_size",), "data.partition = 'natural' (each client's local test "
+                     "set is its own test records)", "use data.test_per_class for a carved split's size")
     why = "model.task = 'generate' answers in free text; "
     refusals = (
         (cfg.peft.type not in ("lora", "full"), f"peft.type = {cfg.peft.type!r}: {why}prompts, adapters and heads "

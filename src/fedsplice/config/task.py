@@ -151,7 +151,8 @@ class DataConfig:
     group_field: str = ""
     dataset: str = "fortunes"  # see `fedsplice list datasets`; or csv:PATH / jsonl:PATH / images:DIR / hf:NAME[:CONFIG]
     num_clients: int = 10
-    partition: Literal["dirichlet", "iid", "shards"] = "dirichlet"
+    # natural (model.task = "generate"): one client per value of the records' `client` field
+    partition: Literal["dirichlet", "iid", "shards", "natural"] = "dirichlet"
     alpha: float = 0.5  # Dirichlet concentration (smaller = more label skew)
     shards_per_client: int = 2
     test_per_class: int = 20  # balanced global test set

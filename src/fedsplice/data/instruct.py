@@ -235,3 +235,27 @@ def grouped(recs: list[Instruction], path: str, test: str, group_field: str, sou
     fixed = sorted_labels(groups)
     return {**group(recs, groups, splits, facts, "jsonl", path, None, False, fixed, source=source, given_as=given_as),
             "unit": "group"}
+
+
+def natural_clients(train: list, test: list, num_clients: int):  # of Instructions
+    """data.partition = "natural": one client per distinct `client` field value (sorted, as labels
+    are), holding its own training records; its local test set is its own records among the global
+    test ones. Returns (client names, training indices per client, test indices per client)."""
+    missing = sum("client" not in r.fields for r in train)
+    if missing:
+        raise ConfigError(f"data.partition = 'natural': {missing} of {len(train)} training records have no `client` "
+                          f"field; give every record its client, or use data.partition = 'iid'")
+    names = sorted_labels(r.fields["client"] for r in train)
+    if len(names) != num_clients:
+        shown = ", ".join(map(repr, names[:6])) + (", ..." if len(names) > 6 else "")
+        raise ConfigError(f"data.partition = 'natural': the records name {len(names)} clients ({shown}) but "
+                          f"data.num_clients = {num_clients}; set data.num_clients = {len(names)}")
+    at = {n: k for k, n in enumerate(names)}
+    parts: list[list[int]] = [[] for _ in names]
+    tests: list[list[int]] = [[] for _ in names]
+    for i, r in enumerate(train):
+        parts[at[r.fields["client"]]].append(i)
+    for i, r in enumerate(test):
+        if r.fields.get("client") in at:
+            tests[at[r.fields["client"]]].append(i)
+    return names, parts, tests

@@ -16,6 +16,7 @@ import torch
 
 from fedsplice.data import partition as P
 from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
+from fedsplice.data.instruct import natural_clients
 from fedsplice.algorithms import Recipe, build_recipe, clone
 from fedsplice.federation.generative import check_recipe as check_generate_recipe, length_warnings_of
 from fedsplice.federation.dpsgd import check as dpsgd_check
@@ -60,6 +61,10 @@ def make_clients(cfg: ExperimentConfig, data: TextDataset, reserved: Collection[
     test set, or disjoint from unused items other than `reserved`, fedsplice.data.testsets)."""
     dc = cfg.data
     g = rng(cfg, PARTITION)
+    if dc.partition == "natural":  # instruction records' own `client` field (model.task = "generate")
+        _, parts, tests = natural_clients(data.train_texts, data.test_texts[:data.global_test_size], dc.num_clients)
+        return [Client(k, np.asarray(p, dtype=np.int64), np.asarray(t, dtype=np.int64))
+                for k, (p, t) in enumerate(zip(parts, tests))]
     if dc.partition == "iid":
         parts = P.iid_partition(data.train_labels, dc.num_clients, g)
     elif dc.partition == "shards":
@@ -172,7 +177,7 @@ def split_data(cfg: ExperimentConfig) -> tuple[TextDataset, list[Client]]:
                         class_names=cfg.data.class_names, test=cfg.data.test,
                         hub=HubColumns(cfg.data.hf_text, cfg.data.hf_image, cfg.data.hf_label, cfg.data.hf_train_split,
                                        cfg.data.hf_test_split), keep_pool=disjoint,
-                        instructions=cfg.data.group_field if cfg.model.task == "generate" else None)
+                        instructions=instruction_groups(cfg))
     reserved = reserved_items(cfg, data) if disjoint else set()
     data = apply_validation(cfg, data)
     if cfg.data.local_test == "disjoint" and not disjoint:  # a validation run: it never trains on a test item
@@ -180,6 +185,15 @@ def split_data(cfg: ExperimentConfig) -> tuple[TextDataset, list[Client]]:
     else:
         data = apply_long_tail(cfg, data)
     return data, make_clients(cfg, data, reserved)
+
+
+def instruction_groups(cfg: ExperimentConfig) -> str | None:
+    """The field instruction records are grouped by: data.group_field, or `client` for a natural
+    partition (a carved test set then takes data.test_per_class records of every client); None:
+    not instruction records."""
+    if cfg.model.task != "generate":
+        return None
+    return "client" if cfg.data.partition == "natural" else cfg.data.group_field
 
 
 def _within(data: TextDataset, texts: set[str]) -> TextDataset:
