@@ -192,3 +192,21 @@ def test_a_natural_partition_gives_each_named_client_its_own_records(cfg_factory
         build(cfg_factory(tiny_llama_dir, path, **{**sets, "data__num_clients": 4}))
     with pytest.raises(ConfigError, match="data.local_test_size = 4 does nothing while data.partition = 'natural'"):
         cfg_factory(tiny_llama_dir, path, **{**sets, "data__local_test_size": 4})
+
+
+def test_an_hf_data_set_of_instruction_rows_keeps_its_splits(cfg_factory, tiny_llama_dir, tmp_path):
+    import datasets
+
+    from fedsplice.federation import build
+
+    train = [{"instruction": f"Say {i}.", "input": "", "output": f"it is {i}"} for i in range(24)]
+    test = [{"instruction": f"Say {i}.", "input": "now", "output": f"it is {i}"} for i in range(100, 106)]
+    folder = tmp_path / "alpaca"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                          "test": datasets.Dataset.from_list(test)}).save_to_disk(str(folder))
+    exp = build(cfg_factory(tiny_llama_dir, "x", **{**GEN_BUDGET, "data__dataset": f'"hf:{folder}"'}))
+    d = exp.data
+    assert len(d.train_texts) == 24 and len(d.test_texts) == 6 and "given" in d.report["split"]
+    assert d.test_texts[0].prompt == "Say 100.\n\nnow" and d.test_texts[0].response == "it is 100"
+    with pytest.raises(ConfigError, match="data.hf_text = 'q' does nothing while model.task = 'generate'"):
+        cfg_factory(tiny_llama_dir, "x", **{**GEN_BUDGET, "data__dataset": f'"hf:{folder}"', "data__hf_text": '"q"'})

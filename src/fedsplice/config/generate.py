@@ -58,7 +58,10 @@ def check_generate(cfg) -> None:  # an ExperimentConfig (which calls this: no im
         if refused:
             raise ConfigError(line)
     kind = cfg.data.dataset.partition(":")[0]
-    if kind in ("images", "hf", "sites"):  # the built-in names are checked against the registry one layer up
+    refuse_inert("data", cfg.data, ("hf_text", "hf_image", "hf_label"), "model.task = 'generate' (a record's "
+                 "fields are named by its form: prompt/response, instruction/input/output or messages)",
+                 "rename the data set's columns")
+    if kind in ("images", "sites"):  # the built-in names are checked against the registry one layer up
         raise ConfigError(f"data.dataset = {cfg.data.dataset!r}: model.task = 'generate' reads instruction records "
-                          f"from jsonl:PATH or csv:PATH (prompt/response, instruction/input/output or messages), "
-                          f"or the built-in 'wordnet'")
+                          f"from jsonl:PATH, csv:PATH or hf:NAME (prompt/response, instruction/input/output or "
+                          f"messages), or the built-in 'wordnet'")

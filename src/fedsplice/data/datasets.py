@@ -36,7 +36,7 @@ from fedsplice.data.text import (BROWN_GENRES, BROWN_PACKAGE, BROWN_VERSION, FOR
                                 _build_fortunes, _build_spamassassin, _drop_ambiguous,
                                 _fortunes_root, _spam_root)
 from fedsplice.config import HF
-from fedsplice.data.hubdata import HubColumns, load_hub
+from fedsplice.data.hubdata import HubColumns, load_hub, load_hub_instructions
 from fedsplice.data.userdata import load_user
 
 # The class-side template of users' data; built-in sets bring their own (DatasetInfo.class_prompt).
@@ -264,6 +264,8 @@ def _parse(name: str, test: str, skip_bad_images: bool, hub: HubColumns | None =
            instructions: str | None = None) -> dict:
     """The parsed form of any data set: {class_names, texts, test_texts, source, ...}; `instructions`
     (not None: the records are instruction records, grouped by that field, "" for none)."""
+    if instructions is not None and name.startswith(HF):
+        return load_hub_instructions(name[len(HF):], hub or HubColumns(), instructions)
     if instructions is not None and name == wordnet.NAME:
         if test:
             raise ConfigError(f"data.test: {name!r} is a built-in data set; data.test is for users' files")

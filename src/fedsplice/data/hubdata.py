@@ -7,6 +7,8 @@ name the columns (data.hf_text, data.hf_image, data.hf_label) and the splits (da
 data.hf_test_split); the named test split is used exactly, like a user's `split` column, and an
 empty one has a balanced test set carved. Class names come from the label column's `ClassLabel`
 feature (in its order), else from the labels themselves (sorted, as for users' files).
+With model.task = "generate" the rows are instruction records under their own field names
+(`load_hub_instructions`; fedsplice.data.instruct).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedsplice.data import images as imagedata
+from fedsplice.data import instruct
 from fedsplice.data.assets import cache_dir
 from fedsplice.data.samples import Sample
 from fedsplice.data.text import normalize_ws
@@ -108,6 +111,23 @@ def _rows(d, cols: HubColumns, names: list[str] | None, where: str, log, out: tu
         out[1].append(label)
         first.setdefault(label, i)
     return first
+
+
+def load_hub_instructions(spec: str, cols: HubColumns, group_field: str) -> dict:
+    """The parsed form of hf:`spec` holding instruction records (model.task = "generate"): each
+    row in any of `fedsplice.data.instruct`'s forms, its own field names; the splits as named."""
+    where = f"hf:{spec}"
+    dd = open_dataset(spec)
+    _check(dd, HubColumns(text="", label="", train=cols.train, test=cols.test), where)
+    recs: list[instruct.Instruction] = []
+    splits: list[str | None] = []
+    for split, tag in ((cols.train, "train" if cols.test else None), (cols.test, "test")):
+        if split:
+            for i, row in enumerate(dd[split]):
+                recs.append(instruct.record(dict(row), f"{where} split {split!r} row {i}"))
+                splits.append(tag)
+    given = f"given: the {cols.train!r} / {cols.test!r} splits of {where}" if cols.test else ""
+    return instruct.grouped(recs, where, "", group_field, f"Hugging Face data set {spec}", splits, given)
 
 
 def load_hub(spec: str, cols: HubColumns, skip_bad_images: bool = False) -> dict:

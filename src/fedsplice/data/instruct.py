@@ -205,14 +205,15 @@ def parsed(kind: str, path: str, test: str, group_field: str = "") -> dict:
     return grouped(read(path), path, test, group_field, f"user instruction file {Path(path).expanduser()}")
 
 
-def grouped(recs: list[Instruction], path: str, test: str, group_field: str, source: str) -> dict:
-    """`parsed` of records already read (`path` names them in messages; a built-in set's name)."""
-    splits: list[str | None] = [r.fields.get("split") for r in recs]
+def grouped(recs: list[Instruction], path: str, test: str, group_field: str, source: str,
+            splits: list[str | None] | None = None, given_as: str = "") -> dict:
+    """`parsed` of records already read (`path` names them in messages; a built-in set's name);
+    `splits` (train / test / None per record) and `given_as` when the source gives the split."""
+    splits = list(splits) if splits is not None else [r.fields.get("split") for r in recs]
     bad = sorted({s for s in splits if s not in (None, "train", "test")})
     if bad:
         raise ConfigError(f"{path}: `split` has {bad[:3]}; write train or test, or drop the field to have a test "
                           f"set carved")
-    given_as = ""
     if test:
         tkind, _, tpath = test.partition(":")
         if tkind not in ("csv", "jsonl") or not tpath:

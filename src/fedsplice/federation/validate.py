@@ -45,9 +45,10 @@ def check_zoo_model(cfg: ExperimentConfig) -> None:
 def check_dataset(cfg: ExperimentConfig) -> None:
     dataset = cfg.data.dataset
     generate = cfg.model.task == "generate"
-    if generate and config.user_data(dataset) is None and dataset not in INSTRUCTION_SETS:
+    if (generate and config.user_data(dataset) is None and dataset not in INSTRUCTION_SETS
+            and not dataset.startswith(config.HF)):
         raise ConfigError(f"data.dataset = {dataset!r}: model.task = 'generate' reads instruction records: "
-                          f"jsonl:PATH, csv:PATH or one of {', '.join(INSTRUCTION_SETS)}")
+                          f"jsonl:PATH, csv:PATH, hf:NAME or one of {', '.join(INSTRUCTION_SETS)}")
     if dataset in INSTRUCTION_SETS and not generate:
         raise ConfigError(f"data.dataset = {dataset!r} holds instruction records (prompt -> response), not classes: "
                           f"set model.task = 'generate'")
