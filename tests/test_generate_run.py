@@ -190,6 +190,10 @@ def test_a_natural_partition_gives_each_named_client_its_own_records(cfg_factory
     assert run(cfg_factory(tiny_llama_dir, path, **sets), tmp_path / "run").pm["test_size"] == 2
     with pytest.raises(ConfigError, match=r"name 3 clients \('ann', 'bob', 'cy'\) but data.num_clients = 4"):
         build(cfg_factory(tiny_llama_dir, path, **{**sets, "data__num_clients": 4}))
+    rows = [{**r, "split": "test" if i in (0, 1) else "train"} for i, r in enumerate(rows)]  # no test row of cy's
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ConfigError, match=r"client\(s\) \['cy'\] have no test records"):
+        build(cfg_factory(tiny_llama_dir, path, **sets))
     with pytest.raises(ConfigError, match="data.local_test_size = 4 does nothing while data.partition = 'natural'"):
         cfg_factory(tiny_llama_dir, path, **{**sets, "data__local_test_size": 4})
 

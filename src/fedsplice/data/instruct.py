@@ -259,4 +259,8 @@ def natural_clients(train: list, test: list, num_clients: int):  # of Instructio
     for i, r in enumerate(test):
         if r.fields.get("client") in at:
             tests[at[r.fields["client"]]].append(i)
+    empty = [n for n, t in zip(names, tests) if not t]
+    if empty:
+        raise ConfigError(f"data.partition = 'natural': client(s) {empty[:5]} have no test records, so their "
+                          f"personalized models cannot be scored; give each client test records (`split`)")
     return names, parts, tests
