@@ -81,7 +81,7 @@ def test_records_longer_than_max_length_are_counted(gen_cfg):
     (dict(data__partition='"dirichlet"'), "needs data.group_field"),
     (dict(data__group_field='"topic"'), "data.group_field = 'topic' does nothing while data.partition = 'iid'"),
     (dict(model__input_template='"Q: {text}"'), "model.input_template"),
-    (dict(data__dataset='"hf:tatsu-lab/alpaca"'), "reads instruction records from jsonl:PATH or csv:PATH"),
+    (dict(data__dataset='"images:/tmp"'), "reads instruction records from jsonl:PATH, csv:PATH or hf:NAME"),
     (dict(data__dataset='"fortunes"'), "data.dataset = 'fortunes': model.task = 'generate' reads instruction records"),
 ])
 def test_what_generate_refuses_is_one_line(gen_cfg, sets, match):
