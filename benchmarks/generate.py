@@ -69,7 +69,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from fedsplice.model.generate import greedy, pad_id
+    from fedsplice.model.generate import greedy
+    from fedsplice.model.verbalizer import pad_id
 
     n = args.records or (8 if args.quick else 16)
     with tempfile.TemporaryDirectory() as tmp:

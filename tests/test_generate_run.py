@@ -133,7 +133,8 @@ def test_an_exported_client_adapter_generates_what_fedsplice_does(gen_cfg, tmp_p
     from fedsplice.federation import build
     from fedsplice.federation import checkpoint as ckpt
     from fedsplice.federation.state import ClientState
-    from fedsplice.model.generate import greedy, pad_id
+    from fedsplice.model.generate import greedy
+    from fedsplice.model.verbalizer import pad_id
 
     cfg = gen_cfg(server__rounds=2, runtime__precision='"fp32"', client__lr=0.05)
     run(cfg, tmp_path / "run")

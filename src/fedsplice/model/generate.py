@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from fedsplice.data.instruct import Instruction, option_text
 from fedsplice.errors import ConfigError
+from fedsplice.model.verbalizer import model_device
 
 PLAIN_TURN = "### Instruction:\n{user}\n\n### Response:\n"
 TEMPLATES = ("auto", "chat", "plain")
@@ -114,24 +115,12 @@ def fit(e: Encoded, max_length: int, bos: int | None = None) -> Encoded:
     return Encoded(prompt, e.response[:max_length - len(prompt)])
 
 
-def pad_id(tokenizer) -> int:
-    for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
-        v = getattr(tokenizer, name, None)
-        if v is not None:
-            return int(v)
-    return 0
-
-
-def _device(lm) -> torch.device:
-    return next(lm.parameters()).device
-
-
 def response_nll(lm, batch: Sequence[Encoded], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ -log p over each row's response tokens [B], their count [B]); right-padded, one forward.
     Differentiable: a training loss is nll.sum() / count.sum() (the mean over the batch's response
     tokens, as Hugging Face's trainers take it)."""
     n = max(len(e) for e in batch)
-    dev = _device(lm)
+    dev = model_device(lm)
     ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), n), dtype=torch.long)
     target = torch.full((len(batch), n), -100, dtype=torch.long)
@@ -164,7 +153,7 @@ def greedy(lm, tokenizer, prompts: Sequence[list[int]], *, max_new_tokens: int, 
     `stop` (which is cut off), decoded without special tokens."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out = [""] * len(prompts)
-    dev, ends = _device(lm), stop_ids(lm, tokenizer)
+    dev, ends = model_device(lm), stop_ids(lm, tokenizer)
     for s in range(0, len(order), batch_size):
         rows = order[s:s + batch_size]
         n = max(len(prompts[i]) for i in rows)

@@ -33,7 +33,8 @@ from fedsplice.model.adapters import PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.device import DTYPES, autocast, resolve_device
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
-from fedsplice.model.generate import Encoded, encode, fit, greedy, option_logliks, pad_id, response_nll
+from fedsplice.model.generate import Encoded, encode, fit, greedy, option_logliks, response_nll
+from fedsplice.model.verbalizer import pad_id
 from fedsplice.model.loading import Backbone, load_backbone, run_precision
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
 from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, TokenScorer,

@@ -48,7 +48,7 @@ def tokenize_answers(tokenizer, answers: Sequence[str]) -> list[list[int]]:
     return out
 
 
-def _pad_id(tokenizer) -> int:
+def pad_id(tokenizer) -> int:
     for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
         v = getattr(tokenizer, name, None)
         if v is not None:
@@ -56,7 +56,7 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
-def _device(model) -> torch.device:
+def model_device(model) -> torch.device:
     try:
         return next(model.parameters()).device
     except StopIteration:
@@ -133,8 +133,8 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
         raise ValueError("verbalizer: need at least one prompt and one answer")
     if method not in ("cache", "full"):
         raise ValueError(f"verbalizer: method must be 'cache' or 'full', got {method!r}")
-    device = _device(model)
-    pad = _pad_id(tokenizer)
+    device = model_device(model)
+    pad = pad_id(tokenizer)
     bos = tokenizer.bos_token_id
     p_ids = [cut_prompt(list(tokenizer(p)["input_ids"]), max_length, bos) for p in prompts]
     if any(len(s) == 0 for s in p_ids):
