@@ -74,7 +74,7 @@ def test_records_longer_than_max_length_are_counted(gen_cfg):
 
 @pytest.mark.parametrize("sets, match", [
     (dict(algorithm='"fedpurel"'), "fedpurel"),
-    (dict(algorithm='"hetlora"', method="{}"), "'hetlora' needs its own personalized prediction, in class logits"),
+    (dict(algorithm='"majority"', method="{}"), "'majority' needs a class prior"),
     (dict(grab__enabled="true"), "grab.enabled"),
     (dict(peft__type='"prompt"'), "peft.type = 'prompt'"),
     (dict(eval__cold_start_epochs=1), "eval.cold_start_epochs"),

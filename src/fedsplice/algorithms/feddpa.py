@@ -15,8 +15,9 @@ Everything of the method is in this file (its registration aside); docs/fidelity
 - Test time (PM): for each test instance x, α(x) = method.max_weight · mean_j cos(e(x), e(x_j)),
   over method.instance_num training instances x_j of the client drawn at random for that x, e
   the input features of the model with the local adapter only (the code: the last token's hidden
-  state, W0 + local). Forward W0x + α·ΔW_g x + (1−α)·ΔW_l x (the code puts α on the GLOBAL
-  adapter; method.alpha_on = "local" is the other reading). GM: the global adapter alone.
+  state, W0 + local; on model.task = "generate" that is the prompt's last token). Forward
+  W0x + α·ΔW_g x + (1−α)·ΔW_l x (the code puts α on the GLOBAL adapter; method.alpha_on =
+  "local" is the other reading). GM: the global adapter alone.
   method.alpha_grid > 0 (ours) rounds α to a grid so that instances share forwards.
 """
 
@@ -66,9 +67,10 @@ class FedDPAParams:
 def check_config(p: FedDPAParams, cfg) -> None:
     if cfg.peft.type != "lora":
         raise ConfigError("algorithm 'feddpa' trains a global and a local LoRA adapter: set peft.type = 'lora'")
-    if cfg.model.task not in ("encoder_head", "dual_encoder"):
+    if cfg.model.task not in ("encoder_head", "dual_encoder", "generate"):
         raise ConfigError(f"algorithm 'feddpa' weighs its adapters by input-feature similarity, which "
-                          f"model.task = {cfg.model.task!r} has not: use 'encoder_head' or 'dual_encoder'")
+                          f"model.task = {cfg.model.task!r} has not: use 'encoder_head', 'dual_encoder' or "
+                          f"'generate' (instruction records, the paper's own task)")
 
 
 def phases(p: FedDPAParams):

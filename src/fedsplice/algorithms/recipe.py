@@ -33,9 +33,11 @@ class ClientOps(Protocol):
         ...
 
     def test_logits(self, params: Mapping[str, torch.Tensor],
-                    adapters: Mapping[str, float | Sequence[float]] | None = None) -> np.ndarray:
-        """`params` loaded: the model's logits [n_test, C] on the client's local test set. With
-        `adapters` ({LoRA adapter: factor}, TaskModel.adapters_scaled), each adapter's output
+                    adapters: Mapping[str, float | Sequence[float]] | None = None) -> np.ndarray | dict:
+        """`params` loaded: the model's logits [n_test, C] on the client's local test set (with
+        model.task = "generate", which has no classes: the scores dict of its free-text answers,
+        fedsplice.federation.generative.scores, which `Personal.predict` returns as it gets it).
+        With `adapters` ({LoRA adapter: factor}, TaskModel.adapters_scaled), each adapter's output
         times its factor: one number for every test sample, or one per sample (n_test of them:
         the samples with equal factors run as one batch)."""
         ...

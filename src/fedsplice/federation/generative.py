@@ -25,16 +25,19 @@ SCORES = ("response_loss", "perplexity", "exact_match", "token_f1", "rouge_l", "
 
 
 def check_recipe(cfg, recipe) -> None:
-    """A method that needs class logits (an objective of its own, a personalized prediction, the
-    zero-shot logits, a prior reference) is refused with model.task = "generate", in one line."""
+    """A method that needs class logits (an objective of its own, a local stage of its own, the
+    zero-shot logits, a prior reference) is refused with model.task = "generate", in one line. A
+    method's PM (`Personal.predict`: FedDPA, HetLoRA, FLoRA) runs: its test_logits are scores here."""
+    stage = recipe.personalize
     needs = [what for what, on in (("an objective of its own", recipe.objective is not None),
-                                   ("its own personalized prediction, in class logits", recipe.personalize is not None),
+                                   ("a local stage on class logits", stage is not None and (
+                                       stage.fit is not None or stage.after is not None)),
                                    ("zero-shot class logits", recipe.needs_zero_shot),
                                    ("a class prior (a reference row)", bool(recipe.prior))) if on]
     if needs:
         raise ConfigError(f"algorithm {cfg.algorithm!r} needs {'; '.join(needs)}, which model.task = 'generate' "
                           f"does not run yet; use pfadapter, lora (and the server optimizers), fedsa-lora, pfedlora, "
-                          f"local, centralized or zeroshot")
+                          f"feddpa, hetlora, flora, local, centralized or zeroshot")
 
 
 def length_warnings_of(cfg, model, data) -> list[str]:
@@ -50,9 +53,26 @@ def length_warnings_of(cfg, model, data) -> list[str]:
             f"keeps its start); raise model.max_length to keep them whole"]
 
 
-def scores(exp, items: list) -> dict:
-    """The scores of the model as loaded on instruction records `items`."""
-    got = exp.model.answers(items, exp.cfg.eval.batch_size, exp.cfg.eval.max_new_tokens, exp.cfg.eval.stop)
+def answers(exp, items: list, groups: list[tuple[dict, np.ndarray]] | None = None) -> dict:
+    """`TaskModel.answers` of the model as loaded on `items`; with `groups` ([(factors, positions)],
+    `TaskModel.adapters_scaled`), each group's records under its own adapter factors, in order."""
+    e = exp.cfg.eval
+    if groups is None:
+        return exp.model.answers(items, e.batch_size, e.max_new_tokens, e.stop)
+    out: dict[str, list] = {k: [None] * len(items) for k in ("nll", "tokens", "text", "options")}
+    for factors, members in groups:
+        with exp.model.adapters_scaled(factors):
+            got = exp.model.answers([items[i] for i in members], e.batch_size, e.max_new_tokens, e.stop)
+        for k, vals in got.items():
+            for i, v in zip(members, vals):
+                out[k][i] = v
+    return out
+
+
+def scores(exp, items: list, groups: list[tuple[dict, np.ndarray]] | None = None) -> dict:
+    """The scores of the model as loaded on instruction records `items` (`groups`: as in `answers`,
+    a method's per-record adapter mix, FedDPA's)."""
+    got = answers(exp, items, groups)
     tokens = int(sum(got["tokens"]))
     loss = float(sum(got["nll"]) / tokens) if tokens else float("nan")
     per = [text_scores(a, r.response) for a, r in zip(got["text"], items)]

@@ -224,16 +224,22 @@ def evaluate(exp, store, cid: int, global_params: dict) -> dict:
         return score(exp, exp.data.test_labels[idx], logits, idx)
     stored = ClientState.from_store(store.get(cid))
     priv, _ = split_state(exp, stored)
-    if exp.cfg.model.task == "generate":  # free-text answers (fedsplice.federation.generative)
-        exp.model.load_params({**global_params, **priv})
-        return answer_scores(exp, [exp.data.test_texts[i] for i in idx])
     stage = exp.recipe.personalize
-    if stage and stage.predict:  # the method's own PM
-        logits = stage.predict(OnClient(exp, cid), {**global_params, **priv}, stored.branch if stored else {})
-    else:
-        exp.model.load_params({**global_params, **priv})
-        logits = predict_local_test(exp, cid)
-    return score(exp, exp.data.test_labels[idx], logits, idx)
+    if stage and stage.predict:  # the method's own PM (on generate its test_logits are the scores)
+        out = stage.predict(OnClient(exp, cid), {**global_params, **priv}, stored.branch if stored else {})
+        return out if exp.cfg.model.task == "generate" else score(exp, exp.data.test_labels[idx], out, idx)
+    exp.model.load_params({**global_params, **priv})
+    if exp.cfg.model.task == "generate":  # free-text answers (fedsplice.federation.generative)
+        return answer_scores(exp, [exp.data.test_texts[i] for i in idx])
+    return score(exp, exp.data.test_labels[idx], predict_local_test(exp, cid), idx)
+
+
+def factor_groups(adapters: dict, n: int) -> list[tuple[dict, np.ndarray]]:
+    """{adapter: factor, or one factor per record} over n records -> [(factors, positions)]: the
+    records of equal factors, to run as one batch under `TaskModel.adapters_scaled`."""
+    factors = np.stack([np.broadcast_to(np.asarray(f, dtype=np.float64), (n,)) for f in adapters.values()], 1)
+    rows, group = np.unique(factors, axis=0, return_inverse=True)
+    return [(dict(zip(adapters, row.tolist())), np.flatnonzero(group.reshape(-1) == g)) for g, row in enumerate(rows)]
 
 
 @dataclass
@@ -247,19 +253,18 @@ class OnClient:
     def fresh(self) -> dict:
         return {n: t.clone() for n, t in self.exp.init_params.items()}
 
-    def test_logits(self, params, adapters=None) -> np.ndarray:
+    def test_logits(self, params, adapters=None):
         exp = self.exp
         exp.model.load_params(params)
-        if not adapters:
-            return predict_local_test(exp, self.cid)
         idx = exp.clients[self.cid].test_idx
-        factors = np.stack([np.broadcast_to(np.asarray(f, dtype=np.float64), (len(idx),))
-                            for f in adapters.values()], 1)
+        groups = factor_groups(adapters, len(idx)) if adapters else None
+        if exp.cfg.model.task == "generate":  # free-text answers: the scores, not logits
+            return answer_scores(exp, [exp.data.test_texts[i] for i in idx], groups)
+        if groups is None:
+            return predict_local_test(exp, self.cid)
         out = np.zeros((len(idx), len(exp.data.class_names)), dtype=np.float32)
-        rows, group = np.unique(factors, axis=0, return_inverse=True)
-        for g, row in enumerate(rows):  # one batch per distinct set of factors
-            members = np.flatnonzero(group.reshape(-1) == g)
-            with exp.model.adapters_scaled(dict(zip(adapters, row.tolist()))):
+        for factors, members in groups:
+            with exp.model.adapters_scaled(factors):
                 out[members] = exp.model.predict([exp.data.test_texts[idx[i]] for i in members],
                                                  exp.cfg.eval.batch_size).numpy()
         return out

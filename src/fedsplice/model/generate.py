@@ -136,6 +136,19 @@ def response_nll(lm, batch: Sequence[Encoded], pad_id: int) -> tuple[torch.Tenso
     return nll.sum(1), count
 
 
+def prompt_features(lm, prompts: Sequence[list[int]], pad_id: int) -> torch.Tensor:
+    """The last layer's hidden state at each prompt's last token [B, D] (a record's summary, the
+    input features FedDPA compares): right-padded, so causal attention never sees the padding."""
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), n), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)], mask[i, :len(p)] = torch.tensor(p), 1
+    dev = model_device(lm)
+    hidden = lm(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True).hidden_states[-1]
+    return hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]
+
+
 def stop_ids(lm, tokenizer) -> list[int]:
     """The token ids that end an answer: the tokenizer's EOS and the model's generation config's."""
     out = {tokenizer.eos_token_id}

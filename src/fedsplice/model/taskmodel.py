@@ -33,7 +33,7 @@ from fedsplice.model.adapters import PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.device import DTYPES, autocast, resolve_device
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
-from fedsplice.model.generate import Encoded, encode, fit, greedy, option_logliks, response_nll
+from fedsplice.model.generate import Encoded, encode, fit, greedy, option_logliks, prompt_features, response_nll
 from fedsplice.model.verbalizer import pad_id
 from fedsplice.model.loading import Backbone, load_backbone, run_precision
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
@@ -320,17 +320,22 @@ class TaskModel(nn.Module):
     def features(self, texts: list, batch_size: int) -> torch.Tensor:
         """The input side's features E(x) [N, D] in the order given (float32, CPU): what the head
         or the cosine scorer reads, the model's summary of each input. Encoder and dual-encoder
-        tasks only (a causal LM scores answers, it has no such vector)."""
-        if self.task not in ("encoder_head", "dual_encoder"):
+        tasks, and instruction records (generate: the last layer's state at the prompt's last
+        token); a causal LM scoring a label set has no such vector."""
+        if self.task not in ("encoder_head", "dual_encoder", "generate"):
             raise ConfigError(f"model.task = {self.task!r} has no input features; this needs "
-                              f"model.task = 'encoder_head' or 'dual_encoder'")
+                              f"model.task = 'encoder_head', 'dual_encoder' or 'generate'")
         was = self.training
         self.eval()
-        with self.autocast():
-            out = [self._inputs(texts[i:i + batch_size], self._zero_shot).float().cpu()
-                   for i in range(0, len(texts), batch_size)]
+        with self.autocast(), torch.no_grad():
+            out = [self._features(texts[i:i + batch_size]).float().cpu() for i in range(0, len(texts), batch_size)]
         self.train(was)
         return torch.cat(out) if out else torch.zeros(0, 0)
+
+    def _features(self, texts: list) -> torch.Tensor:
+        if self.task == "generate":
+            return prompt_features(self._lm, [self.encoded(x).prompt for x in texts], pad_id(self.tokenizer))
+        return self._inputs(texts, self._zero_shot)
 
     # ----------------------------------------------------------------- free-text answers (generate)
     @property
