@@ -98,6 +98,13 @@ def test_read_jsonl_and_csv_name_the_bad_line(tmp_path):
         I.read(c)
     with pytest.raises(ConfigError, match="not a file"):
         I.read(tmp_path / "absent.jsonl")
+    # a key given twice: json and csv would keep the last silently
+    p.write_text(json.dumps(good[0]) + '\n{"prompt": "q", "response": "a", "response": "b"}\n')
+    with pytest.raises(ConfigError, match=r"d.jsonl line 2 names `response` 2 times \(fields 2, 3\)"):
+        I.read(p)
+    c.write_text("prompt,response,prompt\nq1,r1,q2\n")
+    with pytest.raises(ConfigError, match=r"d.csv: the header row names `prompt` 2 times \(fields 1, 3\)"):
+        I.read(c)
 
 
 # ----------------------------------------------------------------------------- text scores

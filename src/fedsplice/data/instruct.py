@@ -26,7 +26,7 @@ import io
 import json
 from pathlib import Path
 
-from fedsplice.data.userdata import group, read_text, sorted_labels
+from fedsplice.data.userdata import group, json_object, read_text, refuse_duplicates, sorted_labels
 from fedsplice.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
@@ -181,13 +181,16 @@ def read(path: str | Path) -> list[Instruction]:
     out: list[Instruction] = []
     if path.suffix.lower() == ".csv":
         reader = csv.DictReader(io.StringIO(text, newline=""))
+        refuse_duplicates(list(reader.fieldnames or []), f"{path}: the header row", None)
         for row in reader:
             out.append(record({k: (v if v != "" else None) for k, v in row.items()}, f"{path} line {reader.line_num}"))
     else:
         for i, line in enumerate(text.splitlines(), start=1):
             if line.strip():
                 try:
-                    row = json.loads(line)
+                    # mypy cannot infer a lambda with a default argument (i=i binds the loop variable)
+                    row = json.loads(line, object_pairs_hook=lambda pairs, i=i: json_object(  # type: ignore[misc]
+                        pairs, f"{path} line {i}", None))
                 except ValueError as e:
                     raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line is one "
                                       f"record object") from None

@@ -86,17 +86,19 @@ def _record(row, line: int, path: Path, kind: str) -> tuple:
     return line, label, text, image, _split_of(row, where)
 
 
-def _refuse_duplicates(names: list[str], where: str) -> None:
-    """A field the reader uses, named twice, is ambiguous (csv.DictReader and json keep the last)."""
-    twice = [c for c in KNOWN_COLUMNS if names.count(c) > 1]
+def refuse_duplicates(names: list[str], where: str, used: tuple[str, ...] | None = KNOWN_COLUMNS) -> None:
+    """A field the reader uses (`used`; None: every field), named twice, is ambiguous
+    (csv.DictReader and json keep the last)."""
+    twice = [c for c in (dict.fromkeys(names) if used is None else used) if names.count(c) > 1]
     if twice:
         at = [i + 1 for i, c in enumerate(names) if c == twice[0]]
         raise ConfigError(f"{where} names `{twice[0]}` {len(at)} times (fields {', '.join(map(str, at))}); "
                           f"which one is meant is ambiguous: rename or remove the others")
 
 
-def _object(pairs: list[tuple], where: str) -> dict:
-    _refuse_duplicates([k for k, _ in pairs], where)
+def json_object(pairs: list[tuple], where: str, used: tuple[str, ...] | None = KNOWN_COLUMNS) -> dict:
+    """json.loads' object_pairs_hook: the object, its used fields each named once."""
+    refuse_duplicates([k for k, _ in pairs], where, used)
     return dict(pairs)
 
 
@@ -113,7 +115,7 @@ def read_records(path: str | Path, kind: str) -> Records:
     if kind == "csv":
         reader = csv.reader(io.StringIO(text, newline=""))
         fields = next(reader, [])
-        _refuse_duplicates(fields, f"{path}: the header row")
+        refuse_duplicates(fields, f"{path}: the header row")
         if "label" not in fields or not {"text", "image"} & set(fields):
             missing = "label" if "label" not in fields else "text"
             raise ConfigError(f"{path}: missing column `{missing}` in the header row (found {fields}); "
@@ -131,7 +133,7 @@ def read_records(path: str | Path, kind: str) -> Records:
                 continue
             try:
                 # mypy cannot infer a lambda with a default argument (i=i: binds the loop variable, B023)
-                row = json.loads(line, object_pairs_hook=lambda pairs, i=i: _object(  # type: ignore[misc]
+                row = json.loads(line, object_pairs_hook=lambda pairs, i=i: json_object(  # type: ignore[misc]
                     pairs, f"{path} line {i}"))
             except ValueError as e:
                 raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line must be one "
