@@ -158,11 +158,11 @@ def test_an_exported_client_adapter_generates_what_fedsplice_does(gen_cfg, tmp_p
 
 def test_stop_strings_reach_the_generation_and_are_checked(gen_cfg, tiny_cfg, monkeypatch):
     from fedsplice.federation import build, generative
-    from fedsplice.model import taskmodel
+    from fedsplice.model import answers
 
     exp = build(gen_cfg(eval__stop='["###", "ok"]'))
     seen = []
-    monkeypatch.setattr(taskmodel, "greedy", lambda *a, **k: seen.append(k["stop"]) or [""] * len(a[2]))
+    monkeypatch.setattr(answers, "greedy", lambda *a, **k: seen.append(k["stop"]) or [""] * len(a[2]))
     generative.scores(exp, exp.data.test_texts[:2])
     assert seen == [["###", "ok"]]
     with pytest.raises(ConfigError, match="eval.stop = \\['x', ''\\]: each stop string must be non-empty"):

@@ -228,14 +228,14 @@ def test_random_zoo_models_build_once_and_are_labelled():
 
 def test_image_tokens_follow_bos(llama_dir, vit_dir):
     """With a tokenizer that adds BOS, the image tokens go after it: [BOS, image, prompt]."""
-    from fedsplice.model.verbalizer import _left_pad_embeds
+    from fedsplice.model.verbalizer import pad_embeds
 
     m = vlm(llama_dir, vit_dir)
     bos = m.tokenizer.bos_token_id
     ids = m.tokenizer("question: hi answer:")["input_ids"]
     assert ids[0] == bos
     x = torch.randn(3, 32)
-    emb, mask = _left_pad_embeds(m.backbone, [ids, ids[1:]], [x, None], "cpu", bos)
+    emb, mask = pad_embeds(m.backbone, [ids, ids[1:]], [x, None], "cpu", bos)
     we = m.backbone.get_input_embeddings().weight
     n = len(ids) + 3
     assert mask[0].sum() == n and mask[1].sum() == len(ids) - 1

@@ -44,7 +44,7 @@ class ModelConfig:
     # vision tower (model.vision) + projector + causal LM (model.name), verbalizer scoring
     # generate: instruction tuning, free-text answers (prompt -> response records; docs/instruct.md)
     task: Literal["dual_encoder", "encoder_head", "causal_lm", "vlm", "generate"] = "dual_encoder"
-    vision: str = ""  # vlm: the vision tower, zoo:tiny-vit, a hub id or a local path
+    vision: str = ""  # vlm (and generate: records with images): the vision tower, zoo:tiny-vit, a hub id or a path
     projector: Literal["linear", "mlp"] = "mlp"  # vlm: vision -> LM embeddings (trainable, GLOBAL)
     input_template: str = "{text}"  # causal LM: e.g. "Text: {text}\nTopic:"
     # Dual encoder with one shared encoder (MiniLM): do the adapters also encode the class
@@ -73,8 +73,9 @@ class ModelConfig:
         if self.task == "vlm" and not self.vision:
             raise ConfigError("model.vision: model.task = 'vlm' needs a vision tower, e.g. "
                               "'zoo:tiny-vit', 'openai/clip-vit-base-patch32' or a local folder")
-        if self.vision and self.task != "vlm":
-            raise ConfigError("model.vision is only used with model.task = 'vlm'; remove it or set the task")
+        if self.vision and self.task not in ("vlm", "generate"):
+            raise ConfigError("model.vision is only used with model.task = 'vlm' or 'generate' (image tokens "
+                              "before the prompt); remove it or set the task")
 
 
 @dataclass

@@ -123,7 +123,11 @@ def load_hub_instructions(spec: str, cols: HubColumns, group_field: str) -> dict
     splits: list[str | None] = []
     for split, tag in ((cols.train, "train" if cols.test else None), (cols.test, "test")):
         if split:
-            for i, row in enumerate(dd[split]):
+            d = dd[split]
+            image = _datasets().Image
+            if isinstance(d.features.get("image"), image):  # the VLM path: undecoded, keyed by content
+                d = d.cast_column("image", image(decode=False))
+            for i, row in enumerate(d):
                 recs.append(instruct.record(dict(row), f"{where} split {split!r} row {i}"))
                 splits.append(tag)
     given = f"given: the {cols.train!r} / {cols.test!r} splits of {where}" if cols.test else ""

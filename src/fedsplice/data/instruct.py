@@ -10,8 +10,9 @@
 Optional in every form: `options` (a list of 2-26 answer texts: a multiple-choice record) with
 `answer` (the right option's letter "A".. or its text; the response defaults to "B. <its text>",
 the form the prompt lists the options in: `option_text`), `system` (a first turn), `client` (a
-natural per-user split), `split` (train / test), `image` (a path relative to the file: the VLM
-path), and any other scalar field, kept for partitioning by a named field.
+natural per-user split), `split` (train / test), `image` (a path relative to the file, or an
+`hf:` row's image: the VLM path, its tokens before the prompt), and any other scalar field, kept
+for partitioning by a named field.
 
 An `Instruction` is a `str` — a key naming its content exactly (`instruct:<sha1 of the content>`),
 as `fedsplice.data.samples.Sample` is — so partitions, fingerprints and the training loop handle it
@@ -26,6 +27,9 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
+
+from fedsplice.data import images as imagedata
 from fedsplice.data.userdata import group, json_object, read_text, refuse_duplicates, sorted_labels
 from fedsplice.errors import ConfigError
 
@@ -40,20 +44,26 @@ class Instruction(str):
     response: str
     options: tuple[str, ...]  # () unless multiple choice
     answer: int | None  # the right option's index
-    image: str | None
+    image_ref: str | None  # the image as given (a path), then its content key once loaded
+    image: np.ndarray | None  # its RGB pixels once loaded (`with_image`), as a `Sample`'s
     fields: dict[str, str]  # the record's other scalar fields (client, split, and the rest)
 
-    def __new__(cls, messages, response: str, options=(), answer: int | None = None, image: str | None = None,
-                fields: dict[str, str] | None = None):
-        content = json.dumps([list(map(list, messages)), response, list(options), answer, image],
+    def __new__(cls, messages, response: str, options=(), answer: int | None = None, image_ref: str | None = None,
+                fields: dict[str, str] | None = None, image: np.ndarray | None = None):
+        content = json.dumps([list(map(list, messages)), response, list(options), answer, image_ref],
                              ensure_ascii=False)
         s = super().__new__(cls, "instruct:" + hashlib.sha1(content.encode()).hexdigest()[:20])
         s.messages, s.response, s.options, s.answer = tuple(map(tuple, messages)), response, tuple(options), answer
-        s.image, s.fields = image, dict(fields or {})
+        s.image_ref, s.fields, s.image = image_ref, dict(fields or {}), image
         return s
 
     def __reduce__(self):  # pickle (spawned workers, the Flower launcher)
-        return (Instruction, (self.messages, self.response, self.options, self.answer, self.image, self.fields))
+        return (Instruction, (self.messages, self.response, self.options, self.answer, self.image_ref, self.fields,
+                              self.image))
+
+    @property
+    def has_image(self) -> bool:
+        return self.image is not None
 
     @property
     def prompt(self) -> str:
@@ -167,8 +177,40 @@ def record(row, where: str) -> Instruction:
     for k in ("client", "split"):
         if row.get(k) is not None:
             fields[k] = str(row[k]).strip()
-    image = _text(row, "image", where, required=False)
-    return Instruction(context, response, options, answer, image, fields)
+    image = row.get("image")
+    ref = image if isinstance(image, str) and image else None
+    if image is not None and ref is None and not _is_image_bytes(image):
+        raise ConfigError(f"{where}: `image` must be a path (relative to the file) or an image, got {image!r:.40}")
+    rec = Instruction(context, response, options, answer, ref, fields)
+    if isinstance(image, dict) and _is_image_bytes(image):
+        return with_image(rec, image.get("bytes") or Path(image["path"]).read_bytes(), image.get("path") or "image",
+                          where)
+    return rec
+
+
+def _is_image_bytes(v) -> bool:  # an `hf:` row's Image feature, read undecoded: {bytes, path}
+    return isinstance(v, dict) and ("bytes" in v or "path" in v)
+
+
+def with_image(rec: Instruction, raw: bytes, name: str, where: str) -> Instruction:
+    """`rec` with its image decoded (`fedsplice.data.images`, one-line errors) and its key naming
+    the image's content, not its path."""
+    try:
+        pixels = imagedata.decode_bytes(raw)
+    except imagedata.BadImage as e:
+        raise ConfigError(f"{where}: image {name!r}: {e}") from None
+    return Instruction(rec.messages, rec.response, rec.options, rec.answer, imagedata.content_key(name, raw),
+                       rec.fields, pixels)
+
+
+def _load_image(rec: Instruction, file: Path, where: str) -> Instruction:
+    if rec.image_ref is None:
+        return rec
+    img = file.parent / rec.image_ref
+    if not img.is_file():
+        raise ConfigError(f"{where}: image file {rec.image_ref!r} not found (looked for {img}); fix the path, "
+                          f"relative to the file's folder")
+    return with_image(rec, img.read_bytes(), rec.image_ref, where)
 
 
 def read(path: str | Path) -> list[Instruction]:
@@ -183,7 +225,8 @@ def read(path: str | Path) -> list[Instruction]:
         reader = csv.DictReader(io.StringIO(text, newline=""))
         refuse_duplicates(list(reader.fieldnames or []), f"{path}: the header row", None)
         for row in reader:
-            out.append(record({k: (v if v != "" else None) for k, v in row.items()}, f"{path} line {reader.line_num}"))
+            where = f"{path} line {reader.line_num}"
+            out.append(_load_image(record({k: (v if v != "" else None) for k, v in row.items()}, where), path, where))
     else:
         for i, line in enumerate(text.splitlines(), start=1):
             if line.strip():
@@ -194,7 +237,7 @@ def read(path: str | Path) -> list[Instruction]:
                 except ValueError as e:
                     raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line is one "
                                       f"record object") from None
-                out.append(record(row, f"{path} line {i}"))
+                out.append(_load_image(record(row, f"{path} line {i}"), path, f"{path} line {i}"))
     if not out:
         raise ConfigError(f"{path}: no records; each needs one of the forms {', '.join(FORMS)}")
     return out
@@ -226,9 +269,6 @@ def grouped(recs: list[Instruction], path: str, test: str, group_field: str, sou
         more = read(tpath)
         splits = [*(["train"] * len(recs)), *(["test"] * len(more))]
         recs, given_as = recs + more, f"given: data.test = {test!r}"
-    if any(r.image is not None for r in recs):
-        raise ConfigError(f"{path}: records with `image` need the VLM path, which model.task = 'generate' does not "
-                          f"run yet; remove the images or the records")
     if group_field:
         missing = sum(group_field not in r.fields for r in recs)
         if missing:

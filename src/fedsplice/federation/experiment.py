@@ -18,7 +18,7 @@ from fedsplice.data import partition as P
 from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.data.instruct import natural_clients
 from fedsplice.algorithms import Recipe, build_recipe, clone
-from fedsplice.federation.generative import check_recipe as check_generate_recipe, length_warnings_of
+from fedsplice.federation.generative import check_images, check_recipe as check_generate_recipe, length_warnings_of
 from fedsplice.federation.dpsgd import check as dpsgd_check
 from fedsplice.federation.privacy import Plan, check_recipe
 from fedsplice.federation.privacy import plan as privacy_plan
@@ -218,6 +218,8 @@ def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experim
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     data, clients, scenario = build_data(cfg, site)
+    if cfg.model.task == "generate":
+        check_images(cfg, data)
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     train_ids, holdout_ids = list(range(n_train)), list(range(n_train, cfg.data.num_clients))
     model = TaskModel(cfg, data.class_names, cfg.data.class_prompt or data.class_prompt)

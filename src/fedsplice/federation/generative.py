@@ -40,6 +40,18 @@ def check_recipe(cfg, recipe) -> None:
                           f"feddpa, hetlora, flora, local, centralized or zeroshot")
 
 
+def check_images(cfg, data) -> None:
+    """Records with an image need model.vision (their tokens go before the prompt), and a vision
+    tower with no image to read does nothing: either is one line, before any weights load."""
+    n = sum(getattr(r, "has_image", False) for r in (*data.train_texts, *data.test_texts))
+    if n and not cfg.model.vision:
+        raise ConfigError(f"{n} records have an `image`, which needs a vision tower: set model.vision (e.g. "
+                          f"'zoo:tiny-vit' or a CLIP/SigLIP checkpoint), or drop the images")
+    if cfg.model.vision and not n:
+        raise ConfigError(f"model.vision = {cfg.model.vision!r} does nothing: no record has an `image`; give the "
+                          f"records images or remove model.vision")
+
+
 def length_warnings_of(cfg, model, data) -> list[str]:
     """A line counting the records longer than model.max_length (their prompts are cut from the
     left to fit: `fedsplice.model.generate.fit`), in training and in the test sets."""

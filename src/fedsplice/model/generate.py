@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from fedsplice.data.instruct import Instruction, option_text
 from fedsplice.errors import ConfigError
-from fedsplice.model.verbalizer import model_device
+from fedsplice.model.verbalizer import model_device, pad_embeds
 
 PLAIN_TURN = "### Instruction:\n{user}\n\n### Response:\n"
 TEMPLATES = ("auto", "chat", "plain")
@@ -115,38 +115,52 @@ def fit(e: Encoded, max_length: int, bos: int | None = None) -> Encoded:
     return Encoded(prompt, e.response[:max_length - len(prompt)])
 
 
-def response_nll(lm, batch: Sequence[Encoded], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ -log p over each row's response tokens [B], their count [B]); right-padded, one forward.
-    Differentiable: a training loss is nll.sum() / count.sum() (the mean over the batch's response
-    tokens, as Hugging Face's trainers take it)."""
-    n = max(len(e) for e in batch)
+def padded(lm, seqs: Sequence[list[int]], pad_id: int, prefix=None, bos: int | None = None, left: bool = False):
+    """({input_ids} or, with image tokens, {inputs_embeds}; attention mask) of `seqs`, left- or right-
+    padded; prefix[i] ([T, d] or None) goes after row i's BOS (`verbalizer.pad_embeds`)."""
     dev = model_device(lm)
-    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
-    target = torch.full((len(batch), n), -100, dtype=torch.long)
+    if prefix is not None and any(x is not None for x in prefix):
+        embeds, mask = pad_embeds(lm, seqs, prefix, dev, bos, left)
+        return {"inputs_embeds": embeds}, mask
+    n = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        at = slice(n - len(x), n) if left else slice(0, len(x))
+        ids[i, at], mask[i, at] = torch.tensor(x), 1
+    return {"input_ids": ids.to(dev)}, mask.to(dev)
+
+
+def _images(prefix, n: int) -> list[int]:
+    return [0 if prefix is None or prefix[i] is None else len(prefix[i]) for i in range(n)]
+
+
+def response_nll(lm, batch: Sequence[Encoded], pad_id: int, prefix=None,
+                 bos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ -log p over each row's response tokens [B], their count [B]); right-padded, one forward,
+    row i's image tokens prefix[i] (if any) before its prompt. Differentiable: a training loss is
+    nll.sum() / count.sum() (the mean over the batch's response tokens, as Hugging Face's
+    trainers take it)."""
+    img = _images(prefix, len(batch))
+    inputs, mask = padded(lm, [e.prompt + e.response for e in batch], pad_id, prefix, bos)
+    target = torch.full(mask.shape, -100, dtype=torch.long)
     for i, e in enumerate(batch):
-        seq = e.prompt + e.response
-        ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, :len(seq)] = 1
-        target[i, len(e.prompt):len(seq)] = torch.tensor(e.response)
-    logits = lm(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits[:, :-1].float()
-    tgt = target[:, 1:].to(dev)
+        start = len(e.prompt) + img[i]
+        target[i, start:start + len(e.response)] = torch.tensor(e.response)
+    logits = lm(**inputs, attention_mask=mask).logits[:, :-1].float()
+    tgt = target[:, 1:].to(logits.device)
     nll = F.cross_entropy(logits.transpose(1, 2), tgt, ignore_index=-100, reduction="none")
     count = (tgt != -100).sum(1)
     return nll.sum(1), count
 
 
-def prompt_features(lm, prompts: Sequence[list[int]], pad_id: int) -> torch.Tensor:
+def prompt_features(lm, prompts: Sequence[list[int]], pad_id: int, prefix=None, bos: int | None = None) -> torch.Tensor:
     """The last layer's hidden state at each prompt's last token [B, D] (a record's summary, the
     input features FedDPA compares): right-padded, so causal attention never sees the padding."""
-    n = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), n), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)], mask[i, :len(p)] = torch.tensor(p), 1
-    dev = model_device(lm)
-    hidden = lm(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True).hidden_states[-1]
-    return hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]
+    inputs, mask = padded(lm, prompts, pad_id, prefix, bos)
+    hidden = lm(**inputs, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    last = torch.tensor([len(p) + k - 1 for p, k in zip(prompts, _images(prefix, len(prompts)))])
+    return hidden[torch.arange(len(prompts)), last.to(hidden.device)]
 
 
 def stop_ids(lm, tokenizer) -> list[int]:
@@ -160,26 +174,25 @@ def stop_ids(lm, tokenizer) -> list[int]:
 
 @torch.no_grad()
 def greedy(lm, tokenizer, prompts: Sequence[list[int]], *, max_new_tokens: int, stop: Sequence[str] = (),
-           batch_size: int = 16, pad_id: int = 0) -> list[str]:
-    """Greedy answers to token-id prompts, in the order given: batched shortest first (left-padded,
-    Hugging Face's `generate` with its KV cache), each stopped at an end token or after the first of
-    `stop` (which is cut off), decoded without special tokens."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+           batch_size: int = 16, pad_id: int = 0, prefix=None, bos: int | None = None) -> list[str]:
+    """Greedy answers to token-id prompts (prompt i after its image tokens prefix[i], if any), in the
+    order given: batched shortest first (left-padded, Hugging Face's `generate` with its KV cache),
+    each stopped at an end token or after the first of `stop` (which is cut off), decoded without
+    special tokens."""
+    img = _images(prefix, len(prompts))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + img[i])
     out = [""] * len(prompts)
-    dev, ends = model_device(lm), stop_ids(lm, tokenizer)
+    ends = stop_ids(lm, tokenizer)
     for s in range(0, len(order), batch_size):
         rows = order[s:s + batch_size]
-        n = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), n), dtype=torch.long)
-        for j, i in enumerate(rows):
-            ids[j, n - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[j, n - len(prompts[i]):] = 1
+        inputs, mask = padded(lm, [prompts[i] for i in rows], pad_id,
+                              None if prefix is None else [prefix[i] for i in rows], bos, left=True)
         kw = {"stop_strings": list(stop), "tokenizer": tokenizer} if stop else {}
-        gen = lm.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
+        gen = lm.generate(**inputs, attention_mask=mask, max_new_tokens=max_new_tokens,
                           do_sample=False, eos_token_id=ends, pad_token_id=pad_id, **kw)
+        new = 0 if "inputs_embeds" in inputs else mask.shape[1]  # from embeddings, generate returns new tokens only
         for j, i in enumerate(rows):
-            text = tokenizer.decode(gen[j, n:], skip_special_tokens=True)
+            text = tokenizer.decode(gen[j, new:], skip_special_tokens=True)
             for st in stop:
                 text = text.split(st)[0]
             out[i] = text.strip()
@@ -187,11 +200,13 @@ def greedy(lm, tokenizer, prompts: Sequence[list[int]], *, max_new_tokens: int, 
 
 
 @torch.no_grad()
-def option_logliks(lm, tokenizer, rec: Instruction, template: str = "auto", pad_id: int = 0) -> torch.Tensor:
+def option_logliks(lm, tokenizer, rec: Instruction, template: str = "auto", pad_id: int = 0,
+                   image: torch.Tensor | None = None) -> torch.Tensor:
     """Σ log p of each option, written as an answer gives it ("B. <text>", no end token), after
-    rec's prompt [n_options]: the choice by log-likelihood is its argmax."""
+    rec's prompt (and its image tokens) [n_options]: the choice by log-likelihood is its argmax."""
     p = prompt_ids(tokenizer, rec, template)
     batch = [Encoded(p, answer_ids(tokenizer, rec, option_text(rec.options, i), template, end=False))
              for i in range(len(rec.options))]
-    nll, _ = response_nll(lm, batch, pad_id)
+    nll, _ = response_nll(lm, batch, pad_id, None if image is None else [image] * len(batch),
+                          getattr(tokenizer, "bos_token_id", None))
     return -nll.cpu()

@@ -82,7 +82,7 @@ def model_width(cfg: ExperimentConfig) -> int | None:
     from transformers import AutoConfig
 
     widths = []
-    for spec in (cfg.model.name, cfg.model.vision if cfg.model.task == "vlm" else ""):
+    for spec in (cfg.model.name, cfg.model.vision):
         if not spec:
             continue
         try:

@@ -100,7 +100,7 @@ class ImageTokens:
         return per_image(self.cache, imgs, lambda ss: vision_tokens(self.tower, self.processor, ss))
 
     def __call__(self, items: list) -> list[torch.Tensor | None]:
-        has = [i for i, s in enumerate(items) if isinstance(s, Sample) and s.has_image]
+        has = [i for i, s in enumerate(items) if getattr(s, "has_image", False)]  # a Sample's or an Instruction's
         out: list[torch.Tensor | None] = [None] * len(items)
         if not has:
             return out

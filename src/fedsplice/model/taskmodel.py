@@ -33,8 +33,8 @@ from fedsplice.model.adapters import PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.device import DTYPES, autocast, resolve_device
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
-from fedsplice.model.generate import Encoded, encode, fit, greedy, option_logliks, prompt_features, response_nll
-from fedsplice.model.verbalizer import pad_id
+from fedsplice.model.answers import Answering
+from fedsplice.model.generate import Encoded
 from fedsplice.model.loading import Backbone, load_backbone, run_precision
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
 from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, TokenScorer,
@@ -115,7 +115,7 @@ class TaskModel(nn.Module):
             self.head = peft.build_head(bb.hidden, len(self.class_names), gen)
         if pc.type == "lora":
             peft.check_roles(self.param_infos(), pc.roles, bb.model_type, self.rmap)
-        if self.task == "vlm":
+        if self.task == "vlm" or cfg.model.vision:  # generate with model.vision: the VLM path too
             self.vision, self.image_processor, vh = load_vision_tower(cfg.model.vision, DTYPES[cfg.model.dtype])
             pgen = torch.Generator().manual_seed(cfg.seed + streams.PROJECTOR)
             self.projector = Projector(vh, bb.hidden, cfg.model.projector, pgen)
@@ -157,9 +157,9 @@ class TaskModel(nn.Module):
                                         if rc.cache else None)
         # vlm: the frozen vision tower's tokens, per image (keyed by its pixels: vision.image_key)
         self._vis = (FrozenCache({"kind": "vision"}, rc.cache_budget_mb << 20, device=self.device)
-                     if rc.cache and self.task == "vlm" else None)
+                     if rc.cache and self.vision is not None else None)
         self._scorer = self._build_scorer()
-        self._encoded: dict[str, Encoded] = {}
+        self._answering = Answering(lambda: self._lm, self.tokenizer, self.mcfg, self._image_tokens())
         self._unpad = rc.unpad
         self._set_unpad(self.training)
 
@@ -176,8 +176,13 @@ class TaskModel(nn.Module):
         lm = CausalLMScorer(self.backbone, self.tokenizer, self.class_names, self.mcfg.input_template,
                             self.mcfg.max_length)
         if self.task == "vlm":
-            return VLMScorer(lm, ImageTokens(self.vision, self.image_processor, self.projector, self._vis))
+            return VLMScorer(lm, self._image_tokens())
         return lm
+
+    def _image_tokens(self) -> ImageTokens | None:
+        if self.vision is None or self.projector is None:
+            return None
+        return ImageTokens(self.vision, self.image_processor, self.projector, self._vis)
 
     def _init_prefix_cache(self, cfg: ExperimentConfig, l0: int) -> None:
         """(Re)build the frozen-prefix cache for first adapted layer l0 (0: none)."""
@@ -327,14 +332,14 @@ class TaskModel(nn.Module):
                               f"model.task = 'encoder_head', 'dual_encoder' or 'generate'")
         was = self.training
         self.eval()
-        with self.autocast(), torch.no_grad():
+        with self.autocast():
             out = [self._features(texts[i:i + batch_size]).float().cpu() for i in range(0, len(texts), batch_size)]
         self.train(was)
         return torch.cat(out) if out else torch.zeros(0, 0)
 
     def _features(self, texts: list) -> torch.Tensor:
         if self.task == "generate":
-            return prompt_features(self._lm, [self.encoded(x).prompt for x in texts], pad_id(self.tokenizer))
+            return self._answering.features(texts)
         return self._inputs(texts, self._zero_shot)
 
     # ----------------------------------------------------------------- free-text answers (generate)
@@ -345,38 +350,23 @@ class TaskModel(nn.Module):
         return peft.hf_model(self.backbone, self.pcfg.type)
 
     def encoded(self, item) -> Encoded:
-        """An instruction record's prompt and response ids, fitted to model.max_length (the prompt
-        cut from the left; `fedsplice.model.generate.fit`), once per record."""
-        got = self._encoded.get(item)
-        if got is None:
-            e = encode(self.tokenizer, item, self.mcfg.chat_template)
-            got = self._encoded[item] = fit(e, self.mcfg.max_length, getattr(self.tokenizer, "bos_token_id", None))
-        return got
+        return self._answering.encoded(item)
 
     def response_loss(self, items: list) -> torch.Tensor:
         """The mean -log p over the batch's response tokens (prompt tokens masked)."""
-        nll, count = response_nll(self._lm, [self.encoded(x) for x in items], pad_id(self.tokenizer))
-        return nll.sum() / count.sum().clamp(min=1)
+        return self._answering.loss(items)
 
     @torch.no_grad()
     def answers(self, items: list, batch_size: int, max_new_tokens: int, stop: list[str] | None = None) -> dict:
         """Per record: the response's summed -log p and token count, the greedy answer (ended at EOS
         or before the first of `stop`), and for a multiple-choice record each option's
-        log-likelihood (in eval mode, the run's precision)."""
+        log-likelihood (in eval mode, the run's precision; `fedsplice.model.answers`)."""
         was = self.training
         self.eval()
-        pad = pad_id(self.tokenizer)
-        enc = [self.encoded(x) for x in items]
         with self.autocast():
-            parts = [response_nll(self._lm, enc[i:i + batch_size], pad) for i in range(0, len(enc), batch_size)]
-            text = greedy(self._lm, self.tokenizer, [e.prompt for e in enc], max_new_tokens=max_new_tokens,
-                          stop=stop or (), batch_size=batch_size, pad_id=pad)
-            options = [option_logliks(self._lm, self.tokenizer, x, self.mcfg.chat_template, pad).tolist()
-                       if x.choice else None for x in items]
+            out = self._answering.answers(items, batch_size, max_new_tokens, stop)
         self.train(was)
-        nll = torch.cat([p[0] for p in parts]).double().cpu() if parts else torch.zeros(0)
-        count = torch.cat([p[1] for p in parts]).cpu() if parts else torch.zeros(0)
-        return {"nll": nll.tolist(), "tokens": count.tolist(), "text": text, "options": options}
+        return out
 
     def cache_stats(self) -> dict:
         img = self._img_prefix.cache if self._img_prefix is not None else None

@@ -179,7 +179,7 @@ def _prompt_pass(model, p_ids, pad, device, prefix, bos, use_cache: bool = True)
         ids, mask = _left_pad(p_ids, pad, device)
         inputs = {"input_ids": ids}
     else:
-        embeds, mask = _left_pad_embeds(model, p_ids, prefix, device, bos)
+        embeds, mask = pad_embeds(model, p_ids, prefix, device, bos)
         inputs = {"inputs_embeds": embeds}
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = _forward(model, **inputs, attention_mask=mask, position_ids=pos,
@@ -217,9 +217,10 @@ def _continuations(model, cache, mask, a_ids, multi, pad, device) -> torch.Tenso
     return add.index_copy(1, torch.tensor(multi, device=device), rest)
 
 
-def _left_pad_embeds(model, p_ids, prefix, device, bos=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded [prefix_b ; embed(prompt_b)] rows (pads are zero vectors, masked out); a
-    prompt that starts with BOS keeps it first, before the prefix (as LLaVA does)."""
+def pad_embeds(model, p_ids, prefix, device, bos=None, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left- (or right-) padded [prefix_b ; embed(prompt_b)] rows (pads are zero vectors, masked
+    out; a row without a prefix is its embeddings alone); a prompt that starts with BOS keeps it
+    first, before the prefix (as LLaVA does)."""
     emb = model.get_input_embeddings()
     rows = [emb(torch.tensor(p, device=device)) for p in p_ids]
     cut = [1 if (bos is not None and p and p[0] == bos) else 0 for p in p_ids]
@@ -228,8 +229,8 @@ def _left_pad_embeds(model, p_ids, prefix, device, bos=None) -> tuple[torch.Tens
     out = rows[0].new_zeros(len(rows), n, rows[0].shape[-1])
     mask = torch.zeros((len(rows), n), dtype=torch.long, device=device)
     for i, r in enumerate(rows):
-        out[i, n - len(r):] = r
-        mask[i, n - len(r):] = 1
+        at = slice(n - len(r), n) if left else slice(0, len(r))
+        out[i, at], mask[i, at] = r, 1
     return out, mask
 
 
@@ -238,7 +239,7 @@ def _full(model, p_ids, a_ids, pad, device, prefix=None, bos=None) -> torch.Tens
     if prefix is not None:  # image tokens: one padded row per (prompt, answer) pair of embeddings
         B, C = len(p_ids), len(a_ids)
         seqs = [(p + a, x) for p, x in zip(p_ids, prefix) for a in a_ids]
-        embeds, mask = _left_pad_embeds(model, [s for s, _ in seqs], [x for _, x in seqs], device, bos)
+        embeds, mask = pad_embeds(model, [s for s, _ in seqs], [x for _, x in seqs], device, bos)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         A = max(len(a) for a in a_ids)
         logits = _forward(model, inputs_embeds=embeds, attention_mask=mask, position_ids=pos,
