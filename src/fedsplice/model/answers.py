@@ -1,7 +1,8 @@
 """Free-text answers (model.task = "generate") over a TaskModel's causal LM: a plain object the
 model holds (a module attribute would register the LM a second time), the records' encodings
 cached once each, and each record's image tokens before its prompt when the model has a vision
-tower (model.vision: the VLM path, as `fedsplice.model.scorers.VLMScorer` places them).
+tower (model.vision: the VLM path, as `fedsplice.model.scorers.VLMScorer` places them), the
+response loss unpadded as the label-set batches are (runtime.unpad).
 
 Image tokens are not counted in model.max_length: it bounds the text (prompt + response)."""
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from fedsplice.model.generate import Encoded, encode, fit, greedy, option_logliks, prompt_features, response_nll
+from fedsplice.model.unpad import by_length
 from fedsplice.model.verbalizer import pad_id
 
 
@@ -21,6 +23,19 @@ class Answering:
         self._lm, self.tokenizer, self.mcfg, self.image_tokens = lm, tokenizer, mcfg, image_tokens
         self.pad, self.bos = pad_id(tokenizer), getattr(tokenizer, "bos_token_id", None)
         self._encoded: dict[str, Encoded] = {}
+        self.overhead: int | None = None  # runtime.unpad (`fedsplice.model.unpad`), set per mode by the model
+
+    def _nll(self, lm, enc: list[Encoded], img) -> tuple[torch.Tensor, torch.Tensor]:
+        """`response_nll` of the rows, unpadded: cut into sub-batches of similar length (the same
+        math within rounding: each row's loss is a function of its own tokens)."""
+        lengths = [len(e) + (0 if img is None or img[i] is None else len(img[i])) for i, e in enumerate(enc)]
+
+        def part(idx: list[int]) -> torch.Tensor:
+            sub = None if img is None else [img[i] for i in idx]
+            nll, count = response_nll(lm, [enc[i] for i in idx], self.pad, sub, self.bos)
+            return torch.stack([nll, count.to(nll.dtype)], 1)
+        rows = by_length(lengths, part, self.overhead)
+        return rows[:, 0], rows[:, 1]
 
     def encoded(self, item) -> Encoded:
         """An instruction record's prompt and response ids, fitted to model.max_length (the prompt
@@ -38,7 +53,7 @@ class Answering:
 
     def loss(self, items: list) -> torch.Tensor:
         """The mean -log p over the batch's response tokens (prompt tokens masked)."""
-        nll, count = response_nll(self._lm(), [self.encoded(x) for x in items], self.pad, self.images(items), self.bos)
+        nll, count = self._nll(self._lm(), [self.encoded(x) for x in items], self.images(items))
         return nll.sum() / count.sum().clamp(min=1)
 
     def features(self, items: list) -> torch.Tensor:
@@ -49,13 +64,13 @@ class Answering:
         """`TaskModel.answers`, in the mode and precision the caller set."""
         lm, enc = self._lm(), [self.encoded(x) for x in items]
         img = self.images(items)
-        parts = [response_nll(lm, enc[i:i + batch_size], self.pad, None if img is None else img[i:i + batch_size],
-                              self.bos) for i in range(0, len(enc), batch_size)]
+        parts = [self._nll(lm, enc[i:i + batch_size], None if img is None else img[i:i + batch_size])
+                 for i in range(0, len(enc), batch_size)]
         text = greedy(lm, self.tokenizer, [e.prompt for e in enc], max_new_tokens=max_new_tokens, stop=stop or (),
                       batch_size=batch_size, pad_id=self.pad, prefix=img, bos=self.bos)
         options = [option_logliks(lm, self.tokenizer, x, self.mcfg.chat_template, self.pad,
                                   None if img is None else img[i]).tolist() if x.choice else None
                    for i, x in enumerate(items)]
         nll = torch.cat([p[0] for p in parts]).double().cpu() if parts else torch.zeros(0)
-        count = torch.cat([p[1] for p in parts]).cpu() if parts else torch.zeros(0)
+        count = torch.cat([p[1] for p in parts]).long().cpu() if parts else torch.zeros(0)
         return {"nll": nll.tolist(), "tokens": count.tolist(), "text": text, "options": options}

@@ -223,6 +223,7 @@ class TaskModel(nn.Module):
         lm = self._scorer.lm if isinstance(self._scorer, VLMScorer) else self._scorer
         if isinstance(lm, CausalLMScorer):
             lm.overhead = self._text.overhead
+        self._answering.overhead = self._text.overhead
 
     @contextmanager
     def per_sample(self):
