@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
+from typing import Callable
 
 from fedsplice.data.userdata import group, read_text, sorted_labels
 from fedsplice.errors import ConfigError
@@ -162,27 +163,33 @@ def record(row, where: str) -> Instruction:
         given = _text(row, resp_key, where, required=not options)
         response = given if given else option_text(options, answer) if answer is not None else ""
         context = ([("system", system)] if system else []) + [("user", user or "")]
-    fields = {k: str(v) for k, v in row.items()
-              if k not in _USED and k != "system" and isinstance(v, (str, int, float, bool))}
+    image = _text(row, "image", where, required=False)
+    return Instruction(context, response, options, answer, image, other_fields(row, _USED + ("system",)))
+
+
+def other_fields(row: dict, used: tuple[str, ...]) -> dict[str, str]:
+    """A record's scalar fields beyond the `used` ones (kept to partition by), with `client` and
+    `split` (the natural partition, the given split) stripped."""
+    fields = {k: str(v) for k, v in row.items() if k not in used and isinstance(v, (str, int, float, bool))}
     for k in ("client", "split"):
         if row.get(k) is not None:
             fields[k] = str(row[k]).strip()
-    image = _text(row, "image", where, required=False)
-    return Instruction(context, response, options, answer, image, fields)
+    return fields
 
 
-def read(path: str | Path) -> list[Instruction]:
+def read(path: str | Path, reader: Callable[[dict, str], Instruction] = record) -> list[Instruction]:
     """The records of a JSONL (one object a line; blank lines skipped) or CSV (a header row;
-    `messages` and `options` cells as JSON lists) file."""
+    `messages` and `options` cells as JSON lists) file; `reader(row, where)` makes each one
+    (data.record_format: fedsplice.data.flowertune.reader)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"data.dataset: {path} is not a file; give a .jsonl or .csv of instruction records")
     text = read_text(path)  # UTF-8 (a BOM allowed); a bad byte is named by its line
     out: list[Instruction] = []
     if path.suffix.lower() == ".csv":
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        for row in reader:
-            out.append(record({k: (v if v != "" else None) for k, v in row.items()}, f"{path} line {reader.line_num}"))
+        rows = csv.DictReader(io.StringIO(text, newline=""))
+        for row in rows:
+            out.append(reader({k: (v if v != "" else None) for k, v in row.items()}, f"{path} line {rows.line_num}"))
     else:
         for i, line in enumerate(text.splitlines(), start=1):
             if line.strip():
@@ -191,24 +198,28 @@ def read(path: str | Path) -> list[Instruction]:
                 except ValueError as e:
                     raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line is one "
                                       f"record object") from None
-                out.append(record(row, f"{path} line {i}"))
+                out.append(reader(row, f"{path} line {i}"))
     if not out:
         raise ConfigError(f"{path}: no records; each needs one of the forms {', '.join(FORMS)}")
     return out
 
 
-def parsed(kind: str, path: str, test: str, group_field: str = "") -> dict:
+def parsed(kind: str, path: str, test: str, group_field: str = "",
+           reader: Callable[[dict, str], Instruction] = record) -> dict:
     """The parsed form `fedsplice.data.datasets.load_dataset` splits (as `userdata.load_user`'s):
     the records grouped by `group_field`'s values (the "classes" a Dirichlet partition skews
     over and the local test sets follow; one group, "all", without it), and the split a `split`
     field or data.test (`test`, "jsonl:PATH" / "csv:PATH") gives, else none (a test set is carved)."""
-    return grouped(read(path), path, test, group_field, f"user instruction file {Path(path).expanduser()}")
+    return grouped(read(path, reader), path, test, group_field, f"user instruction file {Path(path).expanduser()}",
+                   reader=reader)
 
 
 def grouped(recs: list[Instruction], path: str, test: str, group_field: str, source: str,
-            splits: list[str | None] | None = None, given_as: str = "") -> dict:
+            splits: list[str | None] | None = None, given_as: str = "",
+            reader: Callable[[dict, str], Instruction] = record) -> dict:
     """`parsed` of records already read (`path` names them in messages; a built-in set's name);
-    `splits` (train / test / None per record) and `given_as` when the source gives the split."""
+    `splits` (train / test / None per record) and `given_as` when the source gives the split;
+    `reader` reads data.test's records."""
     splits = list(splits) if splits is not None else [r.fields.get("split") for r in recs]
     bad = sorted({s for s in splits if s not in (None, "train", "test")})
     if bad:
@@ -220,7 +231,7 @@ def grouped(recs: list[Instruction], path: str, test: str, group_field: str, sou
             raise ConfigError(f"data.test = {test!r}: give jsonl:PATH or csv:PATH of instruction records")
         if any(s is not None for s in splits):
             raise ConfigError(f"data.test: {path} already has a `split` field; give the test split one way")
-        more = read(tpath)
+        more = read(tpath, reader)
         splits = [*(["train"] * len(recs)), *(["test"] * len(more))]
         recs, given_as = recs + more, f"given: data.test = {test!r}"
     if any(r.image is not None for r in recs):
