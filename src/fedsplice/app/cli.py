@@ -1,5 +1,5 @@
-"""`fedsplice run | resume | compare | report | results | validate | list | audit | export`. User errors print one
-line and exit 2, never a traceback."""
+"""`fedsplice run | resume | compare | report | results | validate | list | audit | export | leaderboard`.
+User errors print one line and exit 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -144,6 +144,12 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_leaderboard(args) -> None:
+    from fedsplice.app.leaderboard import leaderboard_row, markdown
+
+    print(markdown(leaderboard_row(Path(args.run_dir), args.benchmark)))
+
+
 def main(argv=None) -> int:
     """Longer than 60 lines: one argparse declaration per subcommand, read top to bottom."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -206,6 +212,11 @@ def main(argv=None) -> int:
                      help="the global model (GLOBAL + the PRIVATE tensors' initial values, as GM scores it)")
     ex.add_argument("--merge", action="store_true", help="also write the base with the LoRA merged in (OUT/merged)")
     ex.set_defaults(fn=cmd_export)
+    lb = sub.add_parser("leaderboard", help="a FlowerTune run as a row of the FlowerTune LLM leaderboard's table")
+    lb.add_argument("run_dir", metavar="RUN_DIR", help="the --out of a run of configs/flowertune-*.toml")
+    lb.add_argument("--benchmark", metavar="NAME",
+                    help="the run's global test set is this benchmark (e.g. PubMedQA): fill its cell from GM")
+    lb.set_defaults(fn=cmd_leaderboard)
     from fedsplice.app.flower.cli import add_parser as add_flower_parser  # `fedsplice flower up|app|certs|executor`
 
     add_flower_parser(sub)

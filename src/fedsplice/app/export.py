@@ -98,6 +98,37 @@ def export(run: Path, out: Path, client: int | None = None, merge: bool = False)
     return meta
 
 
+def write_adapter(exp, global_params: dict[str, torch.Tensor], out: Path) -> Path:
+    """The global model's LoRA (GLOBAL tensors as given, PRIVATE ones at their initial values, as
+    GM scores it) as PeftModel.save_pretrained writes it: adapter_config.json and
+    adapter_model.safetensors in `out` (another adapter of the method in out/<name>/), so that
+    `PeftModel.from_pretrained(base, out)` loads it. Read from the tensors given, never from the
+    model, so a run's model is left as it is; written whole or not at all (a temporary folder
+    renamed). A generate model's config says task_type CAUSAL_LM, as FlowerTune's does."""
+    import dataclasses
+    import shutil
+
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    bb = exp.model.backbone
+    params = {**{n: exp.init_params[n] for n in exp.private_names}, **global_params}
+    state = {n.removeprefix("backbone."): t for n, t in params.items() if n.startswith("backbone.")}
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, pc in bb.peft_config.items():
+        where = tmp if name == "default" else tmp / name
+        where.mkdir(parents=True, exist_ok=True)
+        tensors = get_peft_model_state_dict(bb, state_dict=state, adapter_name=name)
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                  str(where / "adapter_model.safetensors"))
+        causal = exp.cfg.model.task == "generate" and pc.task_type is None
+        (dataclasses.replace(pc, task_type="CAUSAL_LM") if causal else pc).save_pretrained(str(where))
+    shutil.rmtree(out, ignore_errors=True)  # a resumed run writes a round's folder again
+    tmp.rename(out)
+    return out
+
+
 def load_export(path) -> torch.nn.Module:
     """The TaskModel of an export folder, with its adapters and parts loaded: `predict(texts, bs)`
     gives the exported model's logits (a method's own PM rule, such as FedPuReL's branch, is

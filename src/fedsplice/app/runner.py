@@ -17,6 +17,7 @@ from typing import Callable
 from fedsplice.algorithms import display_name
 from fedsplice.app import rundir
 from fedsplice.app.console import console, plural
+from fedsplice.app.export import write_adapter
 from fedsplice.app.progress import RunProgress, headline
 from fedsplice.app.summary import data_table, hardware_line, results_table
 from fedsplice.app.tracking import Trackers
@@ -129,11 +130,13 @@ def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, tra
     """The round loop (or one evaluation) and the personalization stage, every client task watched
     by `track` (the progress, the transport's observer) and each round logged to `trackers`.
     Returns the final server state and the transport (later stages use it)."""
-    every = cfg.runtime.checkpoint_every
+    every, adapters = cfg.runtime.checkpoint_every, cfg.runtime.save_adapter_every
 
     def on_state(state: ckpt.RoundState) -> None:
         if every and (state.round % every == 0 or state.round == cfg.server.rounds):
             checkpointer.save(state, store, log.lines)
+        if adapters and (state.round % adapters == 0 or state.round == cfg.server.rounds):
+            write_adapter(exp, state.global_params, checkpointer.root.parent / f"peft_{state.round}")
 
     def on_round(record: dict) -> None:
         log.append(record)

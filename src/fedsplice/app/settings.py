@@ -45,7 +45,12 @@ def _client_opt(c: ExperimentConfig) -> str:
         s += f" momentum {_g(k.momentum)}"
     if k.weight_decay:
         s += f" wd {_g(k.weight_decay)}"
-    return s + f", {k.schedule} lr, optimizer state {k.optimizer_state}"
+    if k.max_grad_norm:
+        s += f" grad norm ≤ {_g(k.max_grad_norm)}"
+    sched: str = k.schedule
+    if k.schedule == "cosine" and (k.lr_min or k.cosine_at != "round_start"):
+        sched += f" to {_g(k.lr_min)}" + (" (read at each round's end)" if k.cosine_at == "round_end" else "")
+    return s + f", {sched} lr, optimizer state {k.optimizer_state}"
 
 
 def _server(c: ExperimentConfig) -> str:

@@ -83,6 +83,13 @@ class ExperimentConfig:
                               f"server.aggregation = 'mean'")
         if self.privacy.secure_aggregation:
             self.check_secagg()
+        if self.client.max_grad_norm > 0 and self.privacy.local == "dpsgd":
+            raise ConfigError(f"client.max_grad_norm = {self.client.max_grad_norm} does nothing while privacy.local "
+                              f"= 'dpsgd' (DP-SGD clips each example's gradient at privacy.local_clip): remove it")
+        if self.runtime.save_adapter_every and self.peft.type != "lora":
+            raise ConfigError(f"runtime.save_adapter_every = {self.runtime.save_adapter_every} writes the global "
+                              f"LoRA as a PEFT folder; peft.type = {self.peft.type!r} has none: set it to 0 "
+                              f"(`fedsplice export` writes every trained part)")
         self.check_hardware()
         check_generate(self)
 

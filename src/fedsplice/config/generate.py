@@ -10,22 +10,43 @@ from fedsplice.errors import ConfigError
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
+def refuse_generate_settings(cfg) -> None:
+    """The settings of model.task = "generate", set under another task."""
+    m = cfg.model
+    refuse_inert("model", m, ("chat_template", "prompt_template"), f"model.task = {m.task!r}",
+                 "set model.task = 'generate'")
+    refuse_inert("data", cfg.data, ("record_format",), f"model.task = {m.task!r} (records are text and label)",
+                 "set model.task = 'generate'")
+    refuse_inert("data", cfg.data, ("group_field",), f"model.task = {m.task!r} (classes come from `label`)",
+                 "set model.task = 'generate'")
+    refuse_inert("eval", cfg.eval, ("stop",), f"model.task = {m.task!r}", "set model.task = 'generate'")
+    if cfg.eval.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
+        raise ConfigError(f"eval.max_new_tokens = {cfg.eval.max_new_tokens} does nothing while model.task = "
+                          f"{m.task!r} (it bounds generated answers): set model.task = 'generate', or remove it")
+
+
+def refuse_inert_rendering(cfg) -> None:
+    """Under model.task = "generate": how records are read and rendered, where the rest makes it inert."""
+    m = cfg.model
+    refuse_inert("model", m, ("input_template",), "model.task = 'generate'",
+                 "the prompt comes from each record (and the chat template)")
+    if m.chat_template == "plain":
+        refuse_inert("model", m, ("prompt_template",), "model.chat_template = 'plain' (the plain template "
+                     "ignores the tokenizer's)", "set model.chat_template = 'auto' or 'chat'")
+    if cfg.data.dataset == "wordnet":
+        refuse_inert("data", cfg.data, ("record_format",), "data.dataset = 'wordnet' (its records are built in)",
+                     "give the records as jsonl:PATH, csv:PATH or hf:NAME")
+
+
 def check_generate(cfg) -> None:  # an ExperimentConfig (which calls this: no import back)
     m = cfg.model
     if cfg.data.partition == "natural" and m.task != "generate":
         raise ConfigError("data.partition = 'natural' reads the `client` field of instruction records: set "
                           "model.task = 'generate', or choose dirichlet, iid or shards")
     if m.task != "generate":
-        refuse_inert("model", m, ("chat_template",), f"model.task = {m.task!r}", "set model.task = 'generate'")
-        refuse_inert("data", cfg.data, ("group_field",), f"model.task = {m.task!r} (classes come from `label`)",
-                     "set model.task = 'generate'")
-        refuse_inert("eval", cfg.eval, ("stop",), f"model.task = {m.task!r}", "set model.task = 'generate'")
-        if cfg.eval.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
-            raise ConfigError(f"eval.max_new_tokens = {cfg.eval.max_new_tokens} does nothing while model.task = "
-                              f"{m.task!r} (it bounds generated answers): set model.task = 'generate', or remove it")
+        refuse_generate_settings(cfg)
         return
-    refuse_inert("model", m, ("input_template",), "model.task = 'generate'",
-                 "the prompt comes from each record (and the chat template)")
+    refuse_inert_rendering(cfg)
     if cfg.data.partition != "dirichlet":
         refuse_inert("data", cfg.data, ("group_field",), f"data.partition = {cfg.data.partition!r}",
                      "set data.partition = 'dirichlet'")

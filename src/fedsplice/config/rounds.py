@@ -24,9 +24,13 @@ class ClientConfig:
     weight_decay: float = 0.0
     optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0  # SGD only (torch.optim.SGD's momentum; Dassl, FedPuReL's code base, uses 0.9)
-    # the client lr over the rounds: constant, or cosine annealing from client.lr in round 1 to 0
-    # after the last (lr_t = lr·(1 + cos(π·(t−1)/T))/2, t = 1..T; PFAdapter's §V-A)
+    # the client lr over the rounds, constant within a round: constant, or cosine annealing from
+    # client.lr toward client.lr_min, lr_t = lr_min + (lr − lr_min)·(1 + cos(π·s/T))/2 with s read
+    # at the round's start (s = t−1: round 1 at client.lr, PFAdapter's §V-A) or its end (s = t:
+    # the last round at lr_min, FlowerTune's `cosine_annealing(current_round, ...)`), t = 1..T
     schedule: Literal["constant", "cosine"] = "constant"
+    lr_min: float = 0.0
+    cosine_at: Literal["round_start", "round_end"] = "round_start"
     # The optimizer's state (SGD momentum, Adam moments) between a client's rounds. fresh: a new
     # optimizer every client-round for every tensor, GLOBAL, PRIVATE and the residual branch alike
     # (FedSA-LoRA's, Fed-GraB's and FedPuReL's branch code); keep_private: PRIVATE tensors keep
@@ -40,6 +44,9 @@ class ClientConfig:
     # Upload codec of the GLOBAL tensors: fp32 sends the tensors; fp16 / int8 send the round's
     # update (trained - received) compressed, int8 with error feedback kept on the client.
     upload: Literal["fp32", "fp16", "int8"] = "fp32"
+    # clip the trainable tensors' gradient to this global L2 norm before each step (Hugging Face
+    # Trainer's max_grad_norm, 1.0 there by default); 0 = no clipping
+    max_grad_norm: float = 0.0
 
     def check(self) -> None:
         if self.logit_adjustment < 0:
@@ -61,12 +68,27 @@ class ClientConfig:
                               f"or set client.optimizer = 'sgd'")
         if self.schedule not in ("constant", "cosine"):
             raise ConfigError(f"client.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        self.check_cosine()
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise ConfigError(f"client.max_grad_norm must be a finite number >= 0 (0 = no clipping), "
+                              f"got {self.max_grad_norm}")
+
+    def check_cosine(self) -> None:
+        if self.schedule != "cosine":
+            refuse_inert("client", self, ("lr_min", "cosine_at"), f"client.schedule = {self.schedule!r}",
+                         "set client.schedule = 'cosine'")
+        if self.cosine_at not in ("round_start", "round_end"):
+            raise ConfigError(f"client.cosine_at must be 'round_start' (round 1 at client.lr) or 'round_end' "
+                              f"(the last round at client.lr_min), got {self.cosine_at!r}")
+        if not (math.isfinite(self.lr_min) and 0 <= self.lr_min < self.lr):
+            raise ConfigError(f"client.lr_min must be >= 0 and below client.lr ({self.lr}), got {self.lr_min}")
 
     def lr_at(self, rnd: int, rounds: int) -> float:
         """The client lr of round `rnd` (1-based) of `rounds` under client.schedule."""
         if self.schedule == "constant" or rounds <= 0:
             return self.lr
-        return self.lr * 0.5 * (1.0 + math.cos(math.pi * (min(max(rnd, 1), rounds) - 1) / rounds))
+        s = min(max(rnd, 1), rounds) - (1 if self.cosine_at == "round_start" else 0)
+        return self.lr_min + (self.lr - self.lr_min) * 0.5 * (1.0 + math.cos(math.pi * s / rounds))
 
 
 @dataclass
@@ -238,6 +260,10 @@ class RuntimeConfig:
     workers: int = 1
     devices: list[str] = field(default_factory=list)  # per worker (cycled); empty: runtime.device
     checkpoint_every: int = 1  # rounds between checkpoints (the last round always); 0 = none
+    # rounds between the global model's LoRA written as a PEFT folder RUN/peft_<round>/ (and after
+    # the last round), as FlowerTune's server saves it (train.save-every-round); every one is kept;
+    # 0 = none (`fedsplice export` writes one from the last checkpoint)
+    save_adapter_every: int = 0
     keep_checkpoints: int = 2  # the newest k checkpoints are kept
     # Frozen work computed once (docs/design.md §7): tokenized inputs, frozen input features, hidden
     # states below the first adapted layer. false = recompute everything every step (checks,
@@ -261,6 +287,8 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.checkpoint_every must be >= 0 (0 = no checkpoints), "
                               f"got {self.checkpoint_every}")
         check_positive("runtime.keep_checkpoints", self.keep_checkpoints)
+        if self.save_adapter_every < 0:
+            raise ConfigError(f"runtime.save_adapter_every must be >= 0 (0 = none), got {self.save_adapter_every}")
         if self.cache_budget_mb < 0:
             raise ConfigError(f"runtime.cache_budget_mb must be >= 0 (0 = no prefix cache), got {self.cache_budget_mb}")
 

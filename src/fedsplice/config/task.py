@@ -58,12 +58,19 @@ class ModelConfig:
     # the frozen base weights' dtype (bf16 / fp16 halve their memory); trainable tensors stay fp32
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # QLoRA: the frozen base loaded quantized by bitsandbytes (transformers' BitsAndBytesConfig,
-    # then peft's k-bit preparation); needs bitsandbytes (`fedsplice[quant]`; 0.50.2 also runs on a CPU)
-    quantization: Literal["none", "int8", "nf4"] = "none"
+    # then peft's k-bit preparation); needs bitsandbytes (`fedsplice[quant]`; 0.50.2 also runs on a CPU).
+    # nf4: NormalFloat with double quantization (QLoRA's); fp4: bitsandbytes' default 4-bit type,
+    # without double quantization (`BitsAndBytesConfig(load_in_4bit=True)`, FlowerTune's)
+    quantization: Literal["none", "int8", "nf4", "fp4"] = "none"
     gradient_checkpointing: bool = False  # HF's own switch: recompute activations in backward
     # generate: "auto" renders records with the tokenizer's chat template when it has one, else the
     # plain template (fedsplice.model.generate); "chat" requires the template, "plain" ignores it
     chat_template: Literal["auto", "chat", "plain"] = "auto"
+    # generate: a named prompt template that replaces the tokenizer's chat template, so "auto" and
+    # "chat" render with it (fedsplice.model.templates). "flowertune": FlowerTune's Alpaca prompt,
+    # its preamble, "### Instruction:" and "### Response:" followed by " " and the answer, no end
+    # token; "" keeps the tokenizer's own
+    prompt_template: Literal["", "flowertune"] = ""
 
     def check(self) -> None:
         check_positive("model.logit_scale", self.logit_scale)
@@ -150,6 +157,11 @@ def check_user_path(field: str, kind: str, path: str) -> None:
 class DataConfig:
     # generate, data.partition = "dirichlet": the record field whose values the clients' shares skew over
     group_field: str = ""
+    # generate: how a record's fields make the prompt and the response. "auto": the forms of
+    # fedsplice.data.instruct; "flowertune-general" / "-finance" / "-medical" / "-code": FlowerTune's
+    # `reformat` of that task's data set, the text kept as it is (fedsplice.data.flowertune)
+    record_format: Literal["auto", "flowertune-general", "flowertune-finance", "flowertune-medical",
+                           "flowertune-code"] = "auto"
     dataset: str = "fortunes"  # see `fedsplice list datasets`; or csv:PATH / jsonl:PATH / images:DIR / hf:NAME[:CONFIG]
     num_clients: int = 10
     # natural (model.task = "generate"): one client per value of the records' `client` field

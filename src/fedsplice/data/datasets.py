@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from fedsplice.data import imagesets, instruct, wordnet
+from fedsplice.data import flowertune, imagesets, instruct, wordnet
 from fedsplice.data.assets import atomic_write_json, cache_dir
 from fedsplice.errors import AssetError, ConfigError
 from fedsplice.data.text import (BROWN_GENRES, BROWN_PACKAGE, BROWN_VERSION, FORTUNE_CLASSES, SPAM_CLASSES,
@@ -261,11 +261,13 @@ def rename_classes(found: list[str], class_names: list[str] | None) -> list[str]
 
 
 def _parse(name: str, test: str, skip_bad_images: bool, hub: HubColumns | None = None,
-           instructions: str | None = None) -> dict:
+           instructions: str | None = None, record_format: str = "auto") -> dict:
     """The parsed form of any data set: {class_names, texts, test_texts, source, ...}; `instructions`
-    (not None: the records are instruction records, grouped by that field, "" for none)."""
+    (not None: the records are instruction records, grouped by that field, "" for none), each made
+    from its row as `record_format` says (data.record_format)."""
+    reader = flowertune.reader(record_format)
     if instructions is not None and name.startswith(HF):
-        return load_hub_instructions(name[len(HF):], hub or HubColumns(), instructions)
+        return load_hub_instructions(name[len(HF):], hub or HubColumns(), instructions, reader)
     if instructions is not None and name == wordnet.NAME:
         if test:
             raise ConfigError(f"data.test: {name!r} is a built-in data set; data.test is for users' files")
@@ -273,7 +275,7 @@ def _parse(name: str, test: str, skip_bad_images: bool, hub: HubColumns | None =
         return instruct.grouped(recs, name, "", instructions, source)
     if instructions is not None:
         kind, _, path = name.partition(":")
-        return instruct.parsed(kind, path, test, instructions)
+        return instruct.parsed(kind, path, test, instructions, reader)
     if name.startswith(HF):
         return load_hub(name[len(HF):], hub or HubColumns(), skip_bad_images)
     kind, _, path = name.partition(":")
@@ -332,7 +334,7 @@ def small_test_warnings(ds: TextDataset, given: bool = False) -> list[str]:
 def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
                  max_per_class: int | None = None, skip_bad_images: bool = False,
                  class_names: list[str] | None = None, test: str = "", hub: HubColumns | None = None,
-                 keep_pool: bool = False, instructions: str | None = None) -> TextDataset:
+                 keep_pool: bool = False, instructions: str | None = None, record_format: str = "auto") -> TextDataset:
     """Load a built-in data set (fetching it once) or a user's `csv:PATH` / `jsonl:PATH` file or
     `images:DIR` folder. A split the user gives (a `split` column, or `test` = data.test) is used
     as it is; a built-in set's official test split gives a balanced test set; otherwise a
@@ -340,8 +342,9 @@ def load_dataset(name: str, *, seed: int = 0, test_per_class: int = 20,
     users' images that do not decode (else an error); class_names: readable names replacing the
     labels, in class order; hub: an hf: data set's columns and splits; keep_pool: keep the whole
     training split (`pool_texts`); instructions: read instruction records (`fedsplice.data.instruct`)
-    grouped by that field ("": one group). `report` says what happened to the data."""
-    parsed = _parse(name, test, skip_bad_images, hub, instructions)
+    grouped by that field ("": one group), made from their rows as `record_format` says. `report`
+    says what happened to the data."""
+    parsed = _parse(name, test, skip_bad_images, hub, instructions, record_format)
     names = rename_classes(parsed["class_names"], class_names)
     rng = np.random.default_rng(seed)
     if parsed["split"]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from fedsplice.data import images as imagedata
 from fedsplice.data import instruct
@@ -113,9 +114,11 @@ def _rows(d, cols: HubColumns, names: list[str] | None, where: str, log, out: tu
     return first
 
 
-def load_hub_instructions(spec: str, cols: HubColumns, group_field: str) -> dict:
+def load_hub_instructions(spec: str, cols: HubColumns, group_field: str,
+                          reader: Callable[[dict, str], instruct.Instruction] = instruct.record) -> dict:
     """The parsed form of hf:`spec` holding instruction records (model.task = "generate"): each
-    row in any of `fedsplice.data.instruct`'s forms, its own field names; the splits as named."""
+    row in any of `fedsplice.data.instruct`'s forms, its own field names (or as `reader` makes
+    it: data.record_format); the splits as named."""
     where = f"hf:{spec}"
     dd = open_dataset(spec)
     _check(dd, HubColumns(text="", label="", train=cols.train, test=cols.test), where)
@@ -128,7 +131,7 @@ def load_hub_instructions(spec: str, cols: HubColumns, group_field: str) -> dict
             if isinstance(d.features.get("image"), image):  # the VLM path: undecoded, keyed by content
                 d = d.cast_column("image", image(decode=False))
             for i, row in enumerate(d):
-                recs.append(instruct.record(dict(row), f"{where} split {split!r} row {i}"))
+                recs.append(reader(dict(row), f"{where} split {split!r} row {i}"))
                 splits.append(tag)
     given = f"given: the {cols.train!r} / {cols.test!r} splits of {where}" if cols.test else ""
     return instruct.grouped(recs, where, "", group_field, f"Hugging Face data set {spec}", splits, given)

@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -172,16 +173,27 @@ def record(row, where: str) -> Instruction:
         given = _text(row, resp_key, where, required=not options)
         response = given if given else option_text(options, answer) if answer is not None else ""
         context = ([("system", system)] if system else []) + [("user", user or "")]
-    fields = {k: str(v) for k, v in row.items()
-              if k not in _USED and k != "system" and isinstance(v, (str, int, float, bool))}
+    return with_row_image(Instruction(context, response, options, answer, None, other_fields(row, _USED + ("system",))),
+                          row.get("image"), where)
+
+
+def other_fields(row: dict, used: tuple[str, ...]) -> dict[str, str]:
+    """A record's scalar fields beyond the `used` ones (kept to partition by), with `client` and
+    `split` (the natural partition, the given split) stripped."""
+    fields = {k: str(v) for k, v in row.items() if k not in used and isinstance(v, (str, int, float, bool))}
     for k in ("client", "split"):
         if row.get(k) is not None:
             fields[k] = str(row[k]).strip()
-    image = row.get("image")
+    return fields
+
+
+def with_row_image(rec: Instruction, image, where: str) -> Instruction:
+    """`rec` with a row's `image`: a path (relative to the file, loaded by `read`) or an `hf:` row's
+    undecoded Image feature ({bytes, path}: decoded here)."""
     ref = image if isinstance(image, str) and image else None
     if image is not None and ref is None and not _is_image_bytes(image):
         raise ConfigError(f"{where}: `image` must be a path (relative to the file) or an image, got {image!r:.40}")
-    rec = Instruction(context, response, options, answer, ref, fields)
+    rec = Instruction(rec.messages, rec.response, rec.options, rec.answer, ref, rec.fields) if ref else rec
     if isinstance(image, dict) and _is_image_bytes(image):
         return with_image(rec, image.get("bytes") or Path(image["path"]).read_bytes(), image.get("path") or "image",
                           where)
@@ -213,20 +225,21 @@ def _load_image(rec: Instruction, file: Path, where: str) -> Instruction:
     return with_image(rec, img.read_bytes(), rec.image_ref, where)
 
 
-def read(path: str | Path) -> list[Instruction]:
+def read(path: str | Path, reader: Callable[[dict, str], Instruction] = record) -> list[Instruction]:
     """The records of a JSONL (one object a line; blank lines skipped) or CSV (a header row;
-    `messages` and `options` cells as JSON lists) file."""
+    `messages` and `options` cells as JSON lists) file; `reader(row, where)` makes each one
+    (data.record_format: fedsplice.data.flowertune.reader)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"data.dataset: {path} is not a file; give a .jsonl or .csv of instruction records")
     text = read_text(path)  # UTF-8 (a BOM allowed); a bad byte is named by its line
     out: list[Instruction] = []
     if path.suffix.lower() == ".csv":
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        refuse_duplicates(list(reader.fieldnames or []), f"{path}: the header row", None)
-        for row in reader:
-            where = f"{path} line {reader.line_num}"
-            out.append(_load_image(record({k: (v if v != "" else None) for k, v in row.items()}, where), path, where))
+        rows = csv.DictReader(io.StringIO(text, newline=""))
+        refuse_duplicates(list(rows.fieldnames or []), f"{path}: the header row", None)
+        for row in rows:
+            where = f"{path} line {rows.line_num}"
+            out.append(_load_image(reader({k: (v if v != "" else None) for k, v in row.items()}, where), path, where))
     else:
         for i, line in enumerate(text.splitlines(), start=1):
             if line.strip():
@@ -237,24 +250,28 @@ def read(path: str | Path) -> list[Instruction]:
                 except ValueError as e:
                     raise ConfigError(f"{path} line {i}: not valid JSON ({e}); each line is one "
                                       f"record object") from None
-                out.append(_load_image(record(row, f"{path} line {i}"), path, f"{path} line {i}"))
+                out.append(_load_image(reader(row, f"{path} line {i}"), path, f"{path} line {i}"))
     if not out:
         raise ConfigError(f"{path}: no records; each needs one of the forms {', '.join(FORMS)}")
     return out
 
 
-def parsed(kind: str, path: str, test: str, group_field: str = "") -> dict:
+def parsed(kind: str, path: str, test: str, group_field: str = "",
+           reader: Callable[[dict, str], Instruction] = record) -> dict:
     """The parsed form `fedsplice.data.datasets.load_dataset` splits (as `userdata.load_user`'s):
     the records grouped by `group_field`'s values (the "classes" a Dirichlet partition skews
     over and the local test sets follow; one group, "all", without it), and the split a `split`
     field or data.test (`test`, "jsonl:PATH" / "csv:PATH") gives, else none (a test set is carved)."""
-    return grouped(read(path), path, test, group_field, f"user instruction file {Path(path).expanduser()}")
+    return grouped(read(path, reader), path, test, group_field, f"user instruction file {Path(path).expanduser()}",
+                   reader=reader)
 
 
 def grouped(recs: list[Instruction], path: str, test: str, group_field: str, source: str,
-            splits: list[str | None] | None = None, given_as: str = "") -> dict:
+            splits: list[str | None] | None = None, given_as: str = "",
+            reader: Callable[[dict, str], Instruction] = record) -> dict:
     """`parsed` of records already read (`path` names them in messages; a built-in set's name);
-    `splits` (train / test / None per record) and `given_as` when the source gives the split."""
+    `splits` (train / test / None per record) and `given_as` when the source gives the split;
+    `reader` reads data.test's records."""
     splits = list(splits) if splits is not None else [r.fields.get("split") for r in recs]
     bad = sorted({s for s in splits if s not in (None, "train", "test")})
     if bad:
@@ -266,7 +283,7 @@ def grouped(recs: list[Instruction], path: str, test: str, group_field: str, sou
             raise ConfigError(f"data.test = {test!r}: give jsonl:PATH or csv:PATH of instruction records")
         if any(s is not None for s in splits):
             raise ConfigError(f"data.test: {path} already has a `split` field; give the test split one way")
-        more = read(tpath)
+        more = read(tpath, reader)
         splits = [*(["train"] * len(recs)), *(["test"] * len(more))]
         recs, given_as = recs + more, f"given: data.test = {test!r}"
     if group_field:

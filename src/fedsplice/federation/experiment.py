@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedsplice.data import flowertune
 from fedsplice.data import partition as P
 from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.data.instruct import natural_clients
@@ -156,6 +157,8 @@ def build_data(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> tu
     if cfg.data.dataset == SITES:
         return site_data(cfg, site)
     data, clients = split_data(cfg)
+    if cfg.model.prompt_template == "flowertune":
+        flowertune.check_single_turn(data.train_texts + data.test_texts)
     scenario = apply_scenario(cfg.scenario, data, clients, rng(cfg, SCENARIO), seed=cfg.seed)
     return data, clients, scenario
 
@@ -177,7 +180,7 @@ def split_data(cfg: ExperimentConfig) -> tuple[TextDataset, list[Client]]:
                         class_names=cfg.data.class_names, test=cfg.data.test,
                         hub=HubColumns(cfg.data.hf_text, cfg.data.hf_image, cfg.data.hf_label, cfg.data.hf_train_split,
                                        cfg.data.hf_test_split), keep_pool=disjoint,
-                        instructions=instruction_groups(cfg))
+                        instructions=instruction_groups(cfg), record_format=cfg.data.record_format)
     reserved = reserved_items(cfg, data) if disjoint else set()
     data = apply_validation(cfg, data)
     if cfg.data.local_test == "disjoint" and not disjoint:  # a validation run: it never trains on a test item

@@ -1,4 +1,5 @@
-"""Communication as FlowerTune counts it, from a model's shapes alone (no weights).
+"""Communication as FlowerTune counts it: from a model's shapes alone (no weights), and of a run
+from its ledger and metrics (`run_bytes`, which `fedsplice leaderboard` reports).
 
 FlowerTune's strategy (flwrlabs/flower, examples/flowertune-llm-*/strategy.py; the template of
 PR #4013, in use when the leaderboard's baselines ran) adds up, for every message it sends to a
@@ -49,3 +50,26 @@ def lora_shapes(model_config, r: int, alpha: int, targets: list[str] | None = No
         model = AutoModelForCausalLM.from_config(model_config)
         model = inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=targets), model)
     return {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n}
+
+
+def row_bytes(row: dict) -> int:
+    """One tensor of a run's ledger (fedsplice.federation.ledger) as FlowerTune's tracker counts it:
+    the `np.save` size of its shape and dtype."""
+    return npy_bytes(tuple(row["shape"]), np.dtype(row["dtype"]).str)
+
+
+def messages_sent(record: dict, clients_per_round: int) -> int:
+    """The messages a round (its metrics.jsonl record) sent to clients: one to each sampled client,
+    and one more to each client asked again after it dropped or was late (server.max_retries)."""
+    attempts = record.get("attempts", 1)
+    again = sum(e["event"] in ("dropped", "late") and e["attempt"] < attempts - 1 for e in record.get("events", []))
+    return clients_per_round + again
+
+
+def run_bytes(server_rows: list[dict], records: list[dict], clients_per_round: int) -> tuple[int, int]:
+    """(up, down) bytes of a run as FlowerTune counts them: every upload the server accepted (its
+    ledger rows, in their dtype) and the GLOBAL tensors (fp32, their shapes from those rows) in
+    every message sent to a client."""
+    shapes = {r["name"]: tuple(r["shape"]) for r in server_rows}
+    sent = sum(messages_sent(r, clients_per_round) for r in records if r.get("round", 0) >= 1 and "clients" in r)
+    return sum(row_bytes(r) for r in server_rows), sent * message_bytes(shapes)

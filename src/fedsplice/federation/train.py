@@ -125,9 +125,14 @@ def term_diagnostics(task, terms: dict, plist: list, names: list[str], split: di
     return out
 
 
-def optimizer_step(opt, scaler) -> None:
+def optimizer_step(opt, scaler, max_grad_norm: float = 0.0) -> None:
     """opt.step(); with fp16's GradScaler: unscale, skip a step whose gradients overflowed, and
-    adapt the scale."""
+    adapt the scale. `max_grad_norm` > 0 first clips the gradient of all the optimizer's tensors
+    together to that L2 norm, on the unscaled gradient (as Hugging Face's Trainer does)."""
+    if max_grad_norm > 0:
+        if scaler is not None:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], max_grad_norm)
     if scaler is None:
         opt.step()
         return
@@ -220,7 +225,7 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
                 else:
                     opt.zero_grad(set_to_none=True)
                     backward(losses, total, plist, step.grad_transform, sums, scaler)
-                    optimizer_step(opt, scaler)
+                    optimizer_step(opt, scaler, cfg.max_grad_norm)
                 steps += 1
                 accumulate(sums, "loss", total)
                 for k, v in losses.items():

@@ -17,6 +17,7 @@ from fedsplice.config import ExperimentConfig
 from fedsplice.data.zoo import resolve_model
 from fedsplice.model.device import DTYPES, resolve_precision
 from fedsplice.errors import ConfigError
+from fedsplice.model import templates
 from fedsplice.model.vision import load_image_processor
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ def target_regex(rmap: dict[str, str], roles, layers, tower: str) -> str:
 
 def quantization_config(cfg: ExperimentConfig, device: torch.device | None = None):
     """transformers' BitsAndBytesConfig for `model.quantization` (None for "none"); a missing
-    bitsandbytes is a one-line ConfigError before anything loads. nf4 computes in model.dtype,
+    bitsandbytes is a one-line ConfigError before anything loads. nf4 (with double quantization)
+    and fp4 (without: `BitsAndBytesConfig(load_in_4bit=True)`'s defaults) compute in model.dtype,
     or, with an fp32 base, in the run's autocast dtype (runtime.precision)."""
     mc = cfg.model
     if mc.quantization == "none":
@@ -65,8 +67,8 @@ def quantization_config(cfg: ExperimentConfig, device: torch.device | None = Non
     compute = DTYPES[mc.dtype] if mc.dtype != "fp32" else run_precision(cfg, device or torch.device("cpu"))
     if mc.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=mc.quantization,
+                              bnb_4bit_use_double_quant=mc.quantization == "nf4", bnb_4bit_compute_dtype=compute)
 
 
 def run_precision(cfg: ExperimentConfig, device: torch.device) -> torch.dtype:
@@ -129,6 +131,7 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
         model = prepare_kbit(model)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    templates.install(tok, cfg.model.prompt_template)
     return model, tok, path
 
 
