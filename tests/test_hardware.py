@@ -247,7 +247,6 @@ def test_quantization_needs_lora(tiny_cfg):
         tiny_cfg(model__quantization='"int8"', algorithm='"promptfl"', peft__type='"prompt"')
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is in the test extras")
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
 def test_qlora_trains_on_a_quantized_base(cfg_factory, tiny_llama_dir, toy_jsonl, quant):
     import bitsandbytes as bnb

@@ -84,10 +84,9 @@ def test_prior_ties_go_to_the_lowest_class_and_binary_auc_is_chance():
 
 
 def test_priors_refuse_per_site_data():
-    exp = hand_exp("global")
-    exp.cfg = SimpleNamespace(algorithm="majority", data=SimpleNamespace(dataset="sites"))
+    cfg = SimpleNamespace(algorithm="majority", data=SimpleNamespace(dataset="sites"))
     with pytest.raises(ConfigError, match="pooled training labels"):
-        pooled.prepare_reference(exp)
+        pooled.check_reference(cfg, hand_exp("global").recipe)
 
 
 # ----------------------------------------------------------------------------- tiny model, end to end

@@ -98,11 +98,9 @@ COMBINATIONS = [  # config, --set, the error's start: each one used to wait for 
 
 
 @pytest.mark.parametrize("name, sets, says", COMBINATIONS, ids=[f"{c[0]}:{c[1][0]}" for c in COMBINATIONS])
-def test_validate_catches_every_combination_error_without_a_model(name, sets, says, capsys, monkeypatch):
-    import fedsplice.model.taskmodel as tm
+def test_validate_catches_every_combination_error_without_a_model(name, sets, says, capsys, tiny_zoo, no_weights):
     from fedsplice.app.cli import main
 
-    monkeypatch.setattr(tm.TaskModel, "__init__", lambda *a, **k: pytest.fail("validate built a model"))
     args = ["validate", "--no-data", f"configs/{name}.toml"]
     for s in sets:
         args += ["--set", s]
@@ -113,7 +111,7 @@ def test_validate_catches_every_combination_error_without_a_model(name, sets, sa
     capsys.readouterr()
 
 
-def test_a_users_check_config_runs_in_validate(capsys):
+def test_a_users_check_config_runs_in_validate(capsys, tiny_zoo):
     from fedsplice.app.cli import main
 
     def check_config(p, cfg):
@@ -131,7 +129,7 @@ def test_a_users_check_config_runs_in_validate(capsys):
         R.ALGORITHMS.pop("head-only")
 
 
-def test_the_peft_settings_a_method_misreads_are_declared_by_the_method(capsys):
+def test_the_peft_settings_a_method_misreads_are_declared_by_the_method(capsys, tiny_zoo):
     """Algorithm.full_ok, not a list of names in the registry: a built-in says False unless it
     declares True; a registered method (None) is not checked. A method's own LoRA adapters are its
     LoraParts (pFedLoRA's, FedDPA's and FLoRA's dense base)."""

@@ -25,7 +25,8 @@ def wandb_history(run_dir) -> tuple[list[dict], dict]:
     `Record`s; wandb 0.31 has no Python reader of its own."""
     from wandb.proto import wandb_internal_pb2
 
-    data = open(glob.glob(str(run_dir / "offline-run-*" / "run-*.wandb"))[0], "rb").read()
+    with open(glob.glob(str(run_dir / "offline-run-*" / "run-*.wandb"))[0], "rb") as f:
+        data = f.read()
     pos, recs, part = 7, [], b""
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:

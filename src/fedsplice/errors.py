@@ -9,6 +9,10 @@ class ConfigError(FedspliceError):
     """A config field is unknown, mistyped or out of range."""
 
 
+class ModelUnavailable(ConfigError):
+    """`model.name` is a hub id that this process may not download (offline) and has not cached."""
+
+
 class AssetError(FedspliceError):
     """An offline asset (model or data set) is missing, unreachable or fails its checksum."""
 

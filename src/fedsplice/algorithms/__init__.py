@@ -1,16 +1,18 @@
 """Algorithms: one file per method family, each a `build` over typed hyperparameters that
 composes a `Recipe` from core parts (a split, loss terms, an objective, a grad transform).
 
-- `recipe`: Recipe, Algorithm, Personal, Phase, Exchange, ClientOps, PromptParts, LoraParts, NoParams — what a method
+- `recipe`: Recipe, Algorithm, Personal, Phase, Exchange, PromptParts, LoraParts, NoParams — what a method
   is; `refuse_grab`, the rule a method with its own objective declares in its `check_config`.
+- `hooks`: the hooks' signatures as Protocols (ClientOps, LossTerm, Objective, Fit, Send, ...), checked by mypy.
 - `pfadapter`, `fedpurel`: the two methods fedsplice implements exactly.
 - `baselines`: the methods the papers compare against; `fedotp`, `fedpgp`, `promptfolio`,
   `pfedlora` and `feddpa`, the baselines with model parts of their own (PromptParts, LoraParts).
 - `registry`: names -> algorithms; `register_algorithm` for users' own methods.
 """
 
-from fedsplice.algorithms.recipe import (Algorithm, ClientOps, Exchange, LoraParts, NoParams, Personal, Phase,
-                                         PromptParts, Recipe, clone, refuse_grab)
+from fedsplice.algorithms.hooks import ClientOps
+from fedsplice.algorithms.recipe import (Algorithm, Exchange, LoraParts, NoParams, Personal, Phase, PromptParts, Recipe,
+                                         clone, refuse_grab)
 from fedsplice.algorithms.registry import (available, build_recipe, display_name, get_algorithm, lora_parts,
                                            method_params, prompt_parts, register_algorithm)
 

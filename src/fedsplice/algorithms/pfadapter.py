@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from fedsplice.algorithms.recipe import Algorithm, Recipe
 from fedsplice.config import check_roles

@@ -1,4 +1,5 @@
-"""What an algorithm is: a `Recipe` composed from parts, built from typed hyperparameters.
+"""What an algorithm is: a `Recipe` composed from parts, built from typed hyperparameters. The
+hooks' signatures are Protocols in `fedsplice.algorithms.hooks` (ClientOps among them).
 
 No algorithm subclasses a client or a server. A method is a `build(params, infos, shapes,
 scalings) -> Recipe` function over the dataclass of its `[method]` table; the federation layer
@@ -8,66 +9,20 @@ runs every recipe with the same client tasks and the same round loop (docs/desig
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol
+from collections.abc import Mapping
 
-import numpy as np
 import torch
 
+from fedsplice.algorithms.hooks import (After, CheckConfig, ClassEmbeddings, Fit, GradTransform, Label, LossTerm,
+                                        Objective, Predict, PromptModules, Receive, Send, TokenScorerFn, Weights)
+from fedsplice.core.split import ParamInfo
 from fedsplice.errors import ConfigError
 
 
 @dataclass
 class NoParams:
     """The `[method]` table of an algorithm without hyperparameters (it must be empty)."""
-
-
-class ClientOps(Protocol):
-    """What a method's `Personal` hooks may do on the client they run for, where its data and
-    state are (fedsplice.federation.tasks implements it; nothing of it leaves the client). Tensor
-    dicts name trainable tensors; loading one sets those tensors in the client's model."""
-
-    cid: int
-
-    def fresh(self) -> dict[str, torch.Tensor]:
-        """A copy of every trainable tensor at its initialization (the run's seeded init)."""
-        ...
-
-    def test_logits(self, params: Mapping[str, torch.Tensor],
-                    adapters: Mapping[str, float | Sequence[float]] | None = None) -> np.ndarray | dict:
-        """`params` loaded: the model's logits [n_test, C] on the client's local test set (with
-        model.task = "generate", which has no classes: the scores dict of its free-text answers,
-        fedsplice.federation.generative.scores, which `Personal.predict` returns as it gets it).
-        With `adapters` ({LoRA adapter: factor}, TaskModel.adapters_scaled), each adapter's output
-        times its factor: one number for every test sample, or one per sample (n_test of them:
-        the samples with equal factors run as one batch)."""
-        ...
-
-    def features(self, params: Mapping[str, torch.Tensor], on: str,
-                 adapters: Mapping[str, float] | None = None) -> np.ndarray:
-        """`params` loaded (and `adapters` as in test_logits): the input features [N, D]
-        (TaskModel.features) of the client's local test set (`on` = "test") or of its training
-        samples in their order (`on` = "train")."""
-        ...
-
-    def rng(self, key: int) -> np.random.Generator:
-        """A generator of this client's own, seeded by the run's seed, the client and `key`
-        (the same draws in every run of the config and on every runtime)."""
-        ...
-
-    def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """`params` loaded: the model's logits on the client's training data, in a table
-        [N, C] indexed by training sample id (as an objective looks them up by `ids`)."""
-        ...
-
-    def train(self, params: Mapping[str, torch.Tensor], objective: Callable, rounds: range, *,
-              received: Mapping[str, torch.Tensor], client: Mapping[str, Any],
-              **ctx: Any) -> dict[str, torch.Tensor]:
-        """`params` loaded and trained on `objective` ((model, texts, y, ids, ctx) -> {name:
-        loss}) for one local budget per round key in `rounds` (each its own data order; one
-        optimizer across them), with the client config changed by `client` (e.g. momentum=0.0);
-        `received` is ctx.global_ref and `ctx` sets the TrainContext's other fields (e.g.
-        global_logits). Returns the trained tensors (CPU copies)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -84,9 +39,9 @@ class Personal:
       rounds, the PM reported last (None: no such task).
     after_rounds: how many rounds of the local budget `after` trains (the progress estimate)."""
 
-    fit: Callable | None = None
-    predict: Callable | None = None
-    after: Callable | None = None
+    fit: Fit | None = None
+    predict: Predict | None = None
+    after: After | None = None
     after_rounds: int = 0
 
 
@@ -106,9 +61,9 @@ class Exchange:
       aggregation weights of each GLOBAL tensor (normalized there; names left out keep the
       sample-size weights), instead of FedAvg's n_k (server.aggregation = "mean" only)."""
 
-    receive: Callable | None = None
-    send: Callable | None = None
-    weights: Callable | None = None
+    receive: Receive | None = None
+    send: Send | None = None
+    weights: Weights | None = None
 
 
 @dataclass(frozen=True)
@@ -129,9 +84,9 @@ class PromptParts:
       scale): scoring from the frozen input tower's token features instead of its pooled one (the
       zero-shot model still scores by cosine)."""
 
-    modules: Callable
-    class_embeddings: Callable
-    token_scorer: Callable | None = None
+    modules: PromptModules
+    class_embeddings: ClassEmbeddings
+    token_scorer: TokenScorerFn | None = None
 
 
 @dataclass(frozen=True)
@@ -162,17 +117,17 @@ class Phase(NamedTuple):
 class Recipe:
     split: dict[str, str]  # trainable name -> GLOBAL or PRIVATE (fedsplice.core.split)
     # (params, ctx: TrainContext) -> scalar, added to the task loss
-    loss_terms: list[Callable] = field(default_factory=list)
+    loss_terms: list[LossTerm] = field(default_factory=list)
     # (model, texts, y, ids, ctx: TrainContext) -> {loss name: scalar}; None: cross-entropy
-    objective: Callable | None = None
-    grad_transform: Callable | None = None  # combines per-loss gradients (FedPuReL purification)
+    objective: Objective | None = None
+    grad_transform: GradTransform | None = None  # combines per-loss gradients (FedPuReL purification)
     trains: bool = True  # False: evaluation only (zero-shot)
     personalize: Personal | None = None  # the method's own local stage (FedPuReL phase 2)
     exchange: Exchange | None = None  # the method's own download, upload and aggregation weights (HetLoRA)
     # Alternating local training (pFedLoRA, FedDPA): Phase(group, epochs[, adapters]) tuples, in
     # order; each phase trains only that group's tensors, with its own optimizer. Or a function
     # round -> those phases (FedDPA: round 0 has no local phase). Empty: one phase, all tensors.
-    phases: tuple | Callable[[int], tuple] = ()
+    phases: tuple | PhasesOf = ()
     # phases_share_budget: the phases split one local budget (client.local_epochs or max_steps)
     # in proportion to their epochs, instead of each running its own epochs
     phases_share_budget: bool = False
@@ -189,23 +144,45 @@ class Recipe:
 @dataclass(frozen=True)
 class Algorithm:
     params: type  # the dataclass of the `[method]` table; an optional `check()` validates it
-    build: Callable  # (params, infos, shapes, scalings) -> Recipe
+    build: Build  # (params, infos, shapes, scalings) -> Recipe
     description: str
     paper: str = ""
     # (params, cfg) -> None: what the method needs of, or refuses in, the rest of the config (a
     # PEFT part it splits, a switch it cannot compose with). Run by `fedsplice validate` and
     # before every build, so a combination error never waits for the first fit.
-    check_config: Callable | None = None
+    check_config: CheckConfig | None = None
     # What the method makes of two PEFT settings other methods would misread. False: refused in
     # one line; None (register_algorithm, a `module:build` reference): not checked.
     full_ok: bool | None = False  # peft.type = "full": every backbone weight trains, no PEFT parts
     # (cfg) -> the method's name in results; None: `algorithm`, "+<optimizer>" when the server
     # optimizer is not FedAvg (registry.display_name adds the +la / +grab switches)
-    label: Callable | None = None
+    label: Label | None = None
     # (params) -> PromptParts: the modules, class side and scorer a prompt method adds to the model
-    prompt_parts: Callable | None = None
+    prompt_parts: PromptPartsOf | None = None
     # (params) -> LoraParts: the LoRA adapters a method adds beside the shared one
-    lora_parts: Callable | None = None
+    lora_parts: LoraPartsOf | None = None
+
+
+class PhasesOf(Protocol):
+    """Recipe.phases as a function: round -> the round's local phases (FedDPA: none in round 0)."""
+
+    def __call__(self, rnd: int, /) -> tuple[Phase, ...]: ...
+
+
+class Build(Protocol):
+    """Algorithm.build: the method's recipe from its `[method]` table and the model's trainable
+    tensors (names, roles, shapes, LoRA scalings: known before any weight loads, federation.plan)."""
+
+    def __call__(self, params: Any, infos: Mapping[str, ParamInfo], shapes: Mapping[str, tuple[int, ...]],
+                 scalings: Mapping[str, float], /) -> Recipe: ...
+
+
+class PromptPartsOf(Protocol):
+    def __call__(self, params: Any, /) -> PromptParts | None: ...
+
+
+class LoraPartsOf(Protocol):
+    def __call__(self, params: Any, /) -> LoraParts | None: ...
 
 
 def default_label(cfg) -> str:

@@ -16,7 +16,7 @@ import importlib
 import inspect
 import warnings
 from importlib.metadata import entry_points
-from typing import Callable
+from collections.abc import Callable
 
 from fedsplice.algorithms.baselines import BASELINES, LORA_BASELINES
 from fedsplice.algorithms.feddpa import FEDDPA
@@ -122,8 +122,15 @@ def available() -> dict[str, Algorithm]:
         try:
             out[ep.name] = _load_entry_point(ep)
         except ConfigError as e:
-            out[ep.name] = Algorithm(NoParams, lambda *a: None, f"BROKEN: {e}")
+            out[ep.name] = Algorithm(NoParams, _broken(str(e)), f"BROKEN: {e}")
     return out
+
+
+def _broken(why: str):
+    """The build of an entry point that failed to load (listed, never built): its own error."""
+    def build(*_: object) -> Recipe:
+        raise ConfigError(why)
+    return build
 
 
 def get_algorithm(name: str) -> Algorithm:

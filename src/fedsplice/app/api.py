@@ -20,7 +20,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from fedsplice.algorithms.recipe import Algorithm
 from fedsplice.algorithms.registry import available, register_algorithm
@@ -33,9 +33,9 @@ from fedsplice.federation.validate import validate
 __all__ = ["AssetError", "CompareRow", "ConfigError", "FedspliceError", "RunResult", "compare", "list_algorithms",
            "load_config", "load_export", "load_result", "register_algorithm", "resume", "run"]
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 # `--set` items ("server.rounds=2"), or {dotted key: Python value}
-Overrides = Union[Sequence[str], Mapping[str, Any], None]
+Overrides = Sequence[str] | Mapping[str, Any] | None
 
 
 # ----------------------------------------------------------------------------- configs

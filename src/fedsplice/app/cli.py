@@ -81,9 +81,16 @@ def cmd_results(args) -> None:
 
 def cmd_validate(args) -> None:
     from fedsplice.data.report import summary_lines
+    from fedsplice.errors import ModelUnavailable
+    from fedsplice.federation.plan import plan
     from fedsplice.federation.validate import check_data, load_config
 
     cfg = load_config(args.config, args.set)
+    try:  # the recipe and every combination check, from the model's skeleton: no weights
+        planned = plan(cfg)
+        print(f"plan: {len(planned.global_names)} GLOBAL and {len(planned.private_names)} PRIVATE tensors")
+    except ModelUnavailable as e:  # a hub model offline: the config and data are still checked
+        print(f"plan: skipped ({e}); the recipe's checks run when the model can be read")
     if not args.no_data:
         print("\n".join(summary_lines(check_data(cfg))))
     print(f"ok: {args.config or 'embedded default'} ({cfg.algorithm}, {cfg.model.name}, {cfg.data.dataset})")
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
     rr.add_argument("--command", help=argparse.SUPPRESS)  # how the page says it was made (make results)
     rr.add_argument("--quiet", action="store_true")
     rr.set_defaults(fn=cmd_results)
-    v = sub.add_parser("validate", help="check a config and read its data, without loading a model")
+    v = sub.add_parser("validate", help="check a config, plan its model and read its data, without loading weights")
     v.add_argument("config", nargs="?", type=Path)
     v.add_argument("--no-data", action="store_true", help="check the config only; do not read the data")
     v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -89,7 +89,7 @@ class RunProgress:
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
 
-    def __enter__(self) -> "RunProgress":
+    def __enter__(self) -> RunProgress:
         self.bar.start()
         if not self.quiet or self.on_event is not None:
             self._beat.start()

@@ -12,7 +12,7 @@ import shutil
 import time
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from fedsplice.algorithms import display_name
 from fedsplice.app import rundir

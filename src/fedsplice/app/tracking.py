@@ -16,7 +16,8 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 from fedsplice.errors import ConfigError
 

@@ -7,6 +7,7 @@ the global weights received, for FedProx).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -142,7 +143,7 @@ class Proximal:
         self.names = list(global_names)
         self.mu = mu
 
-    def __call__(self, params: dict[str, torch.Tensor], ctx: TrainContext) -> torch.Tensor:
+    def __call__(self, params: Mapping[str, torch.Tensor], ctx: TrainContext) -> torch.Tensor:
         ref = ctx.global_ref
         sq = sum(((params[n] - ref[n]) ** 2).sum() for n in self.names)
         return torch.as_tensor(0.5 * self.mu * sq)  # the same tensor (a float 0 without GLOBAL tensors)

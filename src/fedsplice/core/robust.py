@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import inspect
 import math
 from numbers import Real
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 

@@ -17,7 +17,7 @@ for any instruction record (fedsplice.data.instruct).
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from collections.abc import Callable
 
 from fedsplice.data import instruct
 from fedsplice.errors import ConfigError

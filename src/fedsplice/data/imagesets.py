@@ -68,7 +68,8 @@ FASHION_SHA256 = {
 def parse_idx(path: Path) -> np.ndarray:
     """A gzipped IDX file (big-endian header: magic 2049 = labels [N], 2051 = images
     [N, rows, cols]) as a uint8 array."""
-    raw = gzip.open(path).read()
+    with gzip.open(path) as f:
+        raw = f.read()
     magic = int.from_bytes(raw[:4], "big")
     ndim = {2049: 1, 2051: 3}.get(magic)
     if ndim is None:

@@ -26,7 +26,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

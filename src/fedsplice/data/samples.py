@@ -30,7 +30,7 @@ class Sample(str):
     def __reduce__(self):  # pickle (spawned workers) without relying on str-subclass defaults
         return (Sample, (str(self), self.image, self.text))
 
-    def derive(self, tag: str, **content) -> "Sample":
+    def derive(self, tag: str, **content) -> Sample:
         """A transformed copy: the key gains `|tag`, and `content` (image=…, text=…) replaces."""
         image = content.get("image", self.image)
         text = content.get("text", self.text)

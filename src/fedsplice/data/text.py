@@ -11,6 +11,7 @@ hard-coded sha256 values, and returns {class_names, texts (one list per class), 
 
 from __future__ import annotations
 
+import contextlib
 import email
 import email.header
 import gzip
@@ -307,10 +308,8 @@ def _decode_header(value, charset: str | None = None) -> str:
     if value is None:
         return ""
     text = _unsurrogate(str(value), charset)
-    try:
+    with contextlib.suppress(Exception):  # malformed encoded-words: keep the raw header
         text = str(email.header.make_header(email.header.decode_header(text)))
-    except Exception:  # malformed encoded-words: keep the raw header
-        pass
     return text.encode("utf-8", "replace").decode("utf-8")
 
 

@@ -18,10 +18,10 @@ from fedsplice.data import flowertune
 from fedsplice.data import partition as P
 from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.data.instruct import natural_clients
-from fedsplice.algorithms import Recipe, build_recipe, clone
-from fedsplice.federation.generative import check_images, check_recipe as check_generate_recipe, length_warnings_of
-from fedsplice.federation.dpsgd import check as dpsgd_check
-from fedsplice.federation.privacy import Plan, check_recipe
+from fedsplice.algorithms import Recipe, clone
+from fedsplice.federation.generative import check_images, length_warnings_of
+from fedsplice.federation.plan import check_loaded, plan
+from fedsplice.federation.privacy import Plan
 from fedsplice.federation.privacy import plan as privacy_plan
 from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, VALIDATION, rng
 from fedsplice.model.taskmodel import TaskModel
@@ -32,7 +32,6 @@ from fedsplice.data.sites import SITES, load_server_test, load_site
 from fedsplice.data.scenarios import apply_scenario
 from fedsplice.data.testsets import disjoint_clients
 from fedsplice.core.server import ServerOptimizer, make_server_optimizer
-from fedsplice.core.split import GLOBAL, PRIVATE, names_in
 from fedsplice.federation.pooled import prepare_reference
 
 
@@ -225,21 +224,18 @@ def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experim
         check_images(cfg, data)
     n_train = cfg.data.num_clients - cfg.data.holdout_clients
     train_ids, holdout_ids = list(range(n_train)), list(range(n_train, cfg.data.num_clients))
-    model = TaskModel(cfg, data.class_names, cfg.data.class_prompt or data.class_prompt)
-    params = model.trainable()
-    recipe = build_recipe(cfg, model.param_infos(), {n: p.shape for n, p in params.items()},
-                          model.scalings())
+    class_prompt = cfg.data.class_prompt or data.class_prompt
+    planned = plan(cfg, data.class_names, class_prompt)  # every combination check, before weights load
+    model = TaskModel(cfg, data.class_names, class_prompt)
+    check_loaded(planned, model)
     if cfg.model.task == "generate":
-        check_generate_recipe(cfg, recipe)
         data.report.setdefault("warnings", []).extend(length_warnings_of(cfg, model, data))
     server_opt = make_server_optimizer(cfg.server.optimizer, **cfg.server.optimizer_kwargs())
-    exp = Experiment(cfg, data, clients, train_ids, holdout_ids, model, recipe,
-                     names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE),
-                     clone(params), server_opt, sampling_stream(cfg, train_ids), scenario=scenario)
-    check_recipe(cfg, recipe, exp.global_names)
-    dpsgd_check(cfg, recipe, model)
+    exp = Experiment(cfg, data, clients, train_ids, holdout_ids, model, planned.recipe, planned.global_names,
+                     planned.private_names, clone(model.trainable()), server_opt, sampling_stream(cfg, train_ids),
+                     scenario=scenario)
     exp.privacy = privacy_plan(cfg, len(train_ids))
-    if recipe.pooled or recipe.prior:  # the reference rows: centralized's pooled client; checks
+    if planned.recipe.pooled or planned.recipe.prior:  # the reference rows: centralized's pooled client; checks
         prepare_reference(exp)
     exp.caches.update(zero_shot_caches(exp))
     return exp

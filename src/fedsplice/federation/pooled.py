@@ -31,18 +31,25 @@ def check_pooled(cfg) -> None:
                               f"clients (nothing is federated): it needs {need}")
 
 
+def check_reference(cfg, recipe) -> None:
+    """A reference recipe's requirements (checked by the plan, before weights load: federation.plan):
+    a pooled one trains alone (`check_pooled`); a prior one needs the pooled training labels,
+    which per-site data keep on the sites."""
+    if recipe.prior and cfg.data.dataset == SITES:
+        raise ConfigError(f"algorithm {cfg.algorithm!r} predicts from the pooled training labels, which "
+                          f"data.dataset = 'sites' keeps on the sites; use a data set the server can read")
+    if recipe.pooled:
+        check_pooled(cfg)
+
+
 def prepare_reference(exp) -> None:
     """A reference recipe at build time. Pooled (centralized): a stand-in client, id
     data.num_clients, holds the union of the training clients' data (its test set: the global
     one) and trains alone in every round; it is not a training client (PM is still scored on
     every client in `exp.train_ids`). Prior (majority, local-prior): the pooled training labels
-    must be here, which per-site data never gather."""
-    if exp.recipe.prior and exp.cfg.data.dataset == SITES:
-        raise ConfigError(f"algorithm {exp.cfg.algorithm!r} predicts from the pooled training labels, which "
-                          f"data.dataset = 'sites' keeps on the sites; use a data set the server can read")
+    must be here, which per-site data never gather (`check_reference`, run by the plan)."""
     if not exp.recipe.pooled:
         return
-    check_pooled(exp.cfg)
     cid = len(exp.clients)
     pooled = np.sort(np.concatenate([exp.clients[k].train_idx for k in exp.train_ids]))
     exp.clients.append(Client(cid, pooled, np.arange(exp.data.global_test_size)))

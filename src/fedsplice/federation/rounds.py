@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, cast, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -27,7 +27,7 @@ class ClientState:
     PREFIXES = {"params": "param/", "opt": "opt/", "ef": "ef/", "grab": "grab/", "branch": "branch/", "dp": "dp/"}
 
     @classmethod
-    def from_store(cls, tensors: Tensors | None) -> "ClientState | None":
+    def from_store(cls, tensors: Tensors | None) -> ClientState | None:
         """The state a store returned (None: the client has none yet)."""
         if tensors is None:
             return None

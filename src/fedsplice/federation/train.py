@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -172,7 +173,7 @@ class Step:
     grad_transform: Callable | None = None
 
     @classmethod
-    def of(cls, recipe) -> "Step":
+    def of(cls, recipe) -> Step:
         return cls(recipe.objective, tuple(recipe.loss_terms), recipe.grad_transform)
 
 

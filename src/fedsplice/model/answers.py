@@ -8,7 +8,7 @@ Image tokens are not counted in model.max_length: it bounds the text (prompt + r
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

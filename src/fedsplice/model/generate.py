@@ -15,7 +15,7 @@ prompt ids it is later given to generate from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -8,7 +8,10 @@ fits every backbone; `target_regex` turns roles × layers × tower into a peft t
 from __future__ import annotations
 
 import re
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +19,7 @@ import torch
 from fedsplice.config import ExperimentConfig
 from fedsplice.data.zoo import resolve_model
 from fedsplice.model.device import DTYPES, resolve_precision
-from fedsplice.errors import ConfigError
+from fedsplice.errors import ConfigError, ModelUnavailable
 from fedsplice.model import templates
 from fedsplice.model.vision import load_image_processor
 
@@ -97,20 +100,22 @@ def model_width(cfg: ExperimentConfig) -> int | None:
     return max(widths) if widths else None
 
 
-def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
+def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None, meta: bool = False):
     """(model, tokenizer, resolved path) of `model.name` in `model.dtype`; the tokenizer always
     has a pad. The weights are placed on `device` as they load (a quantized base must be:
-    bitsandbytes weights cannot move afterwards; it is then prepared for k-bit training)."""
+    bitsandbytes weights cannot move afterwards; it is then prepared for k-bit training).
+    `meta`: the architecture from its config alone, every tensor on the meta device, no weight
+    read and no quantization (a plan: fedsplice.federation.plan; the names are the same)."""
     # transformers is imported here, not at module level: importing fedsplice stays fast
     import transformers
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     quiet_bitsandbytes()
 
     path = resolve_model(cfg.model.name)
-    quant = quantization_config(cfg, device)
+    quant = None if meta else quantization_config(cfg, device)
     kw: dict[str, Any] = {"dtype": DTYPES[cfg.model.dtype]}  # from_pretrained's keyword arguments
     if quant is not None:
         kw.update(quantization_config=quant, device_map={"": str(device or "cpu")})
@@ -119,12 +124,20 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
     try:
         tok = AutoTokenizer.from_pretrained(path)
         cls = AutoModelForCausalLM if cfg.model.task in ("causal_lm", "vlm", "generate") else AutoModel
-        model = cls.from_pretrained(path, **kw)
+        if meta:
+            with torch.device("meta"):
+                model = cls.from_config(AutoConfig.from_pretrained(path), dtype=kw["dtype"])
+        else:
+            model = cls.from_pretrained(path, **kw)
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         if quant is not None and not isinstance(e, OSError):
             raise ConfigError(f"model.quantization = {cfg.model.quantization!r}: bitsandbytes cannot load "
                               f"{cfg.model.name!r} here ({first}); set model.quantization = 'none'") from None
+        if isinstance(e, OSError) and offline_hub(path):
+            raise ModelUnavailable(f"model.name: {cfg.model.name!r} is not in the local Hugging Face cache and "
+                                   f"HF_HUB_OFFLINE is set; unset it to download the model, or use a local "
+                                   f"folder") from None
         raise ConfigError(f"model.name: cannot load {cfg.model.name!r} ({first}); "
                           f"use zoo:minilm, zoo:smollm2, a local folder or a hub id") from None
     if quant is not None:
@@ -133,6 +146,43 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None):
         tok.pad_token = tok.eos_token
     templates.install(tok, cfg.model.prompt_template)
     return model, tok, path
+
+
+def offline_hub(path: str) -> bool:
+    """`path` is not a folder here, and the hub may not be asked (HF_HUB_OFFLINE)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) and not Path(path).expanduser().exists()
+
+
+@contextmanager
+def without_bitsandbytes():
+    """A context in which bitsandbytes looks absent, unless it is already imported. peft imports
+    it as it loads (peft.helpers) and at every LoRA injection (its 8-bit dispatcher): 4.6 s of a
+    7 s import on this machine (measured), which only a quantized base uses, and a quantized base
+    has imported it before any LoRA is injected. On leaving, the availability checks that peft and
+    transformers cache are cleared, so a quantized base later in the process still finds it."""
+    if "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # its import raises ImportError
+    _clear_bnb_checks()
+    try:
+        yield
+    finally:
+        if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+            del sys.modules["bitsandbytes"]
+        _clear_bnb_checks()
+
+
+def _clear_bnb_checks() -> None:
+    import transformers.utils.import_utils as hf_imports
+
+    hf_imports.is_bitsandbytes_available.cache_clear()
+    peft_imports = sys.modules.get("peft.import_utils")
+    if peft_imports is not None:
+        peft_imports.is_bnb_available.cache_clear()
+        peft_imports.is_bnb_4bit_available.cache_clear()
 
 
 def quiet_bitsandbytes() -> None:
@@ -195,10 +245,10 @@ class Backbone:
     text_positions: int | None  # CLIP's text tower has a fixed number of positions (77)
 
 
-def load_backbone(cfg: ExperimentConfig, device: torch.device | None = None) -> Backbone:
+def load_backbone(cfg: ExperimentConfig, device: torch.device | None = None, meta: bool = False) -> Backbone:
     """Load, freeze and check `model.name` against `peft.type` and `model.task` (in this order, so
-    a config with several problems always reports the same one first)."""
-    base, tok, path = load_pretrained(cfg, device)
+    a config with several problems always reports the same one first). `meta`: see load_pretrained."""
+    base, tok, path = load_pretrained(cfg, device, meta)
     for p in base.parameters():
         p.requires_grad_(False)
     if cfg.model.gradient_checkpointing:

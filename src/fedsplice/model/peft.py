@@ -27,7 +27,7 @@ from fedsplice.config import PeftConfig
 from fedsplice.core.split import ParamInfo
 from fedsplice.errors import ConfigError
 from fedsplice.model.adapters import FeatureAdapter, PromptLearner
-from fedsplice.model.loading import target_regex
+from fedsplice.model.loading import target_regex, without_bitsandbytes
 
 if TYPE_CHECKING:
     from peft import LoraModel, PeftModel
@@ -38,14 +38,15 @@ LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
 def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int, mtype: str, parts=None):
     """`base` wrapped by peft with LoRA on pc.roles × pc.layers × pc.tower; the method's `parts`
     (fedsplice.algorithms.LoraParts) add more adapters on the same modules, all active."""
-    from peft import LoraConfig, get_peft_model  # heavy: imported when a LoRA model is built
+    with without_bitsandbytes():  # heavy: imported when a LoRA model is built
+        from peft import LoraConfig, get_peft_model
 
     regex = target_regex(rmap, pc.roles, pc.layers, pc.tower)
     # peft annotates lora_alpha as int; a float works (scaling = alpha / r), and peft.alpha is one
     lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha,  # type: ignore[arg-type]
                       lora_dropout=pc.dropout, target_modules=regex, use_rslora=pc.use_rslora, bias="none")
     # LoRA A init draws from torch's RNG: seed it locally so the global stream is untouched.
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), without_bitsandbytes():
         warnings.simplefilter("ignore", FutureWarning)  # peft probing deprecated HF helpers
         torch.manual_seed(seed)
         try:

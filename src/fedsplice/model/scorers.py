@@ -10,7 +10,7 @@ class logits [B, C]. Each is called as scorer(items, class_emb, zero_shot).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

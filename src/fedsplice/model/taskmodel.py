@@ -51,30 +51,39 @@ class TaskModel(nn.Module):
     vision: nn.Module | None
     projector: Projector | None
 
-    def __init__(self, cfg: ExperimentConfig, class_names: list[str], class_prompt: str = ""):
-        """class_prompt: the class side's template; empty: data.class_prompt, else the data set's own."""
+    def __init__(self, cfg: ExperimentConfig, class_names: list[str], class_prompt: str = "", skeleton: bool = False):
+        """class_prompt: the class side's template; empty: data.class_prompt, else the data set's own.
+        `skeleton`: the backbone on the meta device (no weight read) and only the trainable modules
+        built, on the host: their names, shapes and LoRA scalings for a plan
+        (fedsplice.federation.plan); such a model never runs."""
         super().__init__()
         self.class_prompt = class_prompt or cfg.data.class_prompt or class_prompt_of(cfg.data.dataset)
         self.task = cfg.model.task
         self.mcfg = cfg.model
         self.pcfg = cfg.peft
         self.class_names = list(class_names)
-        self.device = resolve_device(cfg.runtime.device)
-        # autocast dtype of every forward (and the backward under it); trainable tensors stay fp32
-        self.amp_dtype = run_precision(cfg, self.device)
+        self.device, self.amp_dtype = self._placement(cfg, skeleton)
         if cfg.model.dtype != "fp32" and self.amp_dtype != DTYPES[cfg.model.dtype]:
             raise ConfigError(f"model.dtype = {cfg.model.dtype!r} runs the fp32 adapters beside a "
                               f"{cfg.model.dtype} base under autocast: set runtime.precision = "
                               f"{cfg.model.dtype!r} (it resolved to "
                               f"{str(self.amp_dtype).removeprefix('torch.')})")
-        if self.device.type == "cuda" and self.device.index is not None:
+        if self.device.type == "cuda" and self.device.index is not None and not skeleton:
             torch.cuda.set_device(self.device)  # libraries that allocate on "the current device" follow
         self.checkpointing = cfg.model.gradient_checkpointing
-        bb = load_backbone(cfg, self.device)
+        bb = load_backbone(cfg, self.device, meta=skeleton)
         self.tokenizer, self.rmap, self.is_clip = bb.tokenizer, bb.rmap, bb.is_clip
         self.image_processor, self.vision, self.projector = bb.image_processor, None, None
         self._parts = prompt_parts(cfg)  # what the method adds to a prompt model (None: nothing)
-        self._build_trainables(cfg, bb)
+        self._build_trainables(cfg, bb, skeleton)
+        # CLIP with LoRA in its text tower: the class side changes as it trains; full fine-tuning
+        # keeps no frozen copy of the encoder, so the class side goes through the trained one
+        pc = cfg.peft
+        self._trains_text = cfg.model.class_side_adapters or pc.type == "full" or (
+            self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
+        self.class_side_trains = self._trains_text or pc.type == "prompt"  # its tensors see classes, not examples
+        if skeleton:
+            return
         self._zero_shot = False
         self._per_sample = False  # per_sample(): each example's own gradient is taken (DP-SGD)
         self.cache_on = cfg.runtime.cache
@@ -85,7 +94,22 @@ class TaskModel(nn.Module):
                 mod.to(self.device)
         self._build_parts(cfg, bb)
 
-    def _build_trainables(self, cfg: ExperimentConfig, bb: Backbone) -> None:
+    @staticmethod
+    def _placement(cfg: ExperimentConfig, skeleton: bool) -> tuple[torch.device, torch.dtype]:
+        """(device, autocast dtype of every forward and the backward under it; trainable tensors
+        stay fp32). A skeleton may be planned on another machine than the one that runs: a
+        device this machine lacks is then planned as the CPU, with runtime.precision's own
+        dtype ("auto": fp32)."""
+        try:
+            device = resolve_device(cfg.runtime.device)
+        except ConfigError:
+            if not skeleton:
+                raise
+            auto = cfg.runtime.precision == "auto"
+            return torch.device("cpu"), torch.float32 if auto else DTYPES[cfg.runtime.precision]
+        return device, run_precision(cfg, device)
+
+    def _build_trainables(self, cfg: ExperimentConfig, bb: Backbone, meta: bool = False) -> None:
         """The modules holding trainable parameters, registered in a fixed order (it is the order
         of trainable()) and drawing their inits in a fixed order from one seeded generator."""
         pc = cfg.peft
@@ -116,7 +140,7 @@ class TaskModel(nn.Module):
         if pc.type == "lora":
             peft.check_roles(self.param_infos(), pc.roles, bb.model_type, self.rmap)
         if self.task == "vlm" or cfg.model.vision:  # generate with model.vision: the VLM path too
-            self.vision, self.image_processor, vh = load_vision_tower(cfg.model.vision, DTYPES[cfg.model.dtype])
+            self.vision, self.image_processor, vh = load_vision_tower(cfg.model.vision, DTYPES[cfg.model.dtype], meta)
             pgen = torch.Generator().manual_seed(cfg.seed + streams.PROJECTOR)
             self.projector = Projector(vh, bb.hidden, cfg.model.projector, pgen)
 
@@ -132,11 +156,7 @@ class TaskModel(nn.Module):
         self._img_prefix = None
         if wants_image_prefix(cfg, self.is_clip):
             self._img_prefix = build_image_prefix(cfg, bb.model, self.image_processor)
-        # CLIP with LoRA in its text tower: the class side changes as it trains; full fine-tuning
-        # keeps no frozen copy of the encoder, so the class side goes through the trained one
-        trains_text = cfg.model.class_side_adapters or pc.type == "full" or (
-            self.is_clip and pc.type == "lora" and pc.tower != "vision_model")
-        self.class_side_trains = trains_text or pc.type == "prompt"  # its tensors see classes, not examples
+        trains_text = self._trains_text
         self._classes = ClassSide(self._text, self.class_names, [self.class_prompt, *cfg.data.class_prompts],
                                   pc.type, trains_text, self.cache_on, self.prompt)
         if self._parts is not None:  # the method composes the class side from its prompt modules

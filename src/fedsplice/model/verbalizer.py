@@ -24,7 +24,7 @@ import torch
 
 from fedsplice.model.unpad import by_length
 
-_ANSWER_CACHE: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+_ANSWER_CACHE: weakref.WeakKeyDictionary[object, dict] = weakref.WeakKeyDictionary()
 
 
 def tokenize_answers(tokenizer, answers: Sequence[str]) -> list[list[int]]:

@@ -43,9 +43,10 @@ def pixel_values(processor, items: list, model: nn.Module) -> torch.Tensor:
     return pv.to(next(model.parameters()).device)
 
 
-def load_vision_tower(spec: str, dtype: torch.dtype = torch.float32):
+def load_vision_tower(spec: str, dtype: torch.dtype = torch.float32, meta: bool = False):
     """(frozen vision model, its image processor, hidden size) for `model.vision`: a CLIP or SigLIP
-    checkpoint (its vision half) or any HF vision model, by zoo name, hub id or local path."""
+    checkpoint (its vision half) or any HF vision model, by zoo name, hub id or local path.
+    `meta`: from its config alone, on the meta device (a plan reads no weights)."""
     from transformers import AutoConfig, AutoModel
 
     path = resolve_model(spec)
@@ -59,7 +60,12 @@ def load_vision_tower(spec: str, dtype: torch.dtype = torch.float32):
             from transformers import SiglipVisionModel as cls
         else:
             cls = AutoModel
-        tower = cls.from_pretrained(path, dtype=dtype)  # frozen: model.dtype, like the LM
+        if meta:
+            with torch.device("meta"):
+                # a whole CLIP / SigLIP checkpoint: its vision half, as from_pretrained reads it
+                tower = cls._from_config(getattr(cfg, "vision_config", cfg), dtype=dtype)
+        else:
+            tower = cls.from_pretrained(path, dtype=dtype)  # frozen: model.dtype, like the LM
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.vision: cannot load {spec!r} ({str(e).splitlines()[0]}); "
                           f"use zoo:tiny-vit, a local folder or a hub id") from None

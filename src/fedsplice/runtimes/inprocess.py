@@ -9,7 +9,7 @@ so its work is discarded whole).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from fedsplice.federation import FAULTS, Observer, Reply, client_task, fit_client, rng, wire
 from fedsplice.federation import run_rounds as federation_run_rounds

@@ -42,6 +42,7 @@ from fedsplice.errors import ConfigError, FedspliceError
 from fedsplice.federation import (DiskStore, Observer, Reply, build, client_task, config_from_text, fit_client,
                                   make_store, wire)
 from fedsplice.runtimes.inprocess import FaultPlan
+import contextlib
 
 STOP_S = 10.0  # after `close`, how long an idle worker gets to exit before it is terminated
 
@@ -138,11 +139,9 @@ def handle(exp, store, head: dict, blobs: list[bytes], conn) -> None:
 
 
 def _report(conn, e: BaseException) -> None:
-    try:
+    with contextlib.suppress(OSError):  # the main process may be gone
         send(conn, {"op": "error", "type": type(e).__name__, "fedsplice": isinstance(e, FedspliceError),
                     "message": str(e), "traceback": traceback.format_exc()})
-    except OSError:
-        pass  # the main process is gone
 
 
 def serve(parent: int, cfg_text: str, threads: int, store_root: str, ledger: str, conn) -> None:
@@ -331,10 +330,8 @@ class Workers:
         self._procs, self._conns = [], []
         for p, c in zip(procs, conns):
             if not now and p.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     send(c, {"op": "close"})
-                except OSError:
-                    pass
         deadline = time.monotonic() + (0.0 if now else STOP_S)
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import contextlib
 
 TAG_VAR = "FEDSPLICE_FLOWER_TAG"
 _GONE = (psutil.NoSuchProcess, psutil.AccessDenied)
@@ -50,10 +51,8 @@ def send(p: psutil.Process | None, sig: int) -> None:
     """Signal `p` unless it is gone (psutil refuses a pid that was reused meanwhile)."""
     if p is None:
         return
-    try:
+    with contextlib.suppress(*_GONE):
         p.send_signal(sig)
-    except _GONE:
-        pass
 
 
 def tagged(tag: str) -> list[psutil.Process]:
@@ -106,10 +105,8 @@ class Proc:
 
     def killpg(self, sig: int) -> None:
         """`sig` to its process group (each was started in its own session = group)."""
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(self.pid, sig)
-        except OSError:
-            pass
 
     def kill_tree(self, sig: int) -> None:
         """`sig` to its group and to every descendant seen, also those that left the group."""
@@ -144,8 +141,6 @@ def stop_procs(procs: list[Proc], tag: str | None, grace: float = 8.0) -> list[i
                 break
             time.sleep(0.1)
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.popen.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            pass
     return [q.pid for q in everyone() if alive(q)]

@@ -65,7 +65,7 @@ def make_tls(folder: Path, hosts: list[str] | None = None, days: int = 30) -> TL
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     hosts = hosts or ["127.0.0.1", "::1", "localhost"]
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     start, end = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
 
     ca_key = ec.generate_private_key(ec.SECP384R1())

@@ -76,7 +76,7 @@ class Node:
     """What one ClientApp process needs: the experiment (built from the run config, with this
     node's data location) and the node's PRIVATE-state store."""
 
-    _cached: "Node | None" = None  # a warm executor serves many messages (and runs) per process
+    _cached: Node | None = None  # a warm executor serves many messages (and runs) per process
     _key: tuple = ()
 
     def __init__(self, context: Context):
@@ -91,7 +91,7 @@ class Node:
         self._stores: dict[Path, DiskStore] = {}
 
     @classmethod
-    def get(cls, context: Context) -> "Node":
+    def get(cls, context: Context) -> Node:
         key = (context.run_id, str(context.run_config[CONFIG_KEY]), tuple(sorted(context.node_config.items())))
         if cls._cached is None or cls._key != key:
             cls._cached, cls._key = None, ()

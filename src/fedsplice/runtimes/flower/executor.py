@@ -39,6 +39,7 @@ from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
 from fedsplice.runtimes.flower.client import client_app
+import contextlib
 
 CLIENTAPP_REF = "fedsplice.runtimes.flower.client:client_app"
 log = logging.getLogger("fedsplice.runtimes.flower.executor")
@@ -131,10 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--runtime-api-address", required=True, help="the SuperNode's Runtime API, host:port")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the SuperNode) is gone")
     a = p.parse_args(argv)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         run_executor(a.runtime_api_address, a.parent_pid)
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

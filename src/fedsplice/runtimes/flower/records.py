@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ def decode(rec: ArrayRecord, like: dict[str, torch.Tensor]) -> dict[str, torch.T
     travelled widened (bf16 as fp32) is narrowed back to its `like` dtype. Only an Array that
     cannot be read at all is a RecordError."""
     out = {}
-    for name in rec.keys():
+    for name in rec:
         arr = rec[name]
         if arr.stype != "numpy.ndarray":
             raise RecordError(f"{name}: serialization {arr.stype!r}, expected numpy.ndarray")

@@ -24,7 +24,8 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, cast
+from typing import cast
+from collections.abc import Callable
 
 import flwr.compat.common.recorddict_compat as compat
 import numpy as np

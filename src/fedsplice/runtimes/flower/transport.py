@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, cast
+from typing import cast
+from collections.abc import Callable
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 

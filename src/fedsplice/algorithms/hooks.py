@@ -1,0 +1,159 @@
+"""The signatures of a method's hooks, as Protocols that mypy checks (fedsplice.algorithms.recipe).
+
+Parameters are positional-only, so a method names its own arguments. Tensor dicts map trainable
+tensor names to tensors; a *slot* is the method's per-client dict (ClientState.branch), kept on
+the client between its tasks and never sent. Where a hook's argument is the model
+(`fedsplice.model.TaskModel`, which imports this package) it is typed as an `nn.Module`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedsplice.core.context import TrainContext
+
+Tensors = Mapping[str, torch.Tensor]
+Slot = dict[str, Any]  # a method's client slot: tensors, and numbers a method keeps (HetLoRA's rank)
+
+
+class ClientOps(Protocol):
+    """What a method's `Personal` hooks may do on the client they run for, where its data and
+    state are (fedsplice.federation.tasks implements it; nothing of it leaves the client). Tensor
+    dicts name trainable tensors; loading one sets those tensors in the client's model."""
+
+    cid: int
+
+    def fresh(self) -> dict[str, torch.Tensor]:
+        """A copy of every trainable tensor at its initialization (the run's seeded init)."""
+        ...
+
+    def test_logits(self, params: Mapping[str, torch.Tensor],
+                    adapters: Mapping[str, float | Sequence[float]] | None = None) -> np.ndarray | dict:
+        """`params` loaded: the model's logits [n_test, C] on the client's local test set (with
+        model.task = "generate", which has no classes: the scores dict of its free-text answers,
+        fedsplice.federation.generative.scores, which `Personal.predict` returns as it gets it).
+        With `adapters` ({LoRA adapter: factor}, TaskModel.adapters_scaled), each adapter's output
+        times its factor: one number for every test sample, or one per sample (n_test of them:
+        the samples with equal factors run as one batch)."""
+        ...
+
+    def features(self, params: Mapping[str, torch.Tensor], on: str,
+                 adapters: Mapping[str, float] | None = None) -> np.ndarray:
+        """`params` loaded (and `adapters` as in test_logits): the input features [N, D]
+        (TaskModel.features) of the client's local test set (`on` = "test") or of its training
+        samples in their order (`on` = "train")."""
+        ...
+
+    def rng(self, key: int) -> np.random.Generator:
+        """A generator of this client's own, seeded by the run's seed, the client and `key`
+        (the same draws in every run of the config and on every runtime)."""
+        ...
+
+    def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """`params` loaded: the model's logits on the client's training data, in a table
+        [N, C] indexed by training sample id (as an objective looks them up by `ids`)."""
+        ...
+
+    def train(self, params: Mapping[str, torch.Tensor], objective: Objective, rounds: range, *,
+              received: Mapping[str, torch.Tensor], client: Mapping[str, Any],
+              **ctx: Any) -> dict[str, torch.Tensor]:
+        """`params` loaded and trained on `objective` ((model, texts, y, ids, ctx) -> {name:
+        loss}) for one local budget per round key in `rounds` (each its own data order; one
+        optimizer across them), with the client config changed by `client` (e.g. momentum=0.0);
+        `received` is ctx.global_ref and `ctx` sets the TrainContext's other fields (e.g.
+        global_logits). Returns the trained tensors (CPU copies)."""
+        ...
+
+
+class LossTerm(Protocol):
+    """A loss on the parameters alone, added to the task loss (PFAdapter's orthogonality)."""
+
+    def __call__(self, params: Tensors, ctx: TrainContext, /) -> torch.Tensor: ...
+
+
+class Objective(Protocol):
+    """The losses of one forward on a batch: {loss name: scalar} (FedPuReL's task and KL)."""
+
+    def __call__(self, model: nn.Module, texts: list, y: torch.Tensor, ids: np.ndarray, ctx: TrainContext,
+                 /) -> dict[str, torch.Tensor]: ...
+
+
+class GradTransform(Protocol):
+    """{loss name: [gradient per parameter]} -> ([the step's gradient per parameter], stats)."""
+
+    def __call__(self, grads: dict[str, list[torch.Tensor]], /) -> tuple[list[torch.Tensor], dict[str, float]]: ...
+
+
+class Fit(Protocol):
+    """Personal.fit: before the round's local training, on the GLOBAL tensors received."""
+
+    def __call__(self, ops: ClientOps, rnd: int, received: Tensors, slot: Slot, /) -> Slot: ...
+
+
+class Predict(Protocol):
+    """Personal.predict: the PM's test logits [n_test, C] (on generate: the scores dict)."""
+
+    def __call__(self, ops: ClientOps, params: Tensors, slot: Slot, /) -> np.ndarray | dict: ...
+
+
+class After(Protocol):
+    """Personal.after: the local stage after the rounds; its test logits."""
+
+    def __call__(self, ops: ClientOps, global_params: Tensors, slot: Slot, /) -> np.ndarray: ...
+
+
+class Receive(Protocol):
+    """Exchange.receive: (the tensors the client trains from, its slot)."""
+
+    def __call__(self, ops: ClientOps, rnd: int, received: Tensors, slot: Slot, /) -> tuple[Tensors, Slot]: ...
+
+
+class Send(Protocol):
+    """Exchange.send: (the GLOBAL upload, the slot, scalar statistics)."""
+
+    def __call__(self, ops: ClientOps, rnd: int, trained: Tensors, slot: Slot,
+                 /) -> tuple[Tensors, Slot, dict[str, float]]: ...
+
+
+class Weights(Protocol):
+    """Exchange.weights: {GLOBAL tensor name: [weight per upload]} on the server."""
+
+    def __call__(self, uploads: list[dict[str, torch.Tensor]], num_examples: list[int],
+                 /) -> dict[str, list[float]]: ...
+
+
+class PromptModules(Protocol):
+    """PromptParts.modules: (make_prompt, the CoOp prompt, the model's generator) -> {name: module}."""
+
+    def __call__(self, make_prompt: Callable[[], nn.Module], prompt: nn.Module, gen: torch.Generator,
+                 /) -> dict[str, nn.Module]: ...
+
+
+class ClassEmbeddings(Protocol):
+    """PromptParts.class_embeddings: (from_prompt, modules) -> [C, D] or [K, C, D]."""
+
+    def __call__(self, from_prompt: Callable[..., torch.Tensor], modules: Mapping[str, nn.Module],
+                 /) -> torch.Tensor: ...
+
+
+class TokenScorerFn(Protocol):
+    """PromptParts.token_scorer: (tokens [B, M, D], mask [B, M], class_emb) -> scores [B, C]."""
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, class_emb: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class CheckConfig(Protocol):
+    """Algorithm.check_config: raise a one-line ConfigError for a config the method cannot run."""
+
+    def __call__(self, params: Any, cfg: Any, /) -> None: ...
+
+
+class Label(Protocol):
+    """Algorithm.label: the method's name in results."""
+
+    def __call__(self, cfg: Any, /) -> str: ...
