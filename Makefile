@@ -45,7 +45,7 @@ bench: $(VENV)/.installed
 # N seeds in every group) -> docs/results.md + docs/results/; resumable (runs/results). Every
 # finished run's small files go to docs/results/records (committed) and come back from there, so a
 # fresh clone rebuilds the page without running what is recorded; a recorded run is reused only
-# while its config and the regression goldens are unchanged (fedsplice.app.provenance). The HTML rendering of the page is checked with a headless-Chromium
+# while its config and the regression goldens are unchanged (fedsplice.study.provenance). The HTML rendering of the page is checked with a headless-Chromium
 # screenshot (docs/results/report.png).
 SEEDS ?=
 results: $(VENV)/.installed

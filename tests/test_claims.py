@@ -1,4 +1,4 @@
-"""fedsplice.app.claims: each claim kind on hand-computed cases, what the rows did (change from
+"""fedsplice.study.claims: each claim kind on hand-computed cases, what the rows did (change from
 round 0, divergence) as information that never blocks a test, the page's joint decision by
 family (Holm), and the whole procedure's calibration under no difference. p-values of 3 seeds by the closed form
 of Student's t with 2 degrees of freedom: P(|T| > t) = 1 − t / √(t² + 2)."""
@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from fedsplice.app import claims as V
-from fedsplice.app import curves as H
-from fedsplice.app import stats as S
+from fedsplice.study import claims as V
+from fedsplice.study import curves as H
+from fedsplice.study import stats as S
 
 
 def p_df2(t: float) -> float:

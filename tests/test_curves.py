@@ -1,10 +1,10 @@
-"""fedsplice.app.curves: a run's curves from its metrics.jsonl and the signs that training went
+"""fedsplice.study.curves: a run's curves from its metrics.jsonl and the signs that training went
 wrong, on hand-written files with hand-computed expectations."""
 
 import json
 import math
 
-from fedsplice.app import curves as K
+from fedsplice.study import curves as K
 
 
 def run(tmp_path, name, lines, raw=()):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from fedsplice.app import compare as C
-from fedsplice.app import claims as V
-from fedsplice.app import curves as H
-from fedsplice.app import results as R
+from fedsplice.study import claims as V
+from fedsplice.study import curves as H
+from fedsplice.study import results as R
 from fedsplice.app.cli import main
 from fedsplice.errors import ConfigError
 from fedsplice.app.report import md_to_html, render, write_report
@@ -174,7 +174,7 @@ def _well_formed(page: str) -> None:
 def test_group_seeds_and_convergence_rows(suite, tmp_path):
     """A group's `seeds` sets its runs; `--seeds` forces every group; the convergence table's
     cells are the last evaluation and its change since the one before, over seeds."""
-    from fedsplice.app import diagnostics as D
+    from fedsplice.study import diagnostics as D
 
     text = suite.read_text().replace('set = ["server.rounds=2"]', 'set = ["server.rounds=2"]\nseeds = 3')
     suite.write_text(text)
@@ -282,7 +282,7 @@ def test_compare_jobs_matches_serial(suite, tmp_path):
 def test_suite_tunes_on_a_validation_split(suite, tmp_path):
     """`tune`: each value runs on the validation split; the best validation GM of a stable
     setting is used in the measured runs and shown with every score."""
-    from fedsplice.app import tuning as T
+    from fedsplice.study import tuning as T
 
     text = suite.read_text().replace('set = ["server.optimizer=fedavgm"]',
                                      'set = ["server.optimizer=fedavgm"]\n'
@@ -320,7 +320,7 @@ def test_tuning_grid_runs_every_combination_and_chooses_the_best(suite, tmp_path
     """A `grid` tunes keys together (FedYogi's η with its τ): one validation run per combination,
     the best mean metric chosen (the first on a tie), its values added to the experiment and to
     the experiments that take them with `tune_from` (a name or a list of names)."""
-    from fedsplice.app import tuning as T
+    from fedsplice.study import tuning as T
 
     text = suite.read_text().replace(
         'set = ["server.optimizer=fedavgm"]',
@@ -361,7 +361,7 @@ def test_setting_text_is_read_from_the_configs():
     FedPuReL's phase 2 says which schedule (and T_p) the runs used."""
     import copy
 
-    from fedsplice.app.settings import setting_text
+    from fedsplice.study.settings import setting_text
     from fedsplice.config import ExperimentConfig
 
     a = ExperimentConfig()
@@ -389,7 +389,7 @@ def test_setting_text_is_read_from_the_configs():
 def test_records_restore_a_suite_and_stale_runs_run_again(suite, tmp_path, monkeypatch):
     """--records: a fresh OUT is rebuilt from the records without running anything; a run whose
     config or goldens hash differs is stale, moved aside (not deleted) to run again."""
-    from fedsplice.app import provenance as P
+    from fedsplice.study import provenance as P
 
     records, doc = tmp_path / "records", tmp_path / "docs" / "results.md"
     R.run_suite(suite, tmp_path / "out", doc, quiet=True, records=records)
@@ -442,7 +442,7 @@ def test_the_committed_suite_loads_and_every_run_plans(tmp_path):
     names its table's rows, and no group writes its setting by hand."""
     from pathlib import Path
 
-    from fedsplice.app import tuning as T
+    from fedsplice.study import tuning as T
 
     s = R.load_suite(Path(__file__).parents[1] / "configs" / "results" / "suite.toml")
     assert len(R.plan_suite(s, tmp_path)) > 100 and T.plan_tuning(s, tmp_path)
@@ -454,7 +454,7 @@ def test_the_committed_suite_loads_and_every_run_plans(tmp_path):
 def test_goldens_of_configs_added_since_do_not_make_a_run_stale(monkeypatch):
     """A run stays valid while every golden that existed at its commit is unchanged: the golden of
     a config added later (a new method) pins other numbers."""
-    from fedsplice.app import provenance as P
+    from fedsplice.study import provenance as P
 
     root = Path(__file__).parents[1]
     now = {p.name for p in (root / P.GOLDEN).iterdir() if p.is_dir()}

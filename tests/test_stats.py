@@ -1,4 +1,4 @@
-"""fedsplice.app.stats: the paired t-test over seeds, TOST, Holm, and their error rates by simulation.
+"""fedsplice.study.stats: the paired t-test over seeds, TOST, Holm, and their error rates by simulation.
 
 Hand references use Student's t with 2 degrees of freedom (3 seeds), whose distribution has a
 closed form: P(|T| > t) = 1 − t / √(t² + 2), and its quantile for tail probability q is
@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from fedsplice.app import stats as S
+from fedsplice.study import stats as S
 
 
 def p_df2(t: float) -> float:

@@ -1,4 +1,4 @@
-"""fedsplice.app.tuning's stability rule (a setting whose validation curve fell at its last
+"""fedsplice.study.tuning's stability rule (a setting whose validation curve fell at its last
 evaluation, or whose training loss ended above its start, is not chosen) and the tune table's
 `edge_reason` and `seeds`, on hand-written validation runs (the grid's own runs and tune_from:
 tests/test_results.py)."""
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedsplice.app import results as R
-from fedsplice.app import tuning as T
+from fedsplice.study import results as R
+from fedsplice.study import tuning as T
 from fedsplice.errors import ConfigError
 
 

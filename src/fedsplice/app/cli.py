@@ -1,4 +1,5 @@
-"""`fedsplice run | resume | compare | report | results | validate | list | audit | export | leaderboard`.
+"""`fedsplice run | resume | compare | report | validate | list | audit | export | leaderboard`, and
+the subcommands other packages register (`fedsplice results`: fedsplice.study).
 User errors print one line and exit 2, never a traceback."""
 
 from __future__ import annotations
@@ -69,14 +70,6 @@ def cmd_report(args) -> None:
     if args.screenshot:
         png = screenshot(page, Path(args.screenshot))
         print(f"screenshot: {png} ({ink(png):.1%} of the pixels not white)")
-
-
-def cmd_results(args) -> None:
-    from fedsplice.app.results import run_suite
-
-    doc = run_suite(args.suite, Path(args.out), Path(args.doc), seeds=args.seeds, jobs=args.jobs, quiet=args.quiet,
-                    command=args.command or "", records=Path(args.records) if args.records else None)
-    print(f"results: {doc} (tables and plots in {doc.with_suffix('')})")
 
 
 def cmd_validate(args) -> None:
@@ -157,6 +150,16 @@ def cmd_leaderboard(args) -> None:
     print(markdown(leaderboard_row(Path(args.run_dir), args.benchmark)))
 
 
+def add_plugin_parsers(sub) -> None:
+    """Subcommands that other packages register under the entry-point group "fedsplice.commands"
+    (each an `add_parser(subparsers)`): `fedsplice results` comes from fedsplice.study this way,
+    so the library never imports the study package."""
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group="fedsplice.commands"), key=lambda e: e.name):
+        ep.load()(sub)
+
+
 def main(argv=None) -> int:
     """Longer than 60 lines: one argparse declaration per subcommand, read top to bottom."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -187,16 +190,6 @@ def main(argv=None) -> int:
     rp.add_argument("--out", type=Path, help="HTML file (default DIR/report.html)")
     rp.add_argument("--screenshot", metavar="PNG", help="also render the page with headless Chromium into PNG")
     rp.set_defaults(fn=cmd_report)
-    rr = sub.add_parser("results", help="run a results suite (the papers' tables) and write its markdown page")
-    rr.add_argument("suite", type=Path, metavar="SUITE", help="e.g. configs/results/suite.toml")
-    rr.add_argument("--out", default="runs/results", help="where the runs go (default runs/results); resumable")
-    rr.add_argument("--doc", default="docs/results.md", help="the page to write (default docs/results.md)")
-    rr.add_argument("--seeds", type=int, help="override the suite's seeds")
-    rr.add_argument("--jobs", type=int, help="override the suite's runs at once")
-    rr.add_argument("--records", help="keep finished runs' small files here and restore them (docs/results/records)")
-    rr.add_argument("--command", help=argparse.SUPPRESS)  # how the page says it was made (make results)
-    rr.add_argument("--quiet", action="store_true")
-    rr.set_defaults(fn=cmd_results)
     v = sub.add_parser("validate", help="check a config, plan its model and read its data, without loading weights")
     v.add_argument("config", nargs="?", type=Path)
     v.add_argument("--no-data", action="store_true", help="check the config only; do not read the data")
@@ -227,6 +220,7 @@ def main(argv=None) -> int:
     from fedsplice.app.flower.cli import add_parser as add_flower_parser  # `fedsplice flower up|app|certs|executor`
 
     add_flower_parser(sub)
+    add_plugin_parsers(sub)
     args = p.parse_args(argv)
     try:
         rc = args.fn(args)  # audit: 1 on a mismatch

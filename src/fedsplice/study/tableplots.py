@@ -1,5 +1,5 @@
 """The results page's per-table plots: a sweep's metrics against its x values, and the cold start
-(`fedsplice.app.results` writes the page around them)."""
+(`fedsplice.study.results` writes the page around them)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsplice.app import compare as C
-from fedsplice.app.claims import per_seed
+from fedsplice.study.claims import per_seed
 
 
 def sweep_plot(tb: dict, results, path: Path) -> str:

@@ -1,11 +1,11 @@
-"""A results page's claims, judged on the measured runs (`fedsplice.app.results` builds the page).
+"""A results page's claims, judged on the measured runs (`fedsplice.study.results` builds the page).
 
 Every claim with a metric is tested: no rule on the same runs decides whether it may be (a gate
 that tested only claims whose rows "moved" made a nominal 0.05 test reject 5.4-7.7% of the time
 under no difference, and removed FedPuReL's claimed effect, a baseline's GM falling below
 zero-shot). What the rows did is printed beside the test as information: each compared row's
 paired change from round 0 (mean and t), whether it learned (`learned`), and whether it
-diverged (`fedsplice.app.curves.diverged`: training loss ending above its start, or a fall on
+diverged (`fedsplice.study.curves.diverged`: training loss ending above its start, or a fall on
 every seed after a rise). A statistical verdict over such a row says so (`label`) and does not
 count among the page's decisive verdicts (`decisive`).
 
@@ -38,8 +38,8 @@ import math
 import numpy as np
 
 from fedsplice.app import compare as C
-from fedsplice.app import curves as H
-from fedsplice.app import stats as S
+from fedsplice.study import curves as H
+from fedsplice.study import stats as S
 
 ALPHA = 0.05
 PARAMS = ("trainable params", "shared params")  # from results.json's params: GLOBAL + PRIVATE, GLOBAL
@@ -177,7 +177,7 @@ def deterministic(metric: str) -> bool:
 def assess(claim: dict, results: dict[str, list[dict]], rows: list[str],
            histories: dict[str, list[H.History]] | None = None) -> Verdict:
     """The claim's verdict where it needs no test, else its p-values and side (see module doc).
-    `histories`: each row's per-seed curves (`fedsplice.app.curves`), to name a row that diverged."""
+    `histories`: each row's per-seed curves (`fedsplice.study.curves`), to name a row that diverged."""
     kind, metric = claim["kind"], claim.get("metric", "")
     family = claim.get("family", "secondary")
     if kind == "untestable":

@@ -3,12 +3,12 @@ results` runs), written as docs/results.md with a folder of tables and plots per
 
 A suite (configs/results/suite.toml) names experiments — a committed config plus overrides —
 groups them into tables, and states each paper claim as a check over the measured runs (the
-kinds, the training-signal gate and the tests that decide them: `fedsplice.app.claims`). Each
-group's setting text is generated from its runs' configs (`fedsplice.app.settings`).
+kinds, the training-signal gate and the tests that decide them: `fedsplice.study.claims`). Each
+group's setting text is generated from its runs' configs (`fedsplice.study.settings`).
 
 All runs share OUT/runs/<experiment>/seed-<s> and go through `compare.run_all`, so a
 suite that is stopped and started again runs only what is missing; a finished run is reused
-only while its config and the goldens that existed at its commit are unchanged (`fedsplice.app.provenance`).
+only while its config and the goldens that existed at its commit are unchanged (`fedsplice.study.provenance`).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 
 from fedsplice.app import compare as C
-from fedsplice.app.claims import PARAMS, fmt, per_seed, value
-from fedsplice.app.settings import setting_text
-from fedsplice.app import claims as V
-from fedsplice.app import curves as H
-from fedsplice.app import diagnostics as D
-from fedsplice.app import provenance as P
-from fedsplice.app import tableplots as TP
-from fedsplice.app import tuning as T
+from fedsplice.study.claims import PARAMS, fmt, per_seed, value
+from fedsplice.study.settings import setting_text
+from fedsplice.study import claims as V
+from fedsplice.study import curves as H
+from fedsplice.study import diagnostics as D
+from fedsplice.study import provenance as P
+from fedsplice.study import tableplots as TP
+from fedsplice.study import tuning as T
 from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
 
@@ -51,7 +51,7 @@ class Suite:
     groups: dict[str, dict]
     experiments: dict[str, dict]
     tables: list[dict]
-    tuned: dict = dataclasses.field(default_factory=dict)  # filled by run_suite (fedsplice.app.tuning)
+    tuned: dict = dataclasses.field(default_factory=dict)  # filled by run_suite (fedsplice.study.tuning)
     fixed: bool = False
     # the pre-registered families of claims and the α each is decided at (Holm within each)
     alphas: dict[str, float] = dataclasses.field(default_factory=lambda: {"secondary": V.ALPHA})
@@ -242,7 +242,7 @@ def table_section(tb: dict, suite: Suite, runs, by_run: dict, fig_dir: Path, rel
 
 
 def group_setting(suite: Suite, runs, group: str) -> str:
-    """The group's setting, generated from the configs of its runs (`fedsplice.app.settings`)."""
+    """The group's setting, generated from the configs of its runs (`fedsplice.study.settings`)."""
     cfgs: dict[str, ExperimentConfig] = {}
     for name, _, cfg, _ in runs:
         if suite.experiments[name]["group"] == group:
@@ -356,7 +356,7 @@ def write_doc(suite: Suite, runs, res_list, doc: Path, meta: dict) -> Path:
 
 def run_suite(path: Path, out: Path, doc: Path, seeds: int | None = None, jobs: int | None = None,
               quiet: bool = False, command: str = "", records: Path | None = None) -> Path:
-    """Run (or reuse, `fedsplice.app.provenance`) every run of the suite, then write the page."""
+    """Run (or reuse, `fedsplice.study.provenance`) every run of the suite, then write the page."""
     suite = load_suite(path)
     if seeds:
         suite.seeds, suite.fixed = seeds, True

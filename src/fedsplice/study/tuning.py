@@ -20,7 +20,7 @@ Several keys tune together as a grid: `tune = {grid = {"server.lr" = [...], "ser
 metric = "PM acc"}` runs every combination (FedYogi's η with its τ); its runs are labelled
 <experiment>--<v1>,<v2>.
 
-A setting must also have trained stably (`fedsplice.app.curves`, read from its runs'
+A setting must also have trained stably (`fedsplice.study.curves`, read from its runs'
 metrics.jsonl): one whose validation curve (the tune metric, mean over its seeds at each
 evaluation) falls by more than 0.01 between its last two evaluations, or whose training loss ends
 above its start (mean over seeds; start and end the means of the first and last 3 rounds), is
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsplice.app import compare as C
-from fedsplice.app import curves as K
+from fedsplice.study import curves as K
 from fedsplice.errors import ConfigError
 
 
