@@ -56,7 +56,7 @@ def test_parse_fortune_file(tmp_path):
 
 
 def test_drop_ambiguous_across_classes():
-    assert textdata._drop_ambiguous([["a", "b", "b"], ["b", "c"], ["d"]]) == [["a"], ["c"], ["d"]]
+    assert textdata.drop_ambiguous([["a", "b", "b"], ["b", "c"], ["d"]]) == [["a"], ["c"], ["d"]]
 
 
 def test_fortune_class_names_are_words():

