@@ -7,12 +7,17 @@ FedYogi-LoRA. `full-ft` has no PEFT at all (peft.type = "full"): the cost refere
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fedsplice.algorithms.promptfolio import PROMPTFOLIO
-from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe, no_server_step
+from fedsplice.algorithms.hooks import CheckConfig
+from fedsplice.algorithms.recipe import Algorithm, Infos, NoParams, Recipe, Scalings, Shapes, no_server_step
 from fedsplice.core import split as S
 from fedsplice.core.losses import Proximal
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
 
 
 @dataclass
@@ -24,20 +29,20 @@ class FedProxParams:
             raise ConfigError(f"method.mu must be >= 0, got {self.mu}")
 
 
-def fedprox(p: FedProxParams, infos, shapes, scalings) -> Recipe:
+def fedprox(p: FedProxParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
     split = S.all_global(infos)
     return Recipe(split, [Proximal(S.names_in(split, S.GLOBAL), p.mu)] if p.mu > 0 else [])
 
 
-def all_global(p, infos, *_) -> Recipe:
+def all_global(p: NoParams, infos: Infos, *_: object) -> Recipe:
     """All-global FedAvg over the config's PEFT parts (PromptFL: prompts; FedCLIP: the adapter)."""
     return Recipe(S.all_global(infos))
 
 
-def needs_peft(peft: str):
+def needs_peft(peft: str) -> CheckConfig:
     """check_config of a method that trains one PEFT type: PromptFL a prompt, FedCLIP an adapter."""
 
-    def check_config(p, cfg) -> None:
+    def check_config(p: NoParams, cfg: ExperimentConfig) -> None:
         if cfg.peft.type != peft:
             raise ConfigError(f"algorithm {cfg.algorithm!r} federates one {peft} (peft.type = {peft!r}); "
                               f"set peft.type = {peft!r}")
@@ -45,12 +50,12 @@ def needs_peft(peft: str):
     return check_config
 
 
-def fedper_check(p, cfg) -> None:
+def fedper_check(p: NoParams, cfg: ExperimentConfig) -> None:
     if cfg.model.task != "encoder_head":
         raise ConfigError("algorithm 'fedper' keeps a classification head private: set model.task = 'encoder_head'")
 
 
-def full_ft_check(p, cfg) -> None:
+def full_ft_check(p: NoParams, cfg: ExperimentConfig) -> None:
     if cfg.peft.type != "full":
         raise ConfigError("algorithm 'full-ft' trains every backbone weight: set peft.type = 'full'")
 

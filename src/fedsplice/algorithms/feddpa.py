@@ -24,13 +24,17 @@ Everything of the method is in this file (its registration aside); docs/fidelity
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
 
-from fedsplice.algorithms.recipe import Algorithm, LoraParts, Personal, Phase, Recipe
+from fedsplice.algorithms.hooks import ClientOps, Scores, Slot, Tensors
+from fedsplice.algorithms.recipe import Algorithm, Infos, LoraParts, Personal, Phase, PhasesOf, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
 
 LOCAL = "local"  # the local adapter's name (its tensors' kind: "lora_local")
 SHARED = "default"  # peft's name of the shared adapter
@@ -64,7 +68,7 @@ class FedDPAParams:
                               f"{self.local_epochs} and {self.instance_num}")
 
 
-def check_config(p: FedDPAParams, cfg) -> None:
+def check_config(p: FedDPAParams, cfg: ExperimentConfig) -> None:
     if cfg.peft.type != "lora":
         raise ConfigError("algorithm 'feddpa' trains a global and a local LoRA adapter: set peft.type = 'lora'")
     if cfg.model.task not in ("encoder_head", "dual_encoder", "generate"):
@@ -73,7 +77,7 @@ def check_config(p: FedDPAParams, cfg) -> None:
                           f"'generate' (instruction records, the paper's own task)")
 
 
-def phases(p: FedDPAParams):
+def phases(p: FedDPAParams) -> PhasesOf:
     """round -> the round's phases: the global adapter alone in round 1, else local then global."""
     glob = Phase(S.GLOBAL, p.local_epochs, {LOCAL: 0.0})
     local = Phase(S.PRIVATE, p.local_epochs, {LOCAL: p.local_weight, SHARED: 1.0 - p.local_weight})
@@ -82,15 +86,15 @@ def phases(p: FedDPAParams):
 
 def instance_alpha(test: np.ndarray, bank: np.ndarray, refs: np.ndarray, lam: float) -> np.ndarray:
     """α_i = λ · mean_j cos(test_i, bank[refs[i, j]]): test [n, D], bank [N, D], refs [n, S]."""
-    def unit(x):
-        return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    def unit(x: np.ndarray) -> np.ndarray:
+        return cast(np.ndarray, x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12))
     cos = np.einsum("nd,nsd->ns", unit(test.astype(np.float64)), unit(bank.astype(np.float64))[refs])
-    return lam * cos.mean(1)
+    return cast(np.ndarray, lam * cos.mean(1))  # numpy's stubs: Any
 
 
 def dynamic_mix(p: FedDPAParams) -> Personal:
     """The PM: each test instance with its own α (instance_alpha), its adapters mixed by it."""
-    def predict(ops, params, slot):
+    def predict(ops: ClientOps, params: Tensors, slot: Slot) -> np.ndarray | Scores:
         only_local = {SHARED: 0.0, LOCAL: 1.0}
         test, bank = ops.features(params, "test", only_local), ops.features(params, "train", only_local)
         rng, s = ops.rng(EVAL_DRAWS), min(p.instance_num, len(bank))
@@ -105,7 +109,7 @@ def dynamic_mix(p: FedDPAParams) -> Personal:
     return Personal(predict=predict)
 
 
-def build(p: FedDPAParams, infos, *_) -> Recipe:
+def build(p: FedDPAParams, infos: Infos, *_: object) -> Recipe:
     split = {n: S.PRIVATE if i.kind == f"lora_{LOCAL}" else S.GLOBAL for n, i in infos.items()}
     return Recipe(split, phases=phases(p), phases_share_budget=p.budget == "shared", personalize=dynamic_mix(p))
 

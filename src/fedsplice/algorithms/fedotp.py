@@ -14,14 +14,19 @@ Learning", CVPR 2024, https://arxiv.org/abs/2403.00041; official code HongxiaLee
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
-from fedsplice.algorithms.recipe import Algorithm, PromptParts, Recipe
+from fedsplice.algorithms.recipe import Algorithm, Infos, PromptParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.core.ot import ot_scores
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
 
 
 @dataclass
@@ -38,7 +43,7 @@ class FedOTPParams:
             raise ConfigError(f"method.eps must be > 0 and method.iters >= 1, got {self.eps} and {self.iters}")
 
 
-def check_config(p: FedOTPParams, cfg) -> None:
+def check_config(p: FedOTPParams, cfg: ExperimentConfig) -> None:
     if cfg.peft.type != "prompt":
         raise ConfigError("algorithm 'fedotp' matches a global and a local prompt by optimal transport: set "
                           "peft.type = 'prompt'")
@@ -47,7 +52,7 @@ def check_config(p: FedOTPParams, cfg) -> None:
                           f"model.task = {cfg.model.task!r} has none of: set model.task = 'dual_encoder'")
 
 
-def _class_side(from_prompt, modules) -> torch.Tensor:
+def _class_side(from_prompt: Callable[..., torch.Tensor], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
     """[2, C, D]: the global prompt's class features, then the local one's."""
     return torch.stack([from_prompt(modules["prompt"]), from_prompt(modules["prompt_ot"])])
 
@@ -58,7 +63,7 @@ def prompt_parts(p: FedOTPParams) -> PromptParts:
                        token_scorer=partial(ot_scores, gamma=p.gamma, eps=p.eps, iters=p.iters))
 
 
-def build(p, infos, *_) -> Recipe:
+def build(p: FedOTPParams, infos: Infos, *_: object) -> Recipe:
     return Recipe({n: S.PRIVATE if i.kind == "prompt_ot" else S.GLOBAL for n, i in infos.items()})
 
 

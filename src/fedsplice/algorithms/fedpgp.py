@@ -12,16 +12,25 @@ Learning", ICML 2024, https://arxiv.org/abs/2405.09771; official code TianyuCuiO
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsplice.algorithms.recipe import Algorithm, PromptParts, Recipe, refuse_grab
+from fedsplice.algorithms.hooks import Objective
+from fedsplice.algorithms.recipe import Algorithm, Infos, PromptParts, Recipe, refuse_grab
+from fedsplice.core.context import TrainContext
 from fedsplice.core import split as S
 from fedsplice.core.losses import prompt_contrastive
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from fedsplice.config import ExperimentConfig
 
 
 @dataclass
@@ -52,23 +61,38 @@ class LowRankDelta(nn.Module):
         return self.U @ self.V
 
 
+class PGPModel(Protocol):
+    """What FedPGP reads of the model besides nn.Module's own: a TaskModel with its PromptParts
+    (algorithms import no model)."""
+
+    prompt: nn.Module
+    prompt_lowrank: nn.Module
+
+    def encode_prompt(self, learner: nn.Module, delta: torch.Tensor | None = None, /) -> torch.Tensor: ...
+
+    def template_class_embeddings(self) -> torch.Tensor: ...
+
+
 def prompt_parts(p: FedPGPParams) -> PromptParts:
-    def modules(make_prompt, prompt, gen):
-        return {"prompt_lowrank": LowRankDelta(prompt.n_ctx, prompt.ctx.shape[-1], p.rank, gen)}
+    def modules(make_prompt: Callable[[], nn.Module], prompt: nn.Module, gen: torch.Generator) -> dict[str, nn.Module]:
+        # prompt: a CoOp learner (n_ctx: int, ctx: [n_ctx, width])
+        n_ctx, ctx = cast(int, prompt.n_ctx), cast(torch.Tensor, prompt.ctx)
+        return {"prompt_lowrank": LowRankDelta(n_ctx, ctx.shape[-1], p.rank, gen)}
 
     return PromptParts(modules=modules, class_embeddings=lambda encode, m: encode(m["prompt"], m["prompt_lowrank"]()))
 
 
-def views(model) -> dict[str, torch.Tensor]:
+def views(model: PGPModel) -> dict[str, torch.Tensor]:
     """The three class-feature views [C, D]: "personal" (ctx + U·V), "global" (ctx) and
     "template" (the frozen model on the class prompt's words)."""
     return {"personal": model.encode_prompt(model.prompt, model.prompt_lowrank()),
             "global": model.encode_prompt(model.prompt), "template": model.template_class_embeddings()}
 
 
-def objective(mu: float, tau: float):
-    def fedpgp_objective(model, texts, y, ids, ctx) -> dict:
-        v = views(model)
+def objective(mu: float, tau: float) -> Objective:
+    def fedpgp_objective(model: nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
+                         ctx: TrainContext) -> dict[str, torch.Tensor]:
+        v = views(cast(PGPModel, model))
         logits = model(texts, v["personal"]) + ctx.logit_offset
         out = {"task": F.cross_entropy(logits, y)}
         if mu > 0:
@@ -78,14 +102,14 @@ def objective(mu: float, tau: float):
     return fedpgp_objective
 
 
-def check_config(p: FedPGPParams, cfg) -> None:
+def check_config(p: FedPGPParams, cfg: ExperimentConfig) -> None:
     if cfg.peft.type != "prompt":
         raise ConfigError("algorithm 'fedpgp' adds a private low-rank correction to a prompt: set "
                           "peft.type = 'prompt'")
     refuse_grab(cfg, "cross-entropy plus its prompt-wise contrastive loss")
 
 
-def build(p: FedPGPParams, infos, *_) -> Recipe:
+def build(p: FedPGPParams, infos: Infos, *_: object) -> Recipe:
     split = {n: S.PRIVATE if i.kind == "prompt_lowrank" else S.GLOBAL for n, i in infos.items()}
     return Recipe(split, objective=objective(p.mu, p.tau))
 

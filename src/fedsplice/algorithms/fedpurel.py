@@ -13,17 +13,26 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from fedsplice.algorithms.recipe import Algorithm, Personal, Recipe, default_label, refuse_grab
+from fedsplice.algorithms.hooks import ClientOps, Objective, Slot, Tensors
+from fedsplice.algorithms.recipe import Algorithm, Infos, Personal, Recipe, Scalings, Shapes, default_label, refuse_grab
+from fedsplice.core.context import TrainContext
 from fedsplice.core import split as S
 from fedsplice.core.purify import TIE_TOL, purification
 from fedsplice.core.tkl import tkl
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from fedsplice.config import ExperimentConfig
 
 
 @dataclass
@@ -54,20 +63,27 @@ class FedPuReLParams:
                               f"got {self.phase2!r}")
 
 
+class ZeroShot(Protocol):
+    """The model's zero-shot switch (TaskModel.zero_shot; algorithms import no model)."""
+
+    def zero_shot(self) -> AbstractContextManager[None]: ...
+
+
 @torch.no_grad()
-def zero_shot_logits(model, texts: list[str]) -> torch.Tensor:
+def zero_shot_logits(model: nn.Module, texts: list[str]) -> torch.Tensor:
     was = model.training
     model.eval()  # as the cached logits are computed (predict): no dropout
-    with model.zero_shot():
-        z = model(texts)
+    with cast(ZeroShot, model).zero_shot():
+        z: torch.Tensor = model(texts)
     model.train(was)
     return z
 
 
-def align_objective(aligned: bool = True):
+def align_objective(aligned: bool = True) -> Objective:
     """Phase 1: from ONE forward, the task CE and the alignment loss toward zero-shot logits."""
 
-    def objective(model, texts, y, ids, ctx):
+    def objective(model: nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
+                  ctx: TrainContext) -> dict[str, torch.Tensor]:
         f = model(texts)
         if ctx.zero_shot is not None:  # frozen work, cached once per run
             z = ctx.zero_shot[torch.as_tensor(ids)]
@@ -79,12 +95,13 @@ def align_objective(aligned: bool = True):
     return objective
 
 
-def residual_objective(lam: float):
+def residual_objective(lam: float) -> Objective:
     """Phase 2: (1−λ)·CE(y, l_G + l_P) + λ·CE(y, l_P), l_G the frozen, cached global logits."""
 
-    def objective(model, texts, y, ids, ctx):
+    def objective(model: nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
+                  ctx: TrainContext) -> dict[str, torch.Tensor]:
         l_p = model(texts)
-        l_g = ctx.global_logits[torch.as_tensor(ids)]
+        l_g = cast(torch.Tensor, ctx.global_logits)[torch.as_tensor(ids)]  # set by train_branch
         return {"task": (1 - lam) * F.cross_entropy(l_g + l_p, y) + lam * F.cross_entropy(l_p, y)}
 
     return objective
@@ -94,7 +111,8 @@ def residual_objective(lam: float):
 PHASE2_OPTIMIZER = {"momentum": 0.0, "weight_decay": 0.0, "schedule": "constant"}
 
 
-def train_branch(ops, objective, received, branch: dict, rounds: range, l_g) -> dict:
+def train_branch(ops: ClientOps, objective: Objective, received: Tensors, branch: Tensors, rounds: range,
+                 l_g: torch.Tensor) -> dict[str, torch.Tensor]:
     """The residual branch l_P: `branch` trained on `objective` for one local budget per round
     key in `rounds` (one optimizer across them), l_G the frozen global logits on the training data."""
     return ops.train(branch, objective, rounds, received=received, client=PHASE2_OPTIMIZER, global_logits=l_g)
@@ -105,33 +123,38 @@ def phase2(p: FedPuReLParams) -> Personal:
     PEFT of the same type ({} until first trained: a fresh one)."""
     objective = residual_objective(p.lam)
 
-    def fit(ops, rnd: int, received, slot: dict) -> dict:  # one round's budget, from where it stopped
+    # one round's budget, from where it stopped
+    def fit(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> Slot:
         return train_branch(ops, objective, received, slot or ops.fresh(), range(rnd, rnd + 1),
                             ops.train_logits(received))
 
-    def predict(ops, params, slot: dict):  # PM = l_G + the stored branch
-        return ops.test_logits(params) + ops.test_logits(slot or ops.fresh())
+    # test_logits are class logits here: FedPuReL is refused with model.task = "generate" (its check_recipe)
+    def predict(ops: ClientOps, params: Tensors, slot: Slot) -> np.ndarray:  # PM = l_G + the stored branch
+        pm: np.ndarray = (cast("np.ndarray", ops.test_logits(params))
+                          + cast("np.ndarray", ops.test_logits(slot or ops.fresh())))
+        return pm
 
-    def after(ops, global_params, slot: dict):
+    def after(ops: ClientOps, global_params: Tensors, slot: Slot) -> np.ndarray:
         if p.phase2 == "persistent":  # the branch as the rounds left it
             return predict(ops, global_params, slot)
         l_g = ops.train_logits(global_params)  # Algorithm 1: a fresh branch, T_p rounds (0: it stays at init)
-        l_g_test = ops.test_logits(global_params)
-        return l_g_test + ops.test_logits(train_branch(ops, objective, global_params, ops.fresh(),
-                                                       range(p.personal_rounds), l_g))
+        l_g_test = cast("np.ndarray", ops.test_logits(global_params))
+        branch = train_branch(ops, objective, global_params, ops.fresh(), range(p.personal_rounds), l_g)
+        pm: np.ndarray = l_g_test + cast("np.ndarray", ops.test_logits(branch))
+        return pm
 
     if p.phase2 == "persistent":
         return Personal(fit=fit, predict=predict, after=after)
     return Personal(after=after, after_rounds=p.personal_rounds)
 
 
-def check_config(p: FedPuReLParams, cfg) -> None:
+def check_config(p: FedPuReLParams, cfg: ExperimentConfig) -> None:
     if p.purify:
         refuse_grab(cfg, "cross-entropy purified against its alignment to zero-shot (method.purify = false "
                          "trains plain cross-entropy)")
 
 
-def build(p: FedPuReLParams, infos, shapes, scalings) -> Recipe:
+def build(p: FedPuReLParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
     return Recipe(S.all_global(infos),
                   objective=align_objective(p.align == "tkl") if p.purify else None,
                   grad_transform=purification(p.granularity, p.tie_tol) if p.purify else None,

@@ -20,13 +20,19 @@ has its rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from fedsplice.algorithms.recipe import Algorithm, Exchange, LoraParts, Personal, Phase, Recipe
+from fedsplice.algorithms.hooks import ClientOps, Slot, Tensors
+from fedsplice.algorithms.recipe import Algorithm, Exchange, Infos, LoraParts, Personal, Phase, Recipe, Scalings, Shapes
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
 
 
 @dataclass
@@ -41,7 +47,7 @@ class FLoRAParams:
             raise ConfigError(f"method.local_epochs must be >= 1, got {self.local_epochs}")
 
 
-def check_config(p: FLoRAParams, cfg) -> None:
+def check_config(p: FLoRAParams, cfg: ExperimentConfig) -> None:
     if cfg.peft.type != "lora":
         raise ConfigError("algorithm 'flora' stacks clients' LoRA adapters: set peft.type = 'lora'")
     if max(p.ranks) > cfg.peft.r:
@@ -52,7 +58,7 @@ def check_config(p: FLoRAParams, cfg) -> None:
                           "client.upload = 'fp32'")
 
 
-def modules_of(infos) -> dict[str, tuple[str, str, str]]:
+def modules_of(infos: Infos) -> dict[str, tuple[str, str, str]]:
     """Each adapted module -> (its LoRA A, its LoRA B, its dense ΔW) tensor names."""
     out = {}
     for n, i in infos.items():
@@ -62,17 +68,18 @@ def modules_of(infos) -> dict[str, tuple[str, str, str]]:
     return out
 
 
-def merged_upload(params: dict, mods: dict, scalings: dict) -> dict:
+def merged_upload(params: Tensors, mods: Mapping[str, tuple[str, str, str]],
+                  scalings: Scalings) -> dict[str, torch.Tensor]:
     """Each module's ΔW + s·B A: what FedAvg turns into the stacked product merged into ΔW."""
     return {d: (params[d].double() + scalings[a] * (params[b].double() @ params[a].double())).float()
             for a, b, d in mods.values()}
 
 
-def build(p: FLoRAParams, infos, shapes, scalings) -> Recipe:
+def build(p: FLoRAParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
     mods = modules_of(infos)
     lora = [n for a, b, _ in mods.values() for n in (a, b)]
 
-    def fresh(ops) -> dict:
+    def fresh(ops: ClientOps) -> dict[str, torch.Tensor]:
         r = p.ranks[ops.cid % len(p.ranks)]
         init = ops.fresh()
         out = {n: init[n].clone() for n in lora}
@@ -80,10 +87,10 @@ def build(p: FLoRAParams, infos, shapes, scalings) -> Recipe:
             out[a][r:], out[b][:, r:] = 0, 0
         return out
 
-    def receive(ops, rnd, received, slot):
+    def receive(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> tuple[Tensors, Slot]:
         return {**received, **fresh(ops)}, {**slot, "rank": torch.tensor(p.ranks[ops.cid % len(p.ranks)])}
 
-    def send(ops, rnd, trained, slot):
+    def send(ops: ClientOps, rnd: int, trained: Tensors, slot: Slot) -> tuple[Tensors, Slot, dict[str, float]]:
         return merged_upload(trained, mods, scalings), slot, {"rank": float(slot["rank"])}
 
     split = {n: S.GLOBAL if i.kind == "lora_dense" else S.PRIVATE for n, i in infos.items()}

@@ -23,13 +23,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from fedsplice.algorithms.recipe import Algorithm, Exchange, Personal, Recipe
+from fedsplice.algorithms.hooks import ClientOps, LossTerm, Scores, Slot, Tensors
+from fedsplice.algorithms.recipe import Algorithm, Exchange, Infos, Personal, Recipe, Shapes
+from fedsplice.core.context import TrainContext
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from fedsplice.config import ExperimentConfig
 
 RANK_DRAW = 1  # ClientOps.rng key of a client's rank
 
@@ -51,7 +58,7 @@ class HetLoRAParams:
             raise ConfigError(f"method.lam must be >= 0, got {self.lam}")
 
 
-def check_config(p: HetLoRAParams, cfg) -> None:
+def check_config(p: HetLoRAParams, cfg: ExperimentConfig) -> None:
     if cfg.peft.type != "lora":
         raise ConfigError("algorithm 'hetlora' gives each client a LoRA rank of its own: set peft.type = 'lora'")
     if max([p.r_min, *p.ranks]) > cfg.peft.r:
@@ -63,12 +70,12 @@ def check_config(p: HetLoRAParams, cfg) -> None:
         raise ConfigError("algorithm 'hetlora' uploads zero-padded adapters: set client.upload = 'fp32'")
 
 
-def pairs_of(infos) -> dict[str, str]:
+def pairs_of(infos: Infos) -> dict[str, str]:
     """Each GLOBAL LoRA A tensor's name -> its B's (the same module)."""
     return {n: n.replace("lora_A", "lora_B") for n, i in infos.items() if i.kind == "lora" and i.factor == "A"}
 
 
-def truncate(tensors: dict, pairs: dict[str, str], r: int) -> dict:
+def truncate(tensors: Tensors, pairs: dict[str, str], r: int) -> dict[str, torch.Tensor]:
     """The tensors with each adapter's ranks >= r zeroed: A's rows, B's columns."""
     out = dict(tensors)
     for a, b in pairs.items():
@@ -78,14 +85,14 @@ def truncate(tensors: dict, pairs: dict[str, str], r: int) -> dict:
     return out
 
 
-def tail_norm(tensors: dict, pairs: dict[str, str], r: int, gamma: float) -> torch.Tensor:
+def tail_norm(tensors: Tensors, pairs: dict[str, str], r: int, gamma: float) -> torch.Tensor:
     """Σ_modules ‖B[:, T]‖_F · ‖A[T, :]‖_F over the tail T = [⌊γ r⌋, r)."""
     lo = math.floor(gamma * r)
     return sum((torch.linalg.norm(tensors[b][:, lo:r]) * torch.linalg.norm(tensors[a][lo:r])
                 for a, b in pairs.items()), torch.zeros(()))
 
 
-def sparsity_weights(uploads: list[dict], pairs: dict[str, str]) -> dict[str, list[float]]:
+def sparsity_weights(uploads: list[dict[str, torch.Tensor]], pairs: dict[str, str]) -> dict[str, list[float]]:
     """Per module, w_k = ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F (uniform if all are 0), for A and B."""
     out = {}
     for a, b in pairs.items():
@@ -98,37 +105,37 @@ def sparsity_weights(uploads: list[dict], pairs: dict[str, str]) -> dict[str, li
 class SelfPruning:
     """λ · tail_norm of the trained adapters at the client's rank (TrainContext.state)."""
 
-    def __init__(self, pairs: dict[str, str], gamma: float, lam: float):
+    def __init__(self, pairs: dict[str, str], gamma: float, lam: float) -> None:
         self.pairs, self.gamma, self.weight = pairs, gamma, lam
 
-    def __call__(self, params, ctx) -> torch.Tensor:
+    def __call__(self, params: Tensors, ctx: TrainContext) -> torch.Tensor:
         return self.weight * tail_norm(params, self.pairs, int(ctx.state["rank"]), self.gamma)
 
 
-def build(p: HetLoRAParams, infos, shapes, *_) -> Recipe:
+def build(p: HetLoRAParams, infos: Infos, shapes: Shapes, *_: object) -> Recipe:
     pairs = pairs_of(infos)
     r_max = shapes[next(iter(pairs))][0]
 
-    def rank(ops, slot) -> int:
+    def rank(ops: ClientOps, slot: Slot) -> int:
         if "rank" in slot:
             return int(slot["rank"])
         return p.ranks[ops.cid % len(p.ranks)] if p.ranks else int(ops.rng(RANK_DRAW).integers(p.r_min, r_max + 1))
 
-    def receive(ops, rnd, received, slot):
+    def receive(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> tuple[Tensors, Slot]:
         r = rank(ops, slot)
         start = truncate(received, pairs, r)
         return start, {**slot, "rank": torch.tensor(r), "tail_before": tail_norm(start, pairs, r, p.gamma)}
 
-    def send(ops, rnd, trained, slot):
+    def send(ops: ClientOps, rnd: int, trained: Tensors, slot: Slot) -> tuple[Tensors, Slot, dict[str, float]]:
         r = int(slot["rank"])
         if p.prune and float(tail_norm(trained, pairs, r, p.gamma)) < float(slot["tail_before"]):
             r = max(p.r_min, math.floor(p.gamma * r))
         return truncate(trained, pairs, r), {"rank": torch.tensor(r)}, {"rank": float(r)}
 
-    def predict(ops, params, slot):
+    def predict(ops: ClientOps, params: Tensors, slot: Slot) -> np.ndarray | Scores:
         return ops.test_logits(truncate(params, pairs, rank(ops, slot)))
 
-    terms: list[Callable] = [SelfPruning(pairs, p.gamma, p.lam)] if p.lam > 0 else []
+    terms: list[LossTerm] = [SelfPruning(pairs, p.gamma, p.lam)] if p.lam > 0 else []
     return Recipe(S.all_global(infos), terms, personalize=Personal(predict=predict),
                   exchange=Exchange(receive, send, lambda ups, n: sparsity_weights(ups, pairs)))
 

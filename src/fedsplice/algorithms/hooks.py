@@ -8,7 +8,7 @@ the client between its tasks and never sent. Where a hook's argument is the mode
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -17,8 +17,13 @@ from torch import nn
 
 from fedsplice.core.context import TrainContext
 
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
+
 Tensors = Mapping[str, torch.Tensor]
-Slot = dict[str, Any]  # a method's client slot: tensors, and numbers a method keeps (HetLoRA's rank)
+# a method's client slot, kept in the client's state: tensors (a number it keeps, HetLoRA's rank: a 0-d tensor)
+Slot = dict[str, torch.Tensor]
+Scores = dict[str, float | int | None]  # model.task = "generate": answer scores (federation.generative.scores)
 
 
 class ClientOps(Protocol):
@@ -33,7 +38,7 @@ class ClientOps(Protocol):
         ...
 
     def test_logits(self, params: Mapping[str, torch.Tensor],
-                    adapters: Mapping[str, float | Sequence[float]] | None = None) -> np.ndarray | dict:
+                    adapters: Mapping[str, float | Sequence[float] | np.ndarray] | None = None) -> np.ndarray | Scores:
         """`params` loaded: the model's logits [n_test, C] on the client's local test set (with
         model.task = "generate", which has no classes: the scores dict of its free-text answers,
         fedsplice.federation.generative.scores, which `Personal.predict` returns as it gets it).
@@ -79,14 +84,15 @@ class LossTerm(Protocol):
 class Objective(Protocol):
     """The losses of one forward on a batch: {loss name: scalar} (FedPuReL's task and KL)."""
 
-    def __call__(self, model: nn.Module, texts: list, y: torch.Tensor, ids: np.ndarray, ctx: TrainContext,
+    def __call__(self, model: nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray, ctx: TrainContext,
                  /) -> dict[str, torch.Tensor]: ...
 
 
 class GradTransform(Protocol):
     """{loss name: [gradient per parameter]} -> ([the step's gradient per parameter], stats)."""
 
-    def __call__(self, grads: dict[str, list[torch.Tensor]], /) -> tuple[list[torch.Tensor], dict[str, float]]: ...
+    def __call__(self, grads: dict[str, list[torch.Tensor]],
+                 /) -> tuple[list[torch.Tensor], Mapping[str, torch.Tensor | float]]: ...
 
 
 class Fit(Protocol):
@@ -98,7 +104,7 @@ class Fit(Protocol):
 class Predict(Protocol):
     """Personal.predict: the PM's test logits [n_test, C] (on generate: the scores dict)."""
 
-    def __call__(self, ops: ClientOps, params: Tensors, slot: Slot, /) -> np.ndarray | dict: ...
+    def __call__(self, ops: ClientOps, params: Tensors, slot: Slot, /) -> np.ndarray | Scores: ...
 
 
 class After(Protocol):
@@ -150,10 +156,10 @@ class TokenScorerFn(Protocol):
 class CheckConfig(Protocol):
     """Algorithm.check_config: raise a one-line ConfigError for a config the method cannot run."""
 
-    def __call__(self, params: Any, cfg: Any, /) -> None: ...
+    def __call__(self, params: Any, cfg: ExperimentConfig, /) -> None: ...  # params: the [method] dataclass
 
 
 class Label(Protocol):
     """Algorithm.label: the method's name in results."""
 
-    def __call__(self, cfg: Any, /) -> str: ...
+    def __call__(self, cfg: ExperimentConfig, /) -> str: ...

@@ -18,11 +18,14 @@ official code is public; this is the homogeneous-backbone reading of the paper (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from fedsplice.algorithms.recipe import Algorithm, LoraParts, Recipe
+from fedsplice.algorithms.recipe import Algorithm, Infos, LoraParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
 
 
 @dataclass
@@ -45,12 +48,12 @@ class PFedLoRAParams:
                               f"{self.private_epochs} and {self.global_epochs}")
 
 
-def check_config(p: PFedLoRAParams, cfg) -> None:
+def check_config(p: PFedLoRAParams, cfg: ExperimentConfig) -> None:
     if cfg.peft.type != "lora":
         raise ConfigError("algorithm 'pfedlora' trains a shared and a private LoRA adapter: set peft.type = 'lora'")
 
 
-def build(p: PFedLoRAParams, infos, *_) -> Recipe:
+def build(p: PFedLoRAParams, infos: Infos, *_: object) -> Recipe:
     split = {n: S.PRIVATE if i.kind == "lora_private" else S.GLOBAL for n, i in infos.items()}
     return Recipe(split, phases=((S.PRIVATE, p.private_epochs), (S.GLOBAL, p.global_epochs)),
                   phases_share_budget=p.budget == "shared")

@@ -10,13 +10,19 @@ Analysis and Method", NeurIPS 2024, https://arxiv.org/abs/2409.19600; code PanBi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
 import torch.nn.functional as F
 
-from fedsplice.algorithms.recipe import Algorithm, PromptParts, Recipe
+from fedsplice.algorithms.recipe import Algorithm, Infos, PromptParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
 
 
 @dataclass
@@ -29,19 +35,19 @@ class PromptFolioParams:
                               f"got {self.theta}")
 
 
-def check_config(p: PromptFolioParams, cfg) -> None:
+def check_config(p: PromptFolioParams, cfg: ExperimentConfig) -> None:
     if cfg.peft.type != "prompt":
         raise ConfigError("algorithm 'promptfolio' mixes a global and a local prompt: set peft.type = 'prompt'")
 
 
 def prompt_parts(p: PromptFolioParams) -> PromptParts:
-    def mix(encode, m):
+    def mix(encode: Callable[..., torch.Tensor], m: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         return F.normalize((1 - p.theta) * encode(m["prompt"]) + p.theta * encode(m["prompt_local"]), dim=-1)
 
     return PromptParts(modules=lambda make_prompt, prompt, gen: {"prompt_local": make_prompt()}, class_embeddings=mix)
 
 
-def build(p: PromptFolioParams, infos, *_) -> Recipe:
+def build(p: PromptFolioParams, infos: Infos, *_: object) -> Recipe:
     return Recipe({n: S.PRIVATE if i.kind == "prompt_local" else S.GLOBAL for n, i in infos.items()})
 
 

@@ -9,7 +9,7 @@ runs every recipe with the same client tasks and the same round loop (docs/desig
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from collections.abc import Mapping
 
 import torch
@@ -18,6 +18,14 @@ from fedsplice.algorithms.hooks import (After, CheckConfig, ClassEmbeddings, Fit
                                         Objective, Predict, PromptModules, Receive, Send, TokenScorerFn, Weights)
 from fedsplice.core.split import ParamInfo
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
+
+# what a build reads of the trainable tensors: name -> what it is, its shape, its LoRA scale
+Infos = Mapping[str, ParamInfo]
+Shapes = Mapping[str, tuple[int, ...]]
+Scalings = Mapping[str, float]
 
 
 @dataclass
@@ -127,7 +135,7 @@ class Recipe:
     # Alternating local training (pFedLoRA, FedDPA): Phase(group, epochs[, adapters]) tuples, in
     # order; each phase trains only that group's tensors, with its own optimizer. Or a function
     # round -> those phases (FedDPA: round 0 has no local phase). Empty: one phase, all tensors.
-    phases: tuple | PhasesOf = ()
+    phases: tuple[Phase | tuple[str, int], ...] | PhasesOf = ()
     # phases_share_budget: the phases split one local budget (client.local_epochs or max_steps)
     # in proportion to their epochs, instead of each running its own epochs
     phases_share_budget: bool = False
@@ -173,8 +181,7 @@ class Build(Protocol):
     """Algorithm.build: the method's recipe from its `[method]` table and the model's trainable
     tensors (names, roles, shapes, LoRA scalings: known before any weight loads, federation.plan)."""
 
-    def __call__(self, params: Any, infos: Mapping[str, ParamInfo], shapes: Mapping[str, tuple[int, ...]],
-                 scalings: Mapping[str, float], /) -> Recipe: ...
+    def __call__(self, params: Any, infos: Infos, shapes: Shapes, scalings: Scalings, /) -> Recipe: ...
 
 
 class PromptPartsOf(Protocol):
@@ -185,19 +192,19 @@ class LoraPartsOf(Protocol):
     def __call__(self, params: Any, /) -> LoraParts | None: ...
 
 
-def default_label(cfg) -> str:
+def default_label(cfg: ExperimentConfig) -> str:
     """`algorithm`, with "+<optimizer>" when the server optimizer is not FedAvg."""
     opt = cfg.server.optimizer
     return cfg.algorithm if opt == "fedavg" else f"{cfg.algorithm}+{opt}"
 
 
-def no_server_step(cfg) -> str:
+def no_server_step(cfg: ExperimentConfig) -> str:
     """The label of a method without a server step (local, zero-shot, the references): its name,
     whatever server.optimizer says."""
     return cfg.algorithm
 
 
-def refuse_grab(cfg, objective: str) -> None:
+def refuse_grab(cfg: ExperimentConfig, objective: str) -> None:
     """Fed-GraB (grab.enabled) re-weights the plain cross-entropy; a method that trains on an
     `objective` of its own cannot take it. The one place this rule is worded."""
     if cfg.grab.enabled:

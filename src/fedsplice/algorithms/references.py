@@ -26,19 +26,19 @@ model's predictions, are not reported for them.
 
 from __future__ import annotations
 
-from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe, no_server_step
+from fedsplice.algorithms.recipe import Algorithm, Infos, NoParams, Recipe, Scalings, Shapes, no_server_step
 from fedsplice.core import split as S
 
 
-def centralized(p: NoParams, infos, shapes, scalings) -> Recipe:
+def centralized(p: NoParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
     return Recipe(S.all_global(infos), pooled=True)
 
 
-def majority(p: NoParams, infos, shapes, scalings) -> Recipe:
+def majority(p: NoParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
     return Recipe(S.none_global(infos), trains=False, prior="global")
 
 
-def local_prior(p: NoParams, infos, shapes, scalings) -> Recipe:
+def local_prior(p: NoParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
     return Recipe(S.none_global(infos), trains=False, prior="local")
 
 

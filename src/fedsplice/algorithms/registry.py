@@ -16,7 +16,7 @@ import importlib
 import inspect
 import warnings
 from importlib.metadata import entry_points
-from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from fedsplice.algorithms.baselines import BASELINES, LORA_BASELINES
 from fedsplice.algorithms.feddpa import FEDDPA
@@ -27,11 +27,20 @@ from fedsplice.algorithms.fedpurel import FEDPUREL
 from fedsplice.algorithms.hetlora import HETLORA
 from fedsplice.algorithms.pfadapter import PFADAPTER
 from fedsplice.algorithms.pfedlora import PFEDLORA
-from fedsplice.algorithms.recipe import Algorithm, NoParams, Recipe, default_label
+from fedsplice.algorithms.hooks import CheckConfig
+from fedsplice.algorithms.recipe import (Algorithm, Build, Infos, LoraParts, LoraPartsOf, NoParams, PromptParts,
+                                         PromptPartsOf, Recipe, Scalings, Shapes, default_label)
 from fedsplice.algorithms.references import REFERENCES
 from fedsplice.config import from_dict
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
+    from _typeshed import DataclassInstance
+
+    from fedsplice.config import ExperimentConfig
 
 ENTRY_POINT_GROUP = "fedsplice.algorithms"
 ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp": FEDOTP, "fedpgp": FEDPGP,
@@ -40,10 +49,10 @@ ALGORITHMS: dict[str, Algorithm] = {"fedpurel": FEDPUREL, **BASELINES, "fedotp":
                                     **REFERENCES}  # references last: the sanity rows of a table
 
 
-def register_algorithm(name: str, params_type: type = NoParams, build: Callable | None = None, *,
+def register_algorithm(name: str, params_type: type = NoParams, build: Build | None = None, *,
                        description: str = "", paper: str = "", replace: bool = False,
-                       check_config: Callable | None = None, prompt_parts: Callable | None = None,
-                       lora_parts: Callable | None = None) -> Algorithm:
+                       check_config: CheckConfig | None = None, prompt_parts: PromptPartsOf | None = None,
+                       lora_parts: LoraPartsOf | None = None) -> Algorithm:
     """Make `algorithm = name` usable in configs. `params_type` is the dataclass of its `[method]`
     table (an optional `check()` validates it); `build(params, infos, shapes, scalings)` returns
     the `Recipe`; `check_config(params, cfg)` refuses the rest of a config the method cannot run
@@ -62,7 +71,7 @@ def register_algorithm(name: str, params_type: type = NoParams, build: Callable 
     return ALGORITHMS[name]
 
 
-def _as_algorithm(obj, where: str) -> Algorithm:
+def _as_algorithm(obj: object, where: str) -> Algorithm:
     if isinstance(obj, Algorithm):
         return obj
     if not callable(obj):
@@ -80,7 +89,8 @@ def _as_algorithm(obj, where: str) -> Algorithm:
     params = NoParams if raw is inspect.Parameter.empty else raw
     if not dataclasses.is_dataclass(params):
         raise ConfigError(f"algorithm: {where}'s first parameter must be annotated with a dataclass, got {params!r}")
-    return Algorithm(params, obj, (getattr(obj, "__doc__", None) or "").strip().split("\n")[0],
+    # a build function: build_recipe checks that what it returns is a Recipe
+    return Algorithm(params, cast(Build, obj), (getattr(obj, "__doc__", None) or "").strip().split("\n")[0],
                      full_ok=None)
 
 
@@ -94,7 +104,7 @@ def _load_reference(ref: str) -> Algorithm:
     return _as_algorithm(obj, repr(ref))
 
 
-def _load_entry_point(ep) -> Algorithm:
+def _load_entry_point(ep: EntryPoint) -> Algorithm:
     try:
         obj = ep.load()
     except Exception as e:  # noqa: BLE001 - a broken plugin is a config error naming it
@@ -126,7 +136,7 @@ def available() -> dict[str, Algorithm]:
     return out
 
 
-def _broken(why: str):
+def _broken(why: str) -> Build:
     """The build of an entry point that failed to load (listed, never built): its own error."""
     def build(*_: object) -> Recipe:
         raise ConfigError(why)
@@ -145,7 +155,7 @@ def get_algorithm(name: str) -> Algorithm:
     return found
 
 
-def method_params(cfg):
+def method_params(cfg: ExperimentConfig) -> DataclassInstance:
     """The typed `[method]` table of cfg's algorithm (unknown keys are errors), after checking that
     the algorithm fits its PEFT parts (check_peft_fits) and the rest of the config (the method's
     own `check_config`). `fedsplice validate` runs this, but not `build_recipe` (which needs the loaded
@@ -153,7 +163,7 @@ def method_params(cfg):
     algo = get_algorithm(cfg.algorithm)
     check_peft_fits(cfg, algo)
     try:
-        params = from_dict(algo.params, cfg.method, "method")
+        params: DataclassInstance = from_dict(algo.params, cfg.method, "method")
     except ConfigError as e:
         if not dataclasses.fields(algo.params):
             raise ConfigError(f"{e}: algorithm {cfg.algorithm!r} has no [method] fields "
@@ -171,7 +181,7 @@ def method_params(cfg):
     return params
 
 
-def prompt_parts(cfg):
+def prompt_parts(cfg: ExperimentConfig) -> PromptParts | None:
     """The `PromptParts` cfg's algorithm adds to a CoOp prompt model; None: the plain prompt."""
     algo = get_algorithm(cfg.algorithm)
     if algo.prompt_parts is None or cfg.peft.type != "prompt":
@@ -179,7 +189,7 @@ def prompt_parts(cfg):
     return algo.prompt_parts(method_params(cfg))
 
 
-def lora_parts(cfg):
+def lora_parts(cfg: ExperimentConfig) -> LoraParts | None:
     """The `LoraParts` cfg's algorithm adds beside the shared LoRA adapter; None: nothing."""
     algo = get_algorithm(cfg.algorithm)
     if algo.lora_parts is None or cfg.peft.type != "lora":
@@ -187,7 +197,7 @@ def lora_parts(cfg):
     return algo.lora_parts(method_params(cfg))
 
 
-def check_peft_fits(cfg, algo: Algorithm) -> None:
+def check_peft_fits(cfg: ExperimentConfig, algo: Algorithm) -> None:
     """Refuse a PEFT type the algorithm says it would misread (Algorithm.full_ok)."""
     if cfg.peft.type == "full" and algo.full_ok is False:
         ok = [n for n, a in ALGORITHMS.items() if a.full_ok]
@@ -196,7 +206,7 @@ def check_peft_fits(cfg, algo: Algorithm) -> None:
                           f"(or one of {', '.join(n for n in ok if n != 'full-ft')}), or another peft.type")
 
 
-def build_recipe(cfg, infos, shapes, scalings) -> Recipe:
+def build_recipe(cfg: ExperimentConfig, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
     algo = get_algorithm(cfg.algorithm)
     recipe = algo.build(method_params(cfg), infos, shapes, scalings)
     if not isinstance(recipe, Recipe):
@@ -205,7 +215,7 @@ def build_recipe(cfg, infos, shapes, scalings) -> Recipe:
     return recipe
 
 
-def display_name(cfg) -> str:
+def display_name(cfg: ExperimentConfig) -> str:
     """The label in results: fedyogi-lora, pfadapter, pfadapter+fedadam, local…"""
     algo = get_algorithm(cfg.algorithm)
     name = (algo.label or default_label)(cfg)

@@ -92,7 +92,7 @@ def prior_from_responses(logits: torch.Tensor) -> torch.Tensor:
 
 def prior_from_weight_norms(weight: torch.Tensor) -> torch.Tensor:
     """P̂_c = ‖w_c‖ / Σ_j ‖w_j‖ for a linear classifier W [C, D]."""
-    n = weight.detach().double().norm(dim=1)
+    n: torch.Tensor = weight.detach().double().norm(dim=1)
     return (n / n.sum()).float()
 
 

@@ -7,10 +7,11 @@ the global weights received, for FedProx).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from fedsplice.core.context import TrainContext
 from fedsplice.core.split import ParamInfo
@@ -22,13 +23,13 @@ from fedsplice.errors import ConfigError
 # Never form d×d products: both forms below are O(d·r²).
 
 
-def ortho_column(a_g, b_g, a_p, b_p, s_g: float, s_p: float) -> torch.Tensor:
+def ortho_column(a_g: Tensor, b_g: Tensor, a_p: Tensor, b_p: Tensor, s_g: float, s_p: float) -> Tensor:
     """‖ΔW_gᵀΔW_p‖² = s_g²s_p²·tr(Mᵀ(A_gA_gᵀ)M(A_pA_pᵀ)), M = B_gᵀB_p; needs equal output sizes."""
     m = b_g.T @ b_p
     return (s_g * s_p) ** 2 * torch.trace(m.T @ (a_g @ a_g.T) @ m @ (a_p @ a_p.T))
 
 
-def ortho_row(a_g, b_g, a_p, b_p, s_g: float, s_p: float) -> torch.Tensor:
+def ortho_row(a_g: Tensor, b_g: Tensor, a_p: Tensor, b_p: Tensor, s_g: float, s_p: float) -> Tensor:
     """‖ΔW_gΔW_pᵀ‖² = s_g²s_p²·tr((B_gᵀB_g)(A_gA_pᵀ)(B_pᵀB_p)(A_pA_gᵀ)); needs equal input sizes.
 
     Used where output sizes differ (grouped-query attention: q is wider than v).
@@ -37,7 +38,8 @@ def ortho_row(a_g, b_g, a_p, b_p, s_g: float, s_p: float) -> torch.Tensor:
     return (s_g * s_p) ** 2 * torch.trace((b_g.T @ b_g) @ c @ (b_p.T @ b_p) @ c.T)
 
 
-def ortho_naive(a_g, b_g, a_p, b_p, s_g: float, s_p: float, form: str = "column") -> torch.Tensor:
+def ortho_naive(a_g: Tensor, b_g: Tensor, a_p: Tensor, b_p: Tensor, s_g: float, s_p: float,
+                form: str = "column") -> Tensor:
     """The d×d reference, for tests and the overhead benchmark only."""
     dw_g, dw_p = s_g * b_g @ a_g, s_p * b_p @ a_p
     prod = dw_g.T @ dw_p if form == "column" else dw_g @ dw_p.T
@@ -62,8 +64,8 @@ class Orthogonality:
     Σ ‖A_g A_pᵀ‖²_F on the down-projections alone (no scale), which is non-zero from the first
     step since A starts random while B starts at zero."""
 
-    def __init__(self, infos: dict[str, ParamInfo], shapes: dict[str, torch.Size],
-                 scalings: dict[str, float], global_roles, weight: float, on: str = "BA"):
+    def __init__(self, infos: Mapping[str, ParamInfo], shapes: Mapping[str, tuple[int, ...]],
+                 scalings: Mapping[str, float], global_roles: Iterable[str], weight: float, on: str = "BA"):
         self.weight, self.on = weight, on
         self.pairs: list[OrthoPair] = []
         blocks: dict[str, dict[str, dict[str, str]]] = {}
@@ -78,9 +80,10 @@ class Orthogonality:
                     self.pairs.append(self._pair(roles[g], roles[p], shapes, scalings, layer, g, p))
         # Pairs of one form and shape are stacked and computed in a few batched products: one
         # Python op per pair (24 pairs in MiniLM) cost more than the arithmetic. Grouped once here.
-        groups: dict[tuple, list[OrthoPair]] = {}
+        groups: dict[tuple[str, *tuple[tuple[int, ...], ...]], list[OrthoPair]] = {}
         for pr in self.pairs:
-            key = (pr.form, *(tuple(shapes[n]) for n in (pr.a_g, pr.b_g, pr.a_p, pr.b_p)))
+            key: tuple[str, *tuple[tuple[int, ...], ...]] = (
+                pr.form, *(tuple(shapes[n]) for n in (pr.a_g, pr.b_g, pr.a_p, pr.b_p)))
             groups.setdefault(key, []).append(pr)
         # The scales (s_g·s_p)² are kept as Python floats (float64) and made tensors in the
         # parameters' own dtype and device (cached): a float32 copy put a 2e-8 relative error on
@@ -89,7 +92,7 @@ class Orthogonality:
         if on == "A" and any(shapes[pr.a_g][1] != shapes[pr.a_p][1] for pr in self.pairs):
             raise ConfigError("method.ortho_on = 'A' needs equal LoRA input sizes in every global/private pair; "
                               "use method.ortho_on = 'BA'")
-        self._scales: dict[tuple, torch.Tensor] = {}
+        self._scales: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
     def _scale(self, i: int, like: torch.Tensor) -> torch.Tensor:
         key = (i, like.dtype, like.device)
@@ -98,7 +101,8 @@ class Orthogonality:
         return self._scales[key]
 
     @staticmethod
-    def _pair(g, p, shapes, scalings, layer, rg, rp) -> OrthoPair:
+    def _pair(g: dict[str, str], p: dict[str, str], shapes: Mapping[str, tuple[int, ...]],
+              scalings: Mapping[str, float], layer: str, rg: str, rp: str) -> OrthoPair:
         (out_g, _), (_, in_g) = shapes[g["B"]], shapes[g["A"]]
         (out_p, _), (_, in_p) = shapes[p["B"]], shapes[p["A"]]
         if out_g == out_p:
@@ -111,13 +115,13 @@ class Orthogonality:
                 f"sizes match ({in_g}x{out_g} vs {in_p}x{out_p}); set method.ortho_lambda = 0")
         return OrthoPair(g["A"], g["B"], p["A"], p["B"], scalings[g["A"]], scalings[p["A"]], form)
 
-    def __call__(self, params: dict[str, torch.Tensor], ctx: TrainContext | None = None) -> torch.Tensor:
+    def __call__(self, params: Mapping[str, Tensor], ctx: TrainContext | None = None) -> Tensor:
         total = None
         for i, (form, grp, _) in enumerate(self._groups):
             a_g, b_g, a_p, b_p = (torch.stack([params[getattr(pr, f)] for pr in grp])
                                   for f in ("a_g", "b_g", "a_p", "b_p"))
             scale = self._scale(i, a_g)
-            t = lambda x: x.transpose(1, 2)  # noqa: E731
+            t: Callable[[Tensor], Tensor] = lambda x: x.transpose(1, 2)  # noqa: E731
             if self.on == "A":
                 term = ((a_g @ t(a_p)) ** 2).sum()
             else:
@@ -126,7 +130,8 @@ class Orthogonality:
         return self.weight * (torch.zeros(()) if total is None else total)
 
     @staticmethod
-    def _trace(form, a_g, b_g, a_p, b_p, t) -> torch.Tensor:
+    def _trace(form: str, a_g: Tensor, b_g: Tensor, a_p: Tensor, b_p: Tensor,
+               t: Callable[[Tensor], Tensor]) -> Tensor:
         if form == "column":  # as ortho_column, batched over pairs
             m = t(b_g) @ b_p
             prod = t(m) @ (a_g @ t(a_g)) @ m @ (a_p @ t(a_p))

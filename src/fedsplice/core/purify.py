@@ -17,6 +17,9 @@ tie_tol = 0 is the exact sign rule of the paper and the official code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar, cast, overload
+
 import torch
 
 # Measured (benchmarks/purify_ties.py, benchmarks/results/purify_ties.md): ‖g_align‖/‖g_task‖ is
@@ -25,7 +28,17 @@ import torch
 TIE_TOL = 1e-5
 
 
-def is_tie(dot, norm_task, norm_align, tie_tol: float = TIE_TOL):
+_N = TypeVar("_N", torch.Tensor, float)  # is_tie's numbers: floats, or 0-d tensors
+# grads {"task": [tensor per param], "align": [...]} -> (the step's gradient per param, statistics)
+GradTransform = Callable[[dict[str, list[torch.Tensor]]], tuple[list[torch.Tensor], dict[str, torch.Tensor]]]
+
+
+@overload
+def is_tie(dot: float, norm_task: float, norm_align: float, tie_tol: float = ...) -> bool: ...
+@overload
+def is_tie(dot: torch.Tensor, norm_task: torch.Tensor, norm_align: torch.Tensor,
+           tie_tol: float = ...) -> torch.Tensor: ...
+def is_tie(dot: _N, norm_task: _N, norm_align: _N, tie_tol: float = TIE_TOL) -> torch.Tensor | bool:
     """Whether the sign of dot = ⟨g_task, g_align⟩ is below working precision (see above).
     Floats give a bool, 0-d tensors a bool tensor (no host sync)."""
     return (norm_align <= tie_tol * norm_task) | (abs(dot) <= tie_tol * norm_task * norm_align)
@@ -42,14 +55,14 @@ def project(g_task: torch.Tensor, g_align: torch.Tensor, tie_tol: float = TIE_TO
     return g_task - coef * g_align, conflict
 
 
-def purification(granularity: str = "tensor", tie_tol: float = TIE_TOL):
+def purification(granularity: str = "tensor", tie_tol: float = TIE_TOL) -> GradTransform:
     """The grad transform: step with the purified task gradient only.
 
     granularity "tensor" projects each parameter tensor separately (the official code);
     "flat" projects the concatenation of all tensors (the paper's Eq. 5).
     """
 
-    def transform(grads: dict[str, list[torch.Tensor]]):
+    def transform(grads: dict[str, list[torch.Tensor]]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         gt, ga = grads["task"], grads["align"]
         if granularity == "flat":
             flat_t = torch.cat([g.reshape(-1) for g in gt])
@@ -69,16 +82,18 @@ def purification(granularity: str = "tensor", tie_tol: float = TIE_TOL):
     return transform
 
 
-def geometry(g_task: list, g_align: list, g_out: list, tie_tol: float = TIE_TOL) -> dict:
+def geometry(g_task: list[torch.Tensor], g_align: list[torch.Tensor], g_out: list[torch.Tensor],
+             tie_tol: float = TIE_TOL) -> dict[str, torch.Tensor]:
     """What purification did to a step, over all tensors together (the results page shows it per
     round): cos(g_task, g_align) and ‖g̃‖ / ‖g_task‖, as 0-d tensors (the loop reads them with its
     other statistics). cos is 0 where g_align is zero to working precision (‖g_align‖ ≤
     tie_tol·‖g_task‖, as `is_tie`): at zero-shot it is rounding noise, whose direction is the
     CPU's; the ratio is 1 where g_task is zero."""
-    dot = sum((t * a).sum() for t, a in zip(g_task, g_align))
-    nt = torch.sqrt(sum((t * t).sum() for t in g_task))
-    na = torch.sqrt(sum((a * a).sum() for a in g_align))
-    no = torch.sqrt(sum((o * o).sum() for o in g_out))
+    # sum() starts from the int 0: a tensor for a non-empty list
+    dot = cast(torch.Tensor, sum((t * a).sum() for t, a in zip(g_task, g_align)))
+    nt = torch.sqrt(cast(torch.Tensor, sum((t * t).sum() for t in g_task)))
+    na = torch.sqrt(cast(torch.Tensor, sum((a * a).sum() for a in g_align)))
+    no = torch.sqrt(cast(torch.Tensor, sum((o * o).sum() for o in g_out)))
     tiny = torch.finfo(nt.dtype).tiny
     cos = torch.where((nt > 0) & (na > tie_tol * nt), dot / (nt * na).clamp_min(tiny), torch.zeros_like(dot))
     return {"purify_cos": cos, "purify_norm_ratio": torch.where(nt > 0, no / nt.clamp_min(tiny), torch.ones_like(nt))}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -62,14 +62,14 @@ def check_update(tensors: Mapping[str, torch.Tensor], reference: Params, private
     return None
 
 
-def check_weight(num_examples) -> str | None:
+def check_weight(num_examples: object) -> str | None:
     """A reply's sample count weights its update in the mean: it must be a positive integer."""
     if isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral) or num_examples <= 0:
         return f"bad sample count {num_examples!r}"
     return None
 
 
-def check_stats(stats) -> str | None:
+def check_stats(stats: object) -> str | None:
     """Training statistics go into metrics.jsonl: a flat dict of finite numbers."""
     if not isinstance(stats, dict):
         return "training statistics are not a table"
@@ -111,7 +111,7 @@ def _sorted_reduce(updates: list[Params], trim_fraction: float, median: bool = T
     return out
 
 
-def aggregate(updates: list[Params], weights: list[float], method: str = "mean",
+def aggregate(updates: list[Params], weights: Sequence[float], method: str = "mean",
               trim_fraction: float = 0.1) -> Params:
     """The server's aggregate of client deltas: "mean" (sample-weighted, the default and the
     FedAvg rule), "median" or "trimmed_mean" (unweighted, coordinate-wise)."""

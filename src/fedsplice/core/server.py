@@ -26,7 +26,7 @@ import inspect
 import math
 from numbers import Real
 from typing import NamedTuple
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ def _check_same_layout(ref: Params, other: Params, what: str) -> None:
             )
 
 
-def weighted_mean(updates: list[Params], weights: list[float]) -> Params:
+def weighted_mean(updates: list[Params], weights: Sequence[float]) -> Params:
     """Sample-weighted mean of name-keyed tensor dicts.
 
     ``weights`` are sample counts (any non-negative numbers, normalized here).  Summation runs in
@@ -114,16 +114,16 @@ def _step0() -> State:
     return {"step": torch.zeros((), dtype=torch.int64)}
 
 
-def _check(field: str, value, ok: bool, allowed: str) -> None:
+def _check(field: str, value: object, ok: bool, allowed: str) -> None:
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not ok:
         raise ConfigError(f"server.{field}: must be {allowed}, got {value!r}")
 
 
-def _check_lr(lr) -> None:
+def _check_lr(lr: float) -> None:
     _check("lr", lr, isinstance(lr, Real) and float(lr) > 0, "> 0")
 
 
-def _check_beta(field: str, b) -> None:
+def _check_beta(field: str, b: float) -> None:
     _check(field, b, isinstance(b, Real) and 0 <= float(b) < 1, "in [0, 1)")
 
 
@@ -287,7 +287,7 @@ SERVER_OPTIMIZERS: dict[str, Callable[..., ServerOptimizer]] = {
 }
 
 
-def make_server_optimizer(name: str, **kwargs) -> ServerOptimizer:
+def make_server_optimizer(name: str, **kwargs: float | bool | None) -> ServerOptimizer:
     """Build a server optimizer from its config name and hyperparameters."""
     if name not in SERVER_OPTIMIZERS:
         raise ConfigError(

@@ -7,6 +7,7 @@ fits every backbone (cf. optax.partition: a label per leaf).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from fedsplice.errors import ConfigError
@@ -30,27 +31,27 @@ class ParamInfo:
     kind: str
 
 
-def all_global(infos: dict[str, ParamInfo]) -> dict[str, str]:
+def all_global(infos: Mapping[str, ParamInfo]) -> dict[str, str]:
     return {n: GLOBAL for n in infos}
 
 
-def none_global(infos: dict[str, ParamInfo]) -> dict[str, str]:
+def none_global(infos: Mapping[str, ParamInfo]) -> dict[str, str]:
     """Local-only training: nothing travels."""
     return {n: PRIVATE for n in infos}
 
 
-def by_roles(infos: dict[str, ParamInfo], global_roles) -> dict[str, str]:
+def by_roles(infos: Mapping[str, ParamInfo], global_roles: Iterable[str]) -> dict[str, str]:
     """PFAdapter: LoRA of `global_roles` is GLOBAL, other LoRA PRIVATE; non-role tensors GLOBAL."""
     g = set(global_roles)
     return {n: GLOBAL if (i.role is None or i.role in g) else PRIVATE for n, i in infos.items()}
 
 
-def by_lora_factor(infos: dict[str, ParamInfo]) -> dict[str, str]:
+def by_lora_factor(infos: Mapping[str, ParamInfo]) -> dict[str, str]:
     """FedSA-LoRA: A matrices GLOBAL, B matrices PRIVATE; non-LoRA tensors GLOBAL."""
     return {n: PRIVATE if i.factor == "B" else GLOBAL for n, i in infos.items()}
 
 
-def head_private(infos: dict[str, ParamInfo]) -> dict[str, str]:
+def head_private(infos: Mapping[str, ParamInfo]) -> dict[str, str]:
     """FedPer: the classification head stays on the client; everything else is shared."""
     if not any(i.kind == "head" for i in infos.values()):
         raise ConfigError("a private classification head needs a trainable one: set model.task = 'encoder_head'")

@@ -21,6 +21,8 @@ Below federation, by the modules that draw them (same seed, their own generators
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
@@ -36,10 +38,17 @@ SCENARIO_NOISE = 0x5CE7A410  # the per-sample Gaussian-noise stream of scenarios
 PROJECTOR = 7919  # the projector's own stream: text-side inits stay as without a vision tower
 
 
-def rng(cfg, *stream: int) -> np.random.Generator:
+class Seeded(Protocol):
+    """What the streams read of a config (an ExperimentConfig: core imports no config)."""
+
+    @property
+    def seed(self) -> int: ...
+
+
+def rng(cfg: Seeded, *stream: int) -> np.random.Generator:
     return np.random.default_rng([cfg.seed, *stream])
 
 
-def seed_torch(cfg, rnd: int, cid: int) -> None:
+def seed_torch(cfg: Seeded, rnd: int, cid: int) -> None:
     """Dropout (if any) draws from torch's global RNG: fix it per (seed, round, client)."""
     torch.manual_seed(hash((cfg.seed, rnd, cid)) & 0x7FFFFFFF)

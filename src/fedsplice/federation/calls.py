@@ -5,7 +5,7 @@ changes nothing: the same call with or without an observer returns the same."""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -20,7 +20,9 @@ class Observer(Protocol):
         """The call has returned (the tasks the runtime did not report count now)."""
 
 
-def ask(transport, task: str, cids: list[int], down: bytes, rnd: int = 0):
+# transport: a rounds.Transport (which imports this module), SecAgg+ ones with fit_secure; the result is what
+# the call returns: [Reply] for "fit", a gather.Secured for "fit_secure", else {cid: the task's result}
+def ask(transport: Any, task: str, cids: list[int], down: bytes, rnd: int = 0) -> Any:
     """`transport.fit(rnd, cids, down)` for task "fit" (`fit_secure` for "fit_secure": a SecAgg+
     round), else `transport.run(task, cids, down)`, told to the transport's observer (its
     `observer` attribute, None: no one watches; it sees a SecAgg+ round as a "fit")."""

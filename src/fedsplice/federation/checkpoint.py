@@ -39,6 +39,7 @@ import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -46,8 +47,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fedsplice.config import ExperimentConfig, saved_as_current, to_dict
+from fedsplice.core.server import Params
 from fedsplice.data.assets import dumps, share_mode
 from fedsplice.errors import ConfigError, FedspliceError
+
+if TYPE_CHECKING:
+    from fedsplice.federation.store import Store
 
 FORMAT = 1
 DIRNAME = "checkpoints"
@@ -156,7 +161,7 @@ class Checkpointer:
         """Continue after checkpoint `path` of round `rnd` (on resume): link unchanged clients from it."""
         self._prev = (rnd, Path(path))
 
-    def save(self, state: RoundState, store, metrics_lines: list[str]) -> Path:
+    def save(self, state: RoundState, store: Store, metrics_lines: list[str]) -> Path:
         try:
             return self._save(state, store, metrics_lines)
         except OSError as e:
@@ -165,7 +170,7 @@ class Checkpointer:
                 f"checkpoint is intact: free space in {self.root.parent} and run "
                 f"`fedsplice resume {self.root.parent}`") from None
 
-    def _save(self, state: RoundState, store, metrics_lines: list[str]) -> Path:
+    def _save(self, state: RoundState, store: Store, metrics_lines: list[str]) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         remove_partial(self.root)
         name = f"round-{state.round:06d}"
@@ -183,7 +188,7 @@ class Checkpointer:
             put("rng.safetensors", st_save({"torch": torch.get_rng_state()}))
             put("metrics.jsonl", ("\n".join(metrics_lines) + "\n").encode())
             cids = self._save_clients(tmp / "clients", state.round, store, files)
-            np_state: tuple = np.random.get_state()  # type: ignore[assignment]  # legacy=True: a tuple
+            np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())  # legacy=True
             meta = {
                 "format": FORMAT,
                 "round": state.round,
@@ -213,7 +218,7 @@ class Checkpointer:
         self._prune()
         return final
 
-    def _save_clients(self, cdir: Path, rnd: int, store, files: dict) -> list[int]:
+    def _save_clients(self, cdir: Path, rnd: int, store: Store, files: dict[str, int]) -> list[int]:
         from fedsplice.federation.store import DiskStore
 
         cdir.mkdir()
@@ -229,7 +234,7 @@ class Checkpointer:
             elif isinstance(store, DiskStore):  # its files are replaced atomically, never edited
                 _link_or_copy(store.path(cid), cdir / _client_file(cid))
             else:
-                _write(cdir / _client_file(cid), st_save(_contig(store.get(cid))))
+                _write(cdir / _client_file(cid), st_save(_contig(cast(Params, store.get(cid)))))  # listed, so held
             files[rel] = (cdir / _client_file(cid)).stat().st_size
         return cids
 
@@ -239,15 +244,15 @@ class Checkpointer:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _contig(t: dict) -> dict:
+def _contig(t: Params) -> Params:
     return {k: v.detach().contiguous().cpu() for k, v in t.items()}
 
 
-def _jsonable(x):
+def _jsonable(x: object) -> object:
     return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
 
 
-def _tuples(x):
+def _tuples(x: Any) -> Any:  # parsed JSON: lists become tuples
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
@@ -259,16 +264,16 @@ class Loaded:
     state: RoundState
     clients: dict[int, dict[str, torch.Tensor]]
     metrics_lines: list[str]
-    meta: dict
+    meta: dict[str, Any]  # state.json (parsed JSON), and torch's RNG state
     path: Path
 
 
-def check(path: Path, cfg: ExperimentConfig) -> dict:
+def check(path: Path, cfg: ExperimentConfig) -> dict[str, Any]:
     """Cheap (before the build): the checkpoint is whole and was written for this very config.
     Returns its state.json."""
     path = Path(path)
     try:
-        meta = json.loads((path / "state.json").read_text())
+        meta: dict[str, Any] = json.loads((path / "state.json").read_text())
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this "
                                   f"fedsplice reads format {FORMAT}")
@@ -305,7 +310,7 @@ def load(path: Path, cfg: ExperimentConfig, sampling: list[list[int]]) -> Loaded
     path = Path(path)
     meta = check(path, cfg)
     try:
-        def tensors(rel: str) -> dict:
+        def tensors(rel: str) -> Params:
             return st_load((path / rel).read_bytes())
 
         state = RoundState(int(meta["round"]), tensors("global.safetensors"),
@@ -332,7 +337,7 @@ def restore_rng(loaded: Loaded) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
 
 
-def restore_store(store, clients: dict[int, dict[str, torch.Tensor]]) -> None:
+def restore_store(store: Store, clients: dict[int, Params]) -> None:
     for cid in sorted(clients):
         store.put(cid, clients[cid])
 
@@ -363,7 +368,7 @@ def check_writable(out: Path) -> None:
 MIN_FREE = 16 << 20  # metrics, results, the plot and slack
 
 
-def estimate_bytes(global_params: dict, private_numel_bytes: int, num_clients: int,
+def estimate_bytes(global_params: Params, private_numel_bytes: int, num_clients: int,
                    opt_slots: int = 3) -> int:
     """An upper bound on one checkpoint: GLOBAL tensors, a float64 server state of up to three
     tensors per GLOBAL tensor, and every client's PRIVATE tensors with up to `opt_slots`

@@ -16,8 +16,10 @@ once), and trainable tensors in modules Opacus has no per-example rule for (CoOp
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -25,19 +27,28 @@ from fedsplice.core import privacy as dp
 from fedsplice.core.streams import PRIVACY
 from fedsplice.errors import ConfigError
 from fedsplice.federation.privacy import epsilon, noise_for
-from fedsplice.federation.train import planned_steps
+from fedsplice.federation.train import DPStep, planned_steps
+
+if TYPE_CHECKING:
+    from opacus.optimizers import DPOptimizer
+
+    from fedsplice.algorithms import Recipe
+    from fedsplice.config import ExperimentConfig
+    from fedsplice.core.server import Params
+    from fedsplice.data.partition import Client
+    from fedsplice.model.taskmodel import TaskModel
 
 WHERE = "privacy.local = 'dpsgd'"
 LOCAL = 1  # the stream key of DP-SGD's noise beside the client-level noise's (seeded noise only)
 
 
-def _samplers() -> dict:
+def _samplers() -> dict[type[torch.nn.Module], object]:
     from opacus.grad_sample import GradSampleModule  # heavy: only when DP-SGD is on
 
-    return GradSampleModule.GRAD_SAMPLERS
+    return cast("dict[type[torch.nn.Module], object]", GradSampleModule.GRAD_SAMPLERS)  # opacus: untyped
 
 
-def check(cfg, recipe, model) -> None:
+def check(cfg: ExperimentConfig, recipe: Recipe, model: TaskModel) -> None:
     """Refuse, in one line each, what per-example clipping cannot bound."""
     if cfg.privacy.local != "dpsgd":
         return
@@ -72,13 +83,19 @@ def check(cfg, recipe, model) -> None:
                                   f"'lora', 'adapter' or 'head', or {off}")
 
 
-def trained_groups(recipe) -> set | None:
+def trained_groups(recipe: Recipe) -> set[str] | None:
     """The split groups a method's local phases train (None: every trainable tensor trains);
     phases that change with the round are read at rounds 1 and 2 (FedDPA's first and later)."""
     phases = recipe.phases
     if not phases:
         return None
     return {ph[0] for r in (1, 2) for ph in (phases(r) if callable(phases) else phases)}
+
+
+class PerExample(Protocol):
+    """A parameter under Opacus' hooks: its per-example gradients, stacked."""
+
+    grad_sample: torch.Tensor
 
 
 @dataclass
@@ -102,7 +119,7 @@ class LocalDP:
         return epsilon(self.noise_multiplier, self.sample_rate, self.steps, self.delta, self.accountant)
 
     @contextmanager
-    def attached(self, model, opt: torch.optim.Optimizer, batch_size: int):
+    def attached(self, model: TaskModel, opt: torch.optim.Optimizer, batch_size: int) -> Iterator[DPStep]:
         """Opacus on `model` and `opt` for one call of the training loop: yields `step`."""
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
@@ -119,7 +136,8 @@ class LocalDP:
                 dpo.zero_grad(set_to_none=True)
                 gsm.to_standard_module()  # removes its hooks and per-example buffers: the model is plain again
 
-    def _step(self, dpo, task: torch.Tensor, reg, plist: list, size: int) -> None:
+    def _step(self, dpo: DPOptimizer, task: torch.Tensor, reg: torch.Tensor | float, plist: list[torch.nn.Parameter],
+              size: int) -> None:
         """One DP-SGD step on a batch of `size` examples: the data loss's per-example gradients
         privatized (their clipped sum plus noise, divided by `size`: batches are fixed slices of
         a shuffled epoch, so a short last batch is a mean over its own examples, as without DP),
@@ -128,8 +146,9 @@ class LocalDP:
         dpo.expected_batch_size = size
         with warnings.catch_warnings():  # the first trainable layer's input needs no gradient: expected
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            task.backward()
-        rows = {p.grad_sample.shape[0] for p in plist if torch.is_tensor(getattr(p, "grad_sample", None))}
+            task.backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward is unannotated
+        rows = {cast(PerExample, p).grad_sample.shape[0] for p in plist
+                if torch.is_tensor(getattr(p, "grad_sample", None))}
         if rows != {size}:  # a forward that mixes examples (B·C rows, a shared pass): no per-example bound
             raise ConfigError(f"{WHERE}: this model's forward gave per-example gradients over {sorted(rows)} rows "
                               f"for a batch of {size} examples, so no example's influence is bounded; set "
@@ -144,11 +163,18 @@ class LocalDP:
 
 
 @contextmanager
-def _nothing():
+def _nothing() -> Iterator[None]:
     yield None
 
 
-def session(exp, cid: int, key: int, slot: dict | None = None) -> LocalDP | None:
+class ClientsOf(Protocol):
+    """What `session` reads of an Experiment (federation.experiment imports this module)."""
+
+    cfg: ExperimentConfig
+    clients: list[Client]
+
+
+def session(exp: ClientsOf, cid: int, key: int, slot: Params | None = None) -> LocalDP | None:
     """Client `cid`'s DP-SGD for one stage (None: privacy.local is off); `key` keys its seeded
     noise stream; `slot` is its stored `dp` state (the steps it took before: its accountant's
     history)."""
@@ -163,7 +189,7 @@ def session(exp, cid: int, key: int, slot: dict | None = None) -> LocalDP | None
     return LocalDP(z, p.local_clip, q, p.delta, p.accountant, seed, int(slot["steps"]) if slot else 0)
 
 
-def summary(cfg, records: list[dict]) -> dict:
+def summary(cfg: ExperimentConfig, records: list[dict[str, Any]]) -> dict[str, str | float | None]:
     """results.json's "privacy_local": the setting and the largest ε any client spent."""
     p = cfg.privacy
     eps = [r["dp_local_epsilon"] for r in records if "dp_local_epsilon" in r]

@@ -6,6 +6,9 @@ the client tasks, where the client's data is (`fedsplice.federation.tasks`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import torch
 
@@ -14,8 +17,14 @@ from fedsplice.federation.generative import scores as answer_scores, summarize a
 from fedsplice.federation.metrics import classification_metrics, longtail_metrics, per_class_counts, summarize_clients
 from fedsplice.federation.state import ClientState
 
+if TYPE_CHECKING:
+    from fedsplice.core.server import Params
+    from fedsplice.federation.experiment import Experiment
+    from fedsplice.federation.metrics import Metrics
+    from fedsplice.federation.store import Store
 
-def prior_logits(exp, cids: list[int], n: int) -> np.ndarray:
+
+def prior_logits(exp: Experiment, cids: list[int], n: int) -> np.ndarray:
     """A prior reference's prediction for `n` samples, without the model: the log class prior of
     the training labels of clients `cids` (counts floored at 1e-3, so an absent class scores
     very low but finite); its argmax is their majority class, ties to the lowest index."""
@@ -25,7 +34,7 @@ def prior_logits(exp, cids: list[int], n: int) -> np.ndarray:
     return np.tile(np.log(counts / counts.sum()).astype(np.float32), (n, 1))
 
 
-def score(exp, labels: np.ndarray, logits: np.ndarray, test_idx: np.ndarray) -> dict:
+def score(exp: Experiment, labels: np.ndarray, logits: np.ndarray, test_idx: np.ndarray) -> Metrics:
     """Metrics of logits on test samples `test_idx`, with what pooling needs: per-class counts of
     the model and of the zero-shot model on the same samples, and TKL to zero-shot. Without
     zero-shot logits (a prior reference never runs the model) there is no TKL, and the zero-shot
@@ -38,15 +47,15 @@ def score(exp, labels: np.ndarray, logits: np.ndarray, test_idx: np.ndarray) -> 
     return m
 
 
-def _counted(exp, labels: np.ndarray, logits: np.ndarray) -> dict:
+def _counted(exp: Experiment, labels: np.ndarray, logits: np.ndarray) -> Metrics:
     c = len(exp.data.class_names)
-    m = classification_metrics(labels, logits, c)
+    m: Metrics = classification_metrics(labels, logits, c)
     correct, total = per_class_counts(labels, logits.argmax(1), c)
     m.update(class_correct=correct.tolist(), class_total=total.tolist(), zs_class_correct=None)
     return m
 
 
-def references(exp) -> dict | None:
+def references(exp: Experiment) -> dict[str, Metrics] | None:
     """The input-free references on this run's own split, scored exactly as the `majority` and
     `local-prior` algorithms score them (no model): `majority` predicts the pooled training
     prior's majority class everywhere; `local_prior` gives each client's PM from its own prior
@@ -67,17 +76,18 @@ def references(exp) -> dict | None:
     return out
 
 
-def _answers(exp) -> bool:
+def _answers(exp: Experiment) -> bool:
     """model.task = "generate": the model answers in free text (fedsplice.federation.generative)."""
     return getattr(exp.model, "task", None) == "generate"
 
 
-def _scalars(m: dict) -> dict:
+def _scalars(m: Metrics) -> Metrics:
     """A reference's metrics without the per-class/per-client lists and the zero-shot comparisons."""
     return {k: v for k, v in m.items() if not isinstance(v, list) and k not in ("tkl", "head_bias")}
 
 
-def with_longtail(exp, m: dict, correct, total, zs_correct) -> dict:
+def with_longtail(exp: Experiment, m: Metrics, correct: np.ndarray, total: np.ndarray,
+                  zs_correct: np.ndarray | None) -> Metrics:
     """The scalar metrics of `m` and the long-tail ones; head bias needs the zero-shot counts."""
     e = exp.cfg.eval
     out = {k: v for k, v in m.items() if not isinstance(v, list) and k != "zs_class_correct"}
@@ -94,12 +104,13 @@ def with_longtail(exp, m: dict, correct, total, zs_correct) -> dict:
     return out
 
 
-def summarize_pm(exp, per_client: list[dict]) -> dict:
+def summarize_pm(exp: Experiment, per_client: list[Metrics]) -> Metrics:
     """PM: scalar metrics averaged over ALL clients (accuracy also std/min/max); the long-tail
     metrics pool the clients' local test predictions (per-class counts summed)."""
     if "response_loss" in per_client[0]:  # free-text answers (model.task = "generate")
         return summarize_answers(per_client)
-    pooled = [None if per_client[0][k] is None else np.sum([m[k] for m in per_client], axis=0)
+    # the summed per-class counts; zero-shot ones are None where a client has none (a prior reference)
+    pooled: list[Any] = [None if per_client[0][k] is None else np.sum([m[k] for m in per_client], axis=0)
               for k in ("class_correct", "class_total", "zs_class_correct")]
     out = with_longtail(exp, summarize_clients(per_client), *pooled)
     # per client, in the order given (the training clients): paired comparisons across methods
@@ -107,7 +118,7 @@ def summarize_pm(exp, per_client: list[dict]) -> dict:
     return out
 
 
-def pooled_gm(exp, per_client: list[dict]) -> dict:
+def pooled_gm(exp: Experiment, per_client: list[Metrics]) -> Metrics:
     """GM evaluated on the sites (per-site data, no server test set): the global model's metrics
     on the union of the clients' local test sets, from their summed confusion counts. AUC and TKL
     need the scores themselves, which stay on the sites: None."""
@@ -126,7 +137,7 @@ def pooled_gm(exp, per_client: list[dict]) -> dict:
     return with_longtail(exp, m, correct, total, zs_correct)
 
 
-def evaluate_global(exp, global_params: dict) -> dict:
+def evaluate_global(exp: Experiment, global_params: Params) -> Metrics:
     """GM: GLOBAL tensors + fresh PRIVATE ones on the balanced global test set (the first
     global_test_size test samples; a scenario's transformed local test copies follow it)."""
     d = exp.data
@@ -144,11 +155,11 @@ def evaluate_global(exp, global_params: dict) -> dict:
     return with_longtail(exp, m, m["class_correct"], m["class_total"], m["zs_class_correct"])
 
 
-def _distance(a: dict, b: dict, names) -> float:
+def _distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], names: Iterable[str]) -> float:
     return float(sum(float((a[n].float() - b[n].float()).pow(2).sum()) for n in names) ** 0.5)
 
 
-def movement(exp, global_params: dict, store) -> dict:
+def movement(exp: Experiment, global_params: Params, store: Store) -> dict[str, float | None]:
     """How far training moved the tensors from where they started (L2 norms of the change):
     GLOBAL (the final aggregate), PRIVATE and the model tensors of a method's slot, e.g. FedPuReL's
     residual branch (mean over the training clients

@@ -16,7 +16,7 @@ import torch
 
 from fedsplice.data import flowertune
 from fedsplice.data import partition as P
-from fedsplice.data.partition import Client  # re-exported: fedsplice.federation.experiment.Client
+from fedsplice.data.partition import Client as Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.data.instruct import natural_clients
 from fedsplice.algorithms import Recipe, clone
 from fedsplice.federation.generative import check_images, length_warnings_of
@@ -25,10 +25,10 @@ from fedsplice.federation.privacy import Plan
 from fedsplice.federation.privacy import plan as privacy_plan
 from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, VALIDATION, rng
 from fedsplice.model.taskmodel import TaskModel
-from fedsplice.config import ExperimentConfig
+from fedsplice.config import SITES, ExperimentConfig
 from fedsplice.data.datasets import TextDataset, load_dataset
 from fedsplice.data.hubdata import HubColumns
-from fedsplice.data.sites import SITES, load_server_test, load_site
+from fedsplice.data.sites import load_server_test, load_site
 from fedsplice.data.scenarios import apply_scenario
 from fedsplice.data.testsets import disjoint_clients
 from fedsplice.core.server import ServerOptimizer, make_server_optimizer
@@ -49,8 +49,8 @@ class Experiment:
     init_params: dict[str, torch.Tensor]  # the fresh state of every trainable tensor
     server_opt: ServerOptimizer
     sampling: list[list[int]]  # pre-generated: round r trains clients sampling[r]
-    caches: dict = field(default_factory=dict)  # frozen work: e.g. "zero_shot" train logits
-    scenario: dict = field(default_factory=dict)  # realised scenario statistics; {}: none
+    caches: dict[str, Any] = field(default_factory=dict)  # frozen work: e.g. "zero_shot" train logits
+    scenario: dict[str, Any] = field(default_factory=dict)  # realised scenario statistics (JSON); {}: none
     privacy: Plan | None = None  # [privacy] resolved (noise multiplier chosen); None: off
     # where this process's side writes the ledger of uploads (federation.ledger); None: no ledger
     ledger: Path | None = None
@@ -132,7 +132,7 @@ def apply_long_tail(cfg: ExperimentConfig, data: TextDataset) -> TextDataset:
     return data
 
 
-def site_data(cfg: ExperimentConfig, site: tuple[str, int] | None) -> tuple[TextDataset, list[Client], dict]:
+def site_data(cfg: ExperimentConfig, site: tuple[str, int] | None) -> tuple[TextDataset, list[Client], dict[str, Any]]:
     """Per-site data (data.dataset = "sites"): on a SuperNode, `site` = (its data-path, its client
     id) and only that client has data; on the server (None), no client has any, and the global
     test set is the server's own evaluation file (data.test) or empty (GM on the sites)."""
@@ -149,7 +149,8 @@ def site_data(cfg: ExperimentConfig, site: tuple[str, int] | None) -> tuple[Text
     return data, clients, {}
 
 
-def build_data(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> tuple[TextDataset, list[Client], dict]:
+def build_data(cfg: ExperimentConfig,
+               site: tuple[str, int] | None = None) -> tuple[TextDataset, list[Client], dict[str, Any]]:
     """The data part of `build`, without a model: the data set, split and long-tail cut; the
     clients; the realised scenario. `fedsplice validate` runs it to check the data. `site`:
     see `site_data`."""
@@ -241,7 +242,7 @@ def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experim
     return exp
 
 
-def zero_shot_caches(exp: Experiment) -> dict:
+def zero_shot_caches(exp: Experiment) -> dict[str, Any]:
     """Frozen work computed once: zero-shot logits of the test set (for TKL and head bias) and,
     when the recipe aligns to them (FedPuReL), of the training set. None for a prior recipe
     (majority, local-prior): it never runs the model."""

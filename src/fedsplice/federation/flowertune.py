@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import io
 import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -40,33 +44,36 @@ def run_gib(shapes: dict[str, tuple[int, ...]], rounds: int, clients_per_round: 
     return rounds * clients_per_round * 2 * message_bytes(shapes, dtype) / GIB
 
 
-def lora_shapes(model_config, r: int, alpha: int, targets: list[str] | None = None) -> dict[str, tuple[int, ...]]:
+def lora_shapes(model_config: PretrainedConfig, r: int, alpha: int,
+                targets: list[str] | None = None) -> dict[str, tuple[int, ...]]:
     """The LoRA tensors' shapes of a causal LM built from `model_config` on the meta device (no
     memory, no weights); `targets` None: peft's defaults for the model type."""
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = AutoModelForCausalLM.from_config(model_config)  # type: ignore[no-untyped-call]  # transformers: unannotated
         model = inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=targets), model)
     return {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n}
 
 
-def row_bytes(row: dict) -> int:
+def row_bytes(row: dict[str, Any]) -> int:
     """One tensor of a run's ledger (fedsplice.federation.ledger) as FlowerTune's tracker counts it:
     the `np.save` size of its shape and dtype."""
     return npy_bytes(tuple(row["shape"]), np.dtype(row["dtype"]).str)
 
 
-def messages_sent(record: dict, clients_per_round: int) -> int:
+def messages_sent(record: dict[str, Any], clients_per_round: int) -> int:
     """The messages a round (its metrics.jsonl record) sent to clients: one to each sampled client,
     and one more to each client asked again after it dropped or was late (server.max_retries)."""
     attempts = record.get("attempts", 1)
-    again = sum(e["event"] in ("dropped", "late") and e["attempt"] < attempts - 1 for e in record.get("events", []))
+    again: int = sum(e["event"] in ("dropped", "late") and e["attempt"] < attempts - 1
+                     for e in record.get("events", []))
     return clients_per_round + again
 
 
-def run_bytes(server_rows: list[dict], records: list[dict], clients_per_round: int) -> tuple[int, int]:
+def run_bytes(server_rows: list[dict[str, Any]], records: list[dict[str, Any]],
+              clients_per_round: int) -> tuple[int, int]:
     """(up, down) bytes of a run as FlowerTune counts them: every upload the server accepted (its
     ledger rows, in their dtype) and the GLOBAL tensors (fp32, their shapes from those rows) in
     every message sent to a client."""

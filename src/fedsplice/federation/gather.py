@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -14,6 +15,11 @@ from fedsplice.core.robust import check_stats, check_update, check_weight
 from fedsplice.core.server import Params
 from fedsplice.federation.calls import ask
 
+if TYPE_CHECKING:
+    from fedsplice.federation.ledger import Row
+
+Event = dict[str, object]  # {"client", "event": dropped|late|rejected, "reason", "attempt"}
+
 
 class Upload(Protocol):
     """What gather reads of a reply (federation.rounds.Reply, which imports this module)."""
@@ -21,7 +27,9 @@ class Upload(Protocol):
     cid: int
     payload: bytes
     num_examples: int
-    stats: dict
+    stats: dict[str, float]
+    up_bytes: int
+    down_bytes: int
     error: str
     late: bool
 
@@ -32,7 +40,7 @@ class Gathered:
     so the aggregate does not depend on arrival order) and an event per client that failed."""
 
     accepted: list[tuple[Upload, Params]]  # (reply, decoded GLOBAL tensors)
-    events: list[dict]  # {"client", "event": dropped|late|rejected, "reason", "attempt"}
+    events: list[Event]
     up_bytes: int
     down_bytes: int
     attempts: int
@@ -41,7 +49,8 @@ class Gathered:
         return sum(e["event"] == event for e in self.events)
 
 
-def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params, private: set[str], *,
+# transport: a rounds.Transport (rounds imports this module); `ask` calls it
+def gather(transport: object, rnd: int, cids: list[int], down: bytes, reference: Params, private: set[str], *,
            min_replies: int, max_retries: int, norm_bound: float) -> Gathered:
     """Ask `cids` for updates, validate every reply, and ask again (at most `max_retries` times)
     the clients without a valid one while fewer than `min_replies` were accepted.
@@ -52,7 +61,7 @@ def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params,
     """
     accepted: dict[int, tuple[Upload, Params]] = {}
     refused: set[int] = set()
-    events: list[dict] = []
+    events: list[Event] = []
     up = dn = 0
     pending = list(cids)
     attempt = 0
@@ -60,7 +69,7 @@ def gather(transport, rnd: int, cids: list[int], down: bytes, reference: Params,
         replies = ask(transport, "fit", pending, down, rnd)
         seen: set[int] = set()
 
-        def event(cid, kind: str, reason: str) -> None:
+        def event(cid: object, kind: str, reason: str) -> None:
             # called within this iteration only, so `attempt` is this attempt's number
             events.append({"client": cid, "event": kind, "reason": reason, "attempt": attempt})  # noqa: B023
 
@@ -106,20 +115,21 @@ class Secured:
     """A secure-aggregation round as a transport returns it (`fit_secure`): the server holds the
     sum of the uploads, never one of them."""
 
-    replies: list  # a Reply per asked client: in the sum (payload b"", its stats and weight), or error / late
+    # a Reply per asked client: in the sum (payload b"", its stats and weight), or error / late
+    replies: Sequence[Upload]
     mean: dict[str, torch.Tensor] | None  # the decoded weighted mean of the summed GLOBAL deltas; None: failed
-    ledger: list[dict]  # the server's view: the rows of the masked vectors it received
+    ledger: list[Row]  # the server's view: the rows of the masked vectors it received
     reason: str = ""  # why there is no mean
 
 
-def secure_gather(transport, rnd: int, cids: list[int], down: bytes,
-                  reference: Params) -> tuple[Gathered, dict[str, torch.Tensor] | None, list[dict]]:
+def secure_gather(transport: object, rnd: int, cids: list[int], down: bytes,
+                  reference: Params) -> tuple[Gathered, dict[str, torch.Tensor] | None, list[Row]]:
     """One secure-aggregation round (`transport.fit_secure`): what it summed, the mean delta, and the
     server's ledger rows. Nothing is retried (a new round of the protocol would be needed), and a
     client cannot be taken out of the sum: stats that fail validation, or a mean with other names,
     shapes or non-finite values, refuse the whole round (skipped)."""
     s: Secured = ask(transport, "fit_secure", cids, down, rnd)
-    events: list[dict] = []
+    events: list[Event] = []
     accepted: list[tuple[Upload, Params]] = []
     up = dn = 0
     for r in s.replies:

@@ -14,6 +14,7 @@ on the global test set (GM), as the instruction-tuning field reports them (docs/
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -21,10 +22,26 @@ from fedsplice.errors import ConfigError
 from fedsplice.federation.textmetrics import choice_letter, scores as text_scores
 from fedsplice.model.generate import encode
 
+if TYPE_CHECKING:
+    from fedsplice.algorithms import Recipe
+    from fedsplice.algorithms.hooks import Scores
+    from fedsplice.config import ExperimentConfig
+    from fedsplice.data.datasets import TextDataset
+    from fedsplice.data.instruct import Instruction
+    from fedsplice.federation.metrics import Metrics
+    from fedsplice.model.taskmodel import TaskModel
+
 SCORES = ("response_loss", "perplexity", "exact_match", "token_f1", "rouge_l", "choice_loglik", "choice_parsed")
 
 
-def check_recipe(cfg, recipe) -> None:
+class Scoring(Protocol):
+    """What the scores read of an Experiment (federation.experiment imports this module)."""
+
+    cfg: ExperimentConfig
+    model: TaskModel
+
+
+def check_recipe(cfg: ExperimentConfig, recipe: Recipe) -> None:
     """A method that needs class logits (an objective of its own, a local stage of its own, the
     zero-shot logits, a prior reference) is refused with model.task = "generate", in one line. A
     method's PM (`Personal.predict`: FedDPA, HetLoRA, FLoRA) runs: its test_logits are scores here."""
@@ -40,7 +57,7 @@ def check_recipe(cfg, recipe) -> None:
                           f"feddpa, hetlora, flora, local, centralized or zeroshot")
 
 
-def check_images(cfg, data) -> None:
+def check_images(cfg: ExperimentConfig, data: TextDataset) -> None:
     """Records with an image need model.vision (their tokens go before the prompt), and a vision
     tower with no image to read does nothing: either is one line, before any weights load."""
     n = sum(getattr(r, "has_image", False) for r in (*data.train_texts, *data.test_texts))
@@ -52,11 +69,11 @@ def check_images(cfg, data) -> None:
                           f"records images or remove model.vision")
 
 
-def length_warnings_of(cfg, model, data) -> list[str]:
+def length_warnings_of(cfg: ExperimentConfig, model: TaskModel, data: TextDataset) -> list[str]:
     """A line counting the records longer than model.max_length (their prompts are cut from the
     left to fit: `fedsplice.model.generate.fit`), in training and in the test sets."""
     tok, mc = model.tokenizer, cfg.model
-    long = {name: sum(len(encode(tok, r, mc.chat_template)) > mc.max_length for r in recs)
+    long = {name: sum(len(encode(tok, cast("Instruction", r), mc.chat_template)) > mc.max_length for r in recs)
             for name, recs in (("training", data.train_texts), ("test", data.test_texts))}
     if not any(long.values()):
         return []
@@ -65,13 +82,15 @@ def length_warnings_of(cfg, model, data) -> list[str]:
             f"keeps its start); raise model.max_length to keep them whole"]
 
 
-def answers(exp, items: list, groups: list[tuple[dict, np.ndarray]] | None = None) -> dict:
+# items: instruction records (data.instruct.Instruction); groups: [(adapter factors, positions)]
+def answers(exp: Scoring, items: list[str], groups: list[tuple[dict[str, float], np.ndarray]] | None = None
+            ) -> dict[str, list[Any]]:
     """`TaskModel.answers` of the model as loaded on `items`; with `groups` ([(factors, positions)],
     `TaskModel.adapters_scaled`), each group's records under its own adapter factors, in order."""
     e = exp.cfg.eval
     if groups is None:
         return exp.model.answers(items, e.batch_size, e.max_new_tokens, e.stop)
-    out: dict[str, list] = {k: [None] * len(items) for k in ("nll", "tokens", "text", "options")}
+    out: dict[str, list[Any]] = {k: [None] * len(items) for k in ("nll", "tokens", "text", "options")}
     for factors, members in groups:
         with exp.model.adapters_scaled(factors):
             got = exp.model.answers([items[i] for i in members], e.batch_size, e.max_new_tokens, e.stop)
@@ -81,19 +100,20 @@ def answers(exp, items: list, groups: list[tuple[dict, np.ndarray]] | None = Non
     return out
 
 
-def scores(exp, items: list, groups: list[tuple[dict, np.ndarray]] | None = None) -> dict:
+def scores(exp: Scoring, items: list[str], groups: list[tuple[dict[str, float], np.ndarray]] | None = None) -> Scores:
     """The scores of the model as loaded on instruction records `items` (`groups`: as in `answers`,
     a method's per-record adapter mix, FedDPA's)."""
     got = answers(exp, items, groups)
     tokens = int(sum(got["tokens"]))
     loss = float(sum(got["nll"]) / tokens) if tokens else float("nan")
-    per = [text_scores(a, r.response) for a, r in zip(got["text"], items)]
+    recs = cast("list[Instruction]", items)
+    per = [text_scores(a, r.response) for a, r in zip(got["text"], recs)]
     out: dict[str, float | int | None] = {
         "response_loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
         **{k: float(np.mean([p[k] for p in per])) if per else float("nan")
            for k in ("exact_match", "token_f1", "rouge_l")},
         "test_size": len(items), "response_tokens": tokens}
-    choice = [(r, a, o) for r, a, o in zip(items, got["text"], got["options"]) if o is not None]
+    choice = [(r, a, o) for r, a, o in zip(recs, got["text"], got["options"]) if o is not None]
     out["choice_n"] = len(choice)
     out["choice_loglik"] = float(np.mean([int(np.argmax(o)) == r.answer for r, _, o in choice])) if choice else None
     out["choice_parsed"] = (float(np.mean([choice_letter(a, len(r.options)) == r.answer for r, a, _ in choice]))
@@ -101,10 +121,10 @@ def scores(exp, items: list, groups: list[tuple[dict, np.ndarray]] | None = None
     return out
 
 
-def summarize(per_client: list[dict]) -> dict:
+def summarize(per_client: list[Metrics]) -> Metrics:
     """PM: each score's mean over ALL clients (a client without multiple-choice records leaves the
     choice scores' means), and per client, in order, for paired comparisons across methods."""
-    out: dict = {}
+    out: Metrics = {}
     for k in (*SCORES, "test_size", "response_tokens"):
         vals = [m[k] for m in per_client if m.get(k) is not None]
         out[k] = float(np.mean(vals)) if vals else None

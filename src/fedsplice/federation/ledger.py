@@ -22,6 +22,7 @@ import io
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,10 +32,11 @@ from fedsplice.data.assets import atomic_write_json
 
 SPLIT, SERVER = "split.json", "server.jsonl"
 SECAGG_WEIGHT = "secagg.weight"  # a SecAgg+ masked vector's first array: the client's masked weight
+Row = dict[str, Any]  # one ledger line (JSON): round, client, name, shape, dtype, bytes, sha256, epsilon, ...
 
 
 def rows(payload: bytes, rnd: int, cid: int, epsilon: float | None, local_epsilon: float | None = None,
-         secagg: bool = False) -> list[dict]:
+         secagg: bool = False) -> list[Row]:
     """The ledger rows of one upload: its tensors as serialized, in name order; `epsilon`: the
     client-level ε spent so far ([privacy] mode), `local_epsilon`: this client's DP-SGD ε;
     `secagg`: the upload is summed by SecAgg+ (what travels is its masked vector, `masked_rows`)."""
@@ -49,7 +51,7 @@ def rows(payload: bytes, rnd: int, cid: int, epsilon: float | None, local_epsilo
 
 
 def masked_rows(arrays: list[bytes], names: list[str], rnd: int, cid: int, epsilon: float | None,
-                local_epsilon: float | None = None) -> list[dict]:
+                local_epsilon: float | None = None) -> list[Row]:
     """The rows of one SecAgg+ masked vector as it travels: Flower's serialized arrays (numpy's
     .npy bytes), the weight first, then one per GLOBAL tensor in the order sent (`names`)."""
     out = []
@@ -67,12 +69,12 @@ def site_masked(folder: Path, cid: int, rnd: int, arrays: list[bytes], names: li
     append(site_file(folder, cid), masked_rows(arrays, names, rnd, cid, epsilon, local_epsilon))
 
 
-def sent(row: dict) -> bool:
+def sent(row: Row) -> bool:
     """Whether the row is of bytes that left the site: a SecAgg+ client's own update does not."""
     return bool(row.get("masked")) or not row.get("secagg")
 
 
-def append(path: Path, new: list[dict]) -> None:
+def append(path: Path, new: list[Row]) -> None:
     """Append rows as JSON lines, in one write (a killed process leaves whole lines only)."""
     if not new:
         return
@@ -96,7 +98,7 @@ def write_split(folder: Path, global_names: list[str], private_names: list[str])
     (folder / SERVER).touch(exist_ok=True)  # a run that sends nothing (local-only) has an empty ledger
 
 
-def read(path: Path) -> list[dict]:
+def read(path: Path) -> list[Row]:
     """The rows of a ledger file; a line that is not a JSON object is an error naming it."""
     out = []
     for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
@@ -114,7 +116,8 @@ _KEY = ("round", "client", "name", "masked")
 _SAME = ("shape", "dtype", "bytes", "sha256")
 
 
-def check(split: dict, server: list[dict], sites: dict[str, list[dict]]) -> tuple[list[str], dict]:
+def check(split: dict[str, list[str]], server: list[Row], sites: dict[str, list[Row]]
+          ) -> tuple[list[str], dict[int, dict[str, Any]]]:
     """(every mismatch, a summary per site) of the server's view against the sites' ledgers and
     the split: no PRIVATE name, nor any name outside the GLOBAL ones, in any row; every row the
     server received equal to a row its client wrote. A row a client wrote and the server never
@@ -122,8 +125,8 @@ def check(split: dict, server: list[dict], sites: dict[str, list[dict]]) -> tupl
     leaves a client's row more than once: the server's row must equal one of them."""
     private, allowed = set(split["private"]), set(split["global"])
     bad: list[str] = []
-    out: dict[tuple, list[dict]] = defaultdict(list)  # what the sites sent, by _key
-    summary: dict[int, dict] = {}
+    out: dict[tuple[object, ...], list[Row]] = defaultdict(list)  # what the sites sent, by _key
+    summary: dict[int, dict[str, Any]] = {}
     for where, rs in [*sites.items(), ("server", server)]:
         for r in rs:
             if r["name"] == SECAGG_WEIGHT and r.get("masked"):
@@ -164,5 +167,5 @@ def check(split: dict, server: list[dict], sites: dict[str, list[dict]]) -> tupl
     return bad, dict(sorted(summary.items()))
 
 
-def _key(row: dict) -> tuple:
+def _key(row: Row) -> tuple[object, ...]:
     return tuple(bool(row.get(k)) if k == "masked" else row[k] for k in _KEY)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+# a JSON-able table of results: metric name -> a number, a list (per class, per client), None, or a nested table
+Metrics = dict[str, Any]
 
-def classification_metrics(labels: np.ndarray, logits: np.ndarray, num_classes: int) -> dict:
+
+def classification_metrics(labels: np.ndarray, logits: np.ndarray, num_classes: int) -> dict[str, float]:
     """Accuracy, F1 and (binary) AUC. An undefined metric is NaN here, so means over clients stay
     NaN; files write it as null (fedsplice.data.assets.strict_json)."""
     from sklearn.metrics import f1_score, roc_auc_score  # here: 1 s of import `validate` never needs
@@ -26,7 +31,7 @@ def classification_metrics(labels: np.ndarray, logits: np.ndarray, num_classes: 
     return out
 
 
-def summarize_clients(per_client: list[dict]) -> dict:
+def summarize_clients(per_client: list[Metrics]) -> dict[str, float]:
     """Mean over ALL clients of every scalar metric, plus std/min/max of accuracy across them.
     List-valued entries (per-class counts) are left to the caller to pool."""
     acc = np.array([m["accuracy"] for m in per_client])
@@ -59,7 +64,7 @@ def shot_groups(train_counts: np.ndarray, many: int, few: int) -> dict[str, np.n
     return {"many": c > many, "medium": (c >= few) & (c <= many), "few": c < few}
 
 
-def head_bias(train_counts, acc, zs_acc) -> float | None:
+def head_bias(train_counts: np.ndarray, acc: np.ndarray, zs_acc: np.ndarray) -> float | None:
     """Spearman rank correlation between a class's training count and its accuracy change from
     zero-shot: > 0 means fine-tuning helped frequent classes at the expense of rare ones."""
     from scipy.stats import spearmanr
@@ -70,8 +75,8 @@ def head_bias(train_counts, acc, zs_acc) -> float | None:
     return float(spearmanr(train_counts, delta).statistic)
 
 
-def longtail_metrics(correct, total, zs_correct, train_counts, *, many: int, few: int,
-                     sigma: float, min_group: int = 1) -> dict:
+def longtail_metrics(correct: np.ndarray, total: np.ndarray, zs_correct: np.ndarray, train_counts: np.ndarray, *,
+                     many: int, few: int, sigma: float, min_group: int = 1) -> dict[str, float | int | None]:
     """Group accuracies (with their test-sample counts, "<group>_n"), balancedness at σ (and at
     0.1, 0.01) and head bias, over classes that have test samples. A group with fewer than
     `min_group` test samples is None: an accuracy on 0-2 samples is noise, not a result."""

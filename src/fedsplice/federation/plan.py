@@ -20,6 +20,7 @@ classes: class-sized shapes (a head, class-specific prompts) are then not the ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fedsplice.algorithms import Recipe, build_recipe
@@ -74,7 +75,7 @@ def check_loaded(planned: Plan, model: TaskModel) -> None:
     """The loaded model has exactly the planned trainable tensors (names, shapes, roles, LoRA
     scalings): a run starts from its plan."""
     params = model.trainable()
-    pairs: list[tuple[str, dict, dict]] = [
+    pairs: list[tuple[str, Mapping[str, object], Mapping[str, object]]] = [
         ("shapes", planned.shapes, {n: tuple(p.shape) for n, p in params.items()}),
         ("roles", planned.infos, model.param_infos()), ("LoRA scalings", planned.scalings, model.scalings())]
     for what, want, have in pairs:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -14,8 +15,24 @@ from fedsplice.config import SITES
 from fedsplice.data.partition import Client
 from fedsplice.errors import ConfigError
 
+if TYPE_CHECKING:
+    from fedsplice.algorithms import Recipe
+    from fedsplice.config import ClientConfig, ExperimentConfig
+    from fedsplice.data.datasets import TextDataset
 
-def check_pooled(cfg) -> None:
+
+class Pooling(Protocol):
+    """What a reference recipe reads and sets of an Experiment (federation.experiment imports this module)."""
+
+    cfg: ExperimentConfig
+    recipe: Recipe
+    data: TextDataset
+    clients: list[Client]
+    train_ids: list[int]
+    sampling: list[list[int]]
+
+
+def check_pooled(cfg: ExperimentConfig) -> None:
     """A pooled recipe trains one model on data gathered in one place: refuse what only a
     federation has (a deployment, a server step, codecs, failing or rejected clients)."""
     s, f = cfg.server, cfg.faults
@@ -31,7 +48,7 @@ def check_pooled(cfg) -> None:
                               f"clients (nothing is federated): it needs {need}")
 
 
-def check_reference(cfg, recipe) -> None:
+def check_reference(cfg: ExperimentConfig, recipe: Recipe) -> None:
     """A reference recipe's requirements (checked by the plan, before weights load: federation.plan):
     a pooled one trains alone (`check_pooled`); a prior one needs the pooled training labels,
     which per-site data keep on the sites."""
@@ -42,7 +59,7 @@ def check_reference(cfg, recipe) -> None:
         check_pooled(cfg)
 
 
-def prepare_reference(exp) -> None:
+def prepare_reference(exp: Pooling) -> None:
     """A reference recipe at build time. Pooled (centralized): a stand-in client, id
     data.num_clients, holds the union of the training clients' data (its test set: the global
     one) and trains alone in every round; it is not a training client (PM is still scored on
@@ -56,7 +73,7 @@ def prepare_reference(exp) -> None:
     exp.sampling = [[cid] for _ in exp.sampling]
 
 
-def pooled_budget(exp, cid: int):
+def pooled_budget(exp: Pooling, cid: int) -> ClientConfig:
     """The pooled model's client config for one round: as many steps of client.batch_size as the
     server.clients_per_round clients of a federated round take together on average, i.e.
     clients_per_round × mean_k min(client.max_steps, client.local_epochs·⌈n_k/batch⌉) (rounded),

@@ -14,12 +14,20 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from fedsplice.core import privacy as dp
 from fedsplice.core.streams import PRIVACY
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    from fedsplice.algorithms import Recipe
+    from fedsplice.config import ExperimentConfig
+    from fedsplice.core.server import Params
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,7 @@ class Plan:
         return _epsilon(self.noise_multiplier / self.clients_per_round ** 0.5, 1.0, rounds, self.delta,
                         self.accountant)
 
-    def summary(self, rounds: int) -> dict:
+    def summary(self, rounds: int) -> dict[str, str | float | None]:
         """results.json's "privacy": the setting and the ε spent after `rounds`."""
         return {"mode": self.mode, "clip": self.clip, "noise_multiplier": self.noise_multiplier,
                 "clients_per_round": self.clients_per_round, "sample_rate": self.sample_rate,
@@ -59,7 +67,7 @@ def _epsilon(z: float, q: float, rounds: int, delta: float, kind: str) -> float:
     return epsilon(z, q, rounds, delta, kind)
 
 
-def plan(cfg, n_train: int) -> Plan | None:
+def plan(cfg: ExperimentConfig, n_train: int) -> Plan | None:
     """The run's DP setting, with the noise multiplier resolved; None when [privacy] is off."""
     p = cfg.privacy
     if not p.enabled:
@@ -70,7 +78,7 @@ def plan(cfg, n_train: int) -> Plan | None:
     return Plan(p.mode, p.clip, z, m, q, p.delta, p.accountant, p.noise == "seeded")
 
 
-def check_recipe(cfg, recipe, global_names: list[str]) -> None:
+def check_recipe(cfg: ExperimentConfig, recipe: Recipe, global_names: list[str]) -> None:
     """What DP-FedAvg cannot bound, nor SecAgg+ sum: a method's own per-tensor weights, a pooled
     reference, nothing sent."""
     if not (cfg.privacy.enabled or cfg.privacy.secure_aggregation):
@@ -84,14 +92,15 @@ def check_recipe(cfg, recipe, global_names: list[str]) -> None:
                           f"by its own rule; turn it off or use another algorithm")
 
 
-def _gen(pl: Plan, cfg, *keys: int) -> torch.Generator:
+def _gen(pl: Plan, cfg: ExperimentConfig, *keys: int) -> torch.Generator:
     return dp.generator([cfg.seed, PRIVACY, *keys] if pl.seeded else None)
 
 
-def server_aggregate(pl: Plan, cfg, rnd: int, updates: list[dict]) -> tuple[dict, dict]:
+def server_aggregate(pl: Plan, cfg: ExperimentConfig, rnd: int,
+                     updates: list[Params]) -> tuple[Params, dict[str, float]]:
     """The released mean delta of a round's accepted updates, and what the server logs about it
     (central mode: the fraction of updates clipped and their median norm)."""
-    stats: dict = {}
+    stats: dict[str, float] = {}
     if pl.mode == "central":
         clipped, norms = zip(*(dp.clip(u, pl.clip) for u in updates))
         total = {n: sum(c[n] for c in clipped) for n in updates[0]}
@@ -103,7 +112,7 @@ def server_aggregate(pl: Plan, cfg, rnd: int, updates: list[dict]) -> tuple[dict
     return {n: total[n] / pl.clients_per_round for n in updates[0]}, stats
 
 
-def secure_release(pl: Plan | None, mean: dict, summed: int) -> dict:
+def secure_release(pl: Plan | None, mean: Params, summed: int) -> Params:
     """The round's mean delta from a secure aggregate: the sum over m under DP's fixed weights
     (the mean of the `summed` clients × summed/m), else the aggregate as it is (FedAvg's weights)."""
     if pl is None:
@@ -111,7 +120,7 @@ def secure_release(pl: Plan | None, mean: dict, summed: int) -> dict:
     return {n: t.double() * (summed / pl.clients_per_round) for n, t in mean.items()}
 
 
-def client_release(pl: Plan, cfg, cid: int, rnd: int, trained: dict, received: dict) -> dict:
+def client_release(pl: Plan, cfg: ExperimentConfig, cid: int, rnd: int, trained: Params, received: Params) -> Params:
     """Distributed mode: the GLOBAL tensors a client uploads, received + its clipped, noised update
     (noise std z·S/√m: the m shares add up to the central noise). Other modes: `trained` as is."""
     if pl.mode != "distributed":
@@ -122,7 +131,7 @@ def client_release(pl: Plan, cfg, cid: int, rnd: int, trained: dict, received: d
     return {n: (received[n].double() + noisy[n]).to(trained[n].dtype) for n in trained}
 
 
-def _accountant(kind: str):
+def _accountant(kind: str) -> RDPAccountant | PRVAccountant:
     from opacus.accountants import PRVAccountant, RDPAccountant  # heavy import: only when DP is on
 
     return RDPAccountant() if kind == "rdp" else PRVAccountant()

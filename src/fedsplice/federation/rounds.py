@@ -18,23 +18,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 from collections.abc import Callable
 
 import numpy as np
 
 from fedsplice.core import wire
-from fedsplice.core.robust import aggregate
-from fedsplice.core.server import deltas, weighted_mean
+# aggregate, deltas, gather, evaluate_global: re-exported (benchmarks/profile_run.py times them here)
+from fedsplice.core.robust import aggregate as aggregate
+from fedsplice.core.server import Params, deltas as deltas, weighted_mean
 from fedsplice.federation.calls import ask
 from fedsplice.federation.checkpoint import RoundState
-from fedsplice.federation.evaluation import evaluate_global, pooled_gm, summarize_pm
+from fedsplice.federation.evaluation import evaluate_global as evaluate_global, pooled_gm, summarize_pm
 from fedsplice.federation.ledger import SERVER, write_split
 from fedsplice.federation.ledger import append as ledger_append
 from fedsplice.federation.ledger import rows as ledger_rows
 from fedsplice.errors import ConfigError
-from fedsplice.federation.gather import gather, secure_gather
+from fedsplice.federation.gather import Gathered, Upload, gather as gather, secure_gather
 from fedsplice.federation.privacy import secure_release, server_aggregate
+
+if TYPE_CHECKING:
+    from fedsplice.federation.experiment import Experiment
+    from fedsplice.federation.ledger import Row
+    from fedsplice.federation.metrics import Metrics
 
 
 SECAGG_NEEDS_FLOWER = ("privacy.secure_aggregation = true runs Flower's SecAgg+: use runtime.kind = 'flower' "
@@ -46,7 +52,7 @@ class Reply:
     cid: int
     payload: bytes  # the serialized GLOBAL tensors the client uploads
     num_examples: int
-    stats: dict
+    stats: dict[str, float]
     up_bytes: int  # measured on what crossed the wire (here: the payload itself)
     down_bytes: int
     error: str = ""  # the client failed (dropout, crash, lost connection): why; no update
@@ -63,15 +69,15 @@ class Transport(Protocol):
 
     def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]: ...
 
-    def run(self, task: str, cids: list[int], down: bytes) -> dict[int, dict]: ...
+    def run(self, task: str, cids: list[int], down: bytes) -> dict[int, Metrics]: ...
 
 
-def initial_global(exp) -> dict:
+def initial_global(exp: Experiment) -> Params:
     params = exp.model.trainable()
     return {n: params[n].detach().to("cpu", copy=True) for n in exp.global_names}
 
 
-def gm_and_pm(exp, transport, global_params: dict, gm_first: bool = False) -> dict:
+def gm_and_pm(exp: Experiment, transport: Transport, global_params: Params, gm_first: bool = False) -> Metrics:
     """GM here, on the global test set; PM as the `evaluate` task on every training client.
     (`gm_first`: the order zero-shot runs have always used; frozen-prefix caches fill in the
     order texts are first seen, so the order is kept for bytewise-reproducible results.)"""
@@ -88,22 +94,22 @@ def gm_and_pm(exp, transport, global_params: dict, gm_first: bool = False) -> di
     return {"gm": gm, "pm": summarize_pm(exp, in_order(per_client))}
 
 
-def in_order(per_client: dict[int, dict]) -> list[dict]:
+def in_order(per_client: dict[int, Metrics]) -> list[Metrics]:
     """Replies by client id (a deployment answers in arrival order): client_accuracy pairs up."""
     return [per_client[c] for c in sorted(per_client)]
 
 
-def evaluate_only(exp, transport, on_round: Callable[[dict], None]) -> dict:
+def evaluate_only(exp: Experiment, transport: Transport, on_round: Callable[[Metrics], None]) -> dict[str, Any]:
     """Runs that train nothing (zero-shot): one evaluation, no traffic."""
     global_params = initial_global(exp)
     on_round({"round": 0, **gm_and_pm(exp, transport, global_params, gm_first=True)})
     return {"global_params": global_params, "server_state": {}, "up_bytes": 0, "down_bytes": 0}
 
 
-def round_record(rnd: int, got, ok: bool, t0: float) -> dict:
+def round_record(rnd: int, got: Gathered, ok: bool, t0: float) -> Metrics:
     """What metrics.jsonl logs of a round's training (evaluation is added by the caller)."""
     stats = [r.stats for r, _ in got.accepted] if ok else []
-    record = {"round": rnd, "clients": [r.cid for r, _ in got.accepted]}
+    record: Metrics = {"round": rnd, "clients": [r.cid for r, _ in got.accepted]}
     if stats:
         record["train_loss"] = float(np.mean([s["loss"] for s in stats]))
     record.update(up_bytes=got.up_bytes, down_bytes=got.down_bytes, dropped=got.count("dropped"),
@@ -120,14 +126,15 @@ def round_record(rnd: int, got, ok: bool, t0: float) -> dict:
     return record
 
 
-def accepted_rows(exp, got, rnd: int) -> list[dict]:
+def accepted_rows(exp: Experiment, got: Gathered, rnd: int) -> list[Row]:
     """The server's ledger rows of a round: every upload it accepted, as received."""
     eps = exp.privacy.epsilon(rnd) if exp.privacy is not None else None
     return [row for r, _ in got.accepted for row in ledger_rows(r.payload, rnd, r.cid, eps,
                                                                   r.stats.get("dp_local_epsilon"))]
 
 
-def aggregate_round(exp, accepted, global_params: dict, rnd: int = 0) -> tuple[dict, dict]:
+def aggregate_round(exp: Experiment, accepted: list[tuple[Upload, Params]], global_params: Params,
+                    rnd: int = 0) -> tuple[Params, dict[str, float]]:
     """The aggregate of the accepted updates' deltas: server.aggregation over them, with the
     method's own weights per tensor (recipe.exchange.weights; the rest by sample size), or
     DP-FedAvg's clipped, noised sum over m (federation.privacy); and what the round logs of it."""
@@ -141,8 +148,8 @@ def aggregate_round(exp, accepted, global_params: dict, rnd: int = 0) -> tuple[d
     return {k: weighted_mean([{k: d[k]} for d in ds], w.get(k, n))[k] for k in ds[0]}, {}
 
 
-def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, start: RoundState | None = None,
-               on_state: Callable[[RoundState], None] | None = None) -> dict:
+def run_rounds(exp: Experiment, on_round: Callable[[Metrics], None], *, transport: Transport,
+               start: RoundState | None = None, on_state: Callable[[RoundState], None] | None = None) -> dict[str, Any]:
     """The one round loop. Calls on_round(record) after every round, then on_state(state) with
     the server's state at the end of that round (the runner checkpoints it); `start` continues
     from such a state (resume: round 0 is not evaluated again). Returns the final state.
@@ -180,7 +187,7 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
         ok = len(got.accepted) >= sc.min_replies
         logged: dict[str, float] = {}
         if ok and exp.global_names:
-            agg, logged = (secure_release(exp.privacy, cast(dict, mean), len(got.accepted)), {}) if secure else \
+            agg, logged = (secure_release(exp.privacy, cast(Params, mean), len(got.accepted)), {}) if secure else \
                 aggregate_round(exp, got.accepted, global_params, rnd)
             global_params, server_state = exp.server_opt.update(agg, server_state, global_params)
         record = round_record(rnd, got, ok, t0)
@@ -195,13 +202,13 @@ def run_rounds(exp, on_round: Callable[[dict], None], *, transport: Transport, s
             "up_bytes": up_total, "down_bytes": down_total}
 
 
-def personalization(exp, transport, global_params: dict) -> dict:
+def personalization(exp: Experiment, transport: Transport, global_params: Params) -> Metrics:
     """PM after the recipe's local stage (FedPuReL phase 2), run as the `personalize` task on
     every training client; only its metrics come back."""
     return summarize_pm(exp, in_order(ask(transport, "personalize", exp.train_ids, wire.encode(global_params))))
 
 
-def cold_start(exp, transport, global_params: dict) -> dict:
+def cold_start(exp: Experiment, transport: Transport, global_params: Params) -> Metrics:
     """Held-out clients adapt the final GLOBAL tensors (the `cold_start` task); their mean curve."""
     curves = ask(transport, "cold_start", exp.holdout_ids, wire.encode(global_params))
     arr = np.array([c["accuracy"] for c in curves.values()])

@@ -64,5 +64,5 @@ class DiskStore:
         return sorted(int(p.stem.split("-")[1]) for p in self.root.glob("client-*.safetensors"))
 
 
-def make_store(kind: str, root: Path):
+def make_store(kind: str, root: Path) -> DiskStore | MemoryStore:
     return DiskStore(root) if kind == "disk" else MemoryStore()

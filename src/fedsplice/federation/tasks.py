@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
 
-from fedsplice.algorithms import Phase, clone, refuse_grab
+from fedsplice.algorithms import Personal, Phase, clone, refuse_grab
 from fedsplice.core import grab as G
 from fedsplice.core import wire
 from fedsplice.core import streams
@@ -44,18 +45,40 @@ from fedsplice.federation.privacy import client_release
 from fedsplice.federation.state import ClientState
 from fedsplice.federation.train import PLAIN, Step, local_train, planned_steps
 
+if TYPE_CHECKING:
+    from fedsplice.algorithms.hooks import After, Objective, Scores
+    from fedsplice.algorithms import Recipe
+    from fedsplice.config import ClientConfig, ExperimentConfig
+    from fedsplice.core.server import Params
+    from fedsplice.data.datasets import TextDataset
+    from fedsplice.data.partition import Client
+    from fedsplice.federation.dpsgd import LocalDP
+    from fedsplice.federation.experiment import Experiment
+    from fedsplice.federation.metrics import Metrics
+    from fedsplice.federation.store import Store
+
 # the tasks `run_task` serves (fit has its own reply)
 TASKS = ("evaluate", "personalize", "cold_start", "evaluate_global")
 
 
-def split_state(exp, state: ClientState | None) -> tuple[dict, dict]:
+def split_state(exp: Experiment, state: ClientState | None) -> tuple[Params, Params]:
     """(PRIVATE tensors, their optimizer state) from a client's stored state (None: fresh)."""
     if state is None:
         return {n: exp.init_params[n].clone() for n in exp.private_names}, {}
     return state.params, state.opt
 
 
-def train_context(exp, cid: int, received: dict, **extra) -> TrainContext:
+class Training(Protocol):
+    """What `train_context` reads of an Experiment (benchmarks/flower_tutorial.py gives it a namespace)."""
+
+    cfg: ExperimentConfig
+    data: TextDataset
+    clients: list[Client]
+    recipe: Recipe
+    caches: dict[str, Any]
+
+
+def train_context(exp: Training, cid: int, received: Mapping[str, torch.Tensor], **extra: Any) -> TrainContext:
     """What the objective and loss terms may read (fedsplice.core.context): the weights received
     this round (FedProx), the client's logit-adjustment offset, the frozen zero-shot logits, and
     `extra` (round, grab, global_logits)."""
@@ -68,7 +91,8 @@ def train_context(exp, cid: int, received: dict, **extra) -> TrainContext:
                         zero_shot=exp.caches.get("zero_shot"), **extra)
 
 
-def grab_balancer(exp, stored: dict | None, global_params: dict):  # stored: ClientState.grab
+def grab_balancer(exp: Experiment, stored: Params | None,  # stored: ClientState.grab
+                  global_params: Mapping[str, torch.Tensor]) -> G.Balancer:
     """Fed-GraB ([grab]), PRIVATE: the PID controllers of the tail classes open: every class
     (grab.prior = "all", the official code), or those the Direct Prior Analyzer calls tail from the
     global model's class prior (GLOBAL + fresh PRIVATE tensors, its mean softmax on a
@@ -89,9 +113,10 @@ def grab_balancer(exp, stored: dict | None, global_params: dict):  # stored: Cli
     return G.Balancer(params, state, mask)
 
 
-def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: TrainContext, step: Step = PLAIN,
-                 keep_opt=frozenset(), opt_state=None, client_cfg=None, epochs: int | None = None,
-                 private=None) -> tuple[dict, dict]:
+def train_client(exp: Experiment, cid: int, *, rnd: int, torch_round: int, ctx: TrainContext, step: Step = PLAIN,
+                 keep_opt: Iterable[str] = frozenset(), opt_state: Mapping[str, torch.Tensor] | None = None,
+                 client_cfg: ClientConfig | None = None, epochs: int | None = None,
+                 private: LocalDP | None = None) -> tuple[Params, dict[str, float]]:
     """The one client driver: seed, then the one training loop on client `cid`'s training data,
     from the parameters already loaded into the model. `rnd` keys the client's data-order stream,
     `torch_round` its dropout seed (both from `streams`); `private`: DP-SGD (federation.dpsgd)."""
@@ -103,13 +128,14 @@ def train_client(exp, cid: int, *, rnd: int, torch_round: int, ctx: TrainContext
         rng=streams.rng(exp.cfg, streams.CLIENT, rnd, cid), ctx=ctx, epochs=epochs, private=private)
 
 
-def round_phases(exp, rnd: int) -> list[Phase]:
+def round_phases(exp: Experiment, rnd: int) -> list[Phase]:
     """recipe.phases for round `rnd` (a function of the round, or the same every round)."""
     phases = exp.recipe.phases
     return [Phase(*p) for p in (phases(rnd) if callable(phases) else phases)]
 
 
-def phase_budgets(exp, cid: int, client_cfg, phases: list[Phase]) -> list[tuple[int, object]]:
+def phase_budgets(exp: Experiment, cid: int, client_cfg: ClientConfig,
+                  phases: list[Phase]) -> list[tuple[int, ClientConfig]]:
     """(epochs, client config) of each phase: its own epochs, or (recipe.phases_share_budget) a
     share of one local budget, k_i steps in proportion to its epochs (the remainder to the first
     phases), with the loop cut at k_i steps; a phase with no step is skipped (epochs 0)."""
@@ -124,7 +150,7 @@ def phase_budgets(exp, cid: int, client_cfg, phases: list[Phase]) -> list[tuple[
     return [(-(-k // per_epoch), dataclasses.replace(client_cfg, max_steps=k)) if k else (0, client_cfg) for k in ks]
 
 
-def train_phases(exp, cid: int, **kw) -> tuple[dict, dict]:
+def train_phases(exp: Experiment, cid: int, **kw: Any) -> tuple[Params, dict[str, float]]:  # kw: train_client's
     """`train_client`, or, with recipe.phases (pFedLoRA), one call per phase on only that split
     group's tensors (the others frozen) for its epochs (`phase_budgets`). Statistics: the last
     phase's, with each phase's loss and steps as `<group>_loss`, `<group>_steps`; the kept
@@ -133,9 +159,9 @@ def train_phases(exp, cid: int, **kw) -> tuple[dict, dict]:
     if not phases:
         return train_client(exp, cid, **kw)
     params, split = exp.model.trainable(), exp.recipe.split
-    opt: dict = {}
-    stats: dict = {}
-    per: dict = {}
+    opt: Params = {}
+    stats: dict[str, float] = {}
+    per: dict[str, float] = {}
     state = kw.pop("opt_state", None) or {}
     budgets = phase_budgets(exp, cid, kw.pop("client_cfg", None) or exp.cfg.client, phases)
     try:
@@ -156,19 +182,19 @@ def train_phases(exp, cid: int, **kw) -> tuple[dict, dict]:
     return opt, {**stats, **per}
 
 
-def round_config(exp, cid: int, rnd: int):
+def round_config(exp: Experiment, cid: int, rnd: int) -> ClientConfig:
     """The client config of round `rnd`: the pooled budget for a pooled recipe, and the round's
     lr under client.schedule (cosine annealing over server.rounds)."""
     cc = pooled_budget(exp, cid) if exp.recipe.pooled else exp.cfg.client
     return dataclasses.replace(cc, lr=cc.lr_at(rnd, exp.cfg.server.rounds))
 
 
-def predict_local_test(exp, cid: int) -> np.ndarray:
+def predict_local_test(exp: Experiment, cid: int) -> np.ndarray:
     d, idx = exp.data, exp.clients[cid].test_idx
     return exp.model.predict([d.test_texts[i] for i in idx], exp.cfg.eval.batch_size).numpy()
 
 
-def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
+def fit(exp: Experiment, store: Store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict[str, float]]:
     """One client's round: decode the GLOBAL tensors, train, keep PRIVATE state, encode the upload."""
     received = wire.decode(down)
     stored = ClientState.from_store(store.get(cid))  # read once: every slot of the client's state
@@ -179,7 +205,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     slot = stored.branch if stored is not None else {}  # the method's own slot
     if r.personalize and r.personalize.fit:  # the method's own stage, before the round's training
         slot = r.personalize.fit(OnClient(exp, cid), rnd, received, slot)
-    start = received
+    start: Mapping[str, torch.Tensor] = received
     if ex and ex.receive:  # the method's own download rule (e.g. truncated to the client's rank)
         start, slot = ex.receive(OnClient(exp, cid), rnd, received, slot)
     exp.model.load_params({**priv, **start})  # receive may also reset PRIVATE tensors (FLoRA's fresh LoRA)
@@ -214,7 +240,7 @@ def fit(exp, store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict]:
     return up, stats
 
 
-def evaluate(exp, store, cid: int, global_params: dict) -> dict:
+def evaluate(exp: Experiment, store: Store, cid: int, global_params: Params) -> Metrics:
     """One client's personalized model (GLOBAL + its PRIVATE tensors) on its local test set; for
     a prior recipe, without the model, the log class prior of the pooled training labels
     ("global") or of the client's own ("local")."""
@@ -227,14 +253,16 @@ def evaluate(exp, store, cid: int, global_params: dict) -> dict:
     stage = exp.recipe.personalize
     if stage and stage.predict:  # the method's own PM (on generate its test_logits are the scores)
         out = stage.predict(OnClient(exp, cid), {**global_params, **priv}, stored.branch if stored else {})
-        return out if exp.cfg.model.task == "generate" else score(exp, exp.data.test_labels[idx], out, idx)
+        return (cast("Scores", out) if exp.cfg.model.task == "generate"
+                else score(exp, exp.data.test_labels[idx], cast(np.ndarray, out), idx))
     exp.model.load_params({**global_params, **priv})
     if exp.cfg.model.task == "generate":  # free-text answers (fedsplice.federation.generative)
         return answer_scores(exp, [exp.data.test_texts[i] for i in idx])
     return score(exp, exp.data.test_labels[idx], predict_local_test(exp, cid), idx)
 
 
-def factor_groups(adapters: dict, n: int) -> list[tuple[dict, np.ndarray]]:
+def factor_groups(adapters: Mapping[str, float | Sequence[float] | np.ndarray],
+                  n: int) -> list[tuple[dict[str, float], np.ndarray]]:
     """{adapter: factor, or one factor per record} over n records -> [(factors, positions)]: the
     records of equal factors, to run as one batch under `TaskModel.adapters_scaled`."""
     factors = np.stack([np.broadcast_to(np.asarray(f, dtype=np.float64), (n,)) for f in adapters.values()], 1)
@@ -247,13 +275,14 @@ class OnClient:
     """`ClientOps` (fedsplice.algorithms.recipe) on client `cid`: what a method's Personal hooks
     may do here, with this client's data and model."""
 
-    exp: Any
+    exp: Experiment
     cid: int
 
-    def fresh(self) -> dict:
+    def fresh(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.exp.init_params.items()}
 
-    def test_logits(self, params, adapters=None):
+    def test_logits(self, params: Mapping[str, torch.Tensor],
+                    adapters: Mapping[str, float | Sequence[float] | np.ndarray] | None = None) -> np.ndarray | Scores:
         exp = self.exp
         exp.model.load_params(params)
         idx = exp.clients[self.cid].test_idx
@@ -269,7 +298,8 @@ class OnClient:
                                                  exp.cfg.eval.batch_size).numpy()
         return out
 
-    def features(self, params, on: str, adapters=None) -> np.ndarray:
+    def features(self, params: Mapping[str, torch.Tensor], on: str,
+                 adapters: Mapping[str, float] | None = None) -> np.ndarray:
         exp, d, c = self.exp, self.exp.data, self.exp.clients[self.cid]
         if on not in ("test", "train"):
             raise ValueError(f"features: on must be 'test' or 'train', got {on!r}")
@@ -281,7 +311,7 @@ class OnClient:
     def rng(self, key: int) -> np.random.Generator:
         return streams.rng(self.exp.cfg, streams.METHOD, self.cid, key)
 
-    def train_logits(self, params) -> torch.Tensor:
+    def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         exp, d, c = self.exp, self.exp.data, self.exp.clients[self.cid]
         exp.model.load_params(params)
         table = torch.zeros(len(d.train_texts), len(d.class_names))
@@ -289,11 +319,12 @@ class OnClient:
                                                                 exp.cfg.eval.batch_size)
         return table
 
-    def train(self, params, objective, rounds: range, *, received, client, **ctx) -> dict:
+    def train(self, params: Mapping[str, torch.Tensor], objective: Objective, rounds: range, *,
+              received: Mapping[str, torch.Tensor], client: Mapping[str, Any], **ctx: Any) -> dict[str, torch.Tensor]:
         exp, cid = self.exp, self.cid
         exp.model.load_params(params)
         ccfg = dataclasses.replace(exp.cfg.client, **client)
-        opt: dict = {}
+        opt: Params = {}
         for r in rounds:  # a stage's own stream keys: never those of the rounds' training
             opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r,
                                   torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
@@ -302,16 +333,17 @@ class OnClient:
         return clone(exp.model.trainable())
 
 
-def personalize(exp, store, cid: int, global_params: dict) -> dict:
+def personalize(exp: Experiment, store: Store, cid: int, global_params: Params) -> Metrics:
     """The method's own stage after the rounds (recipe.personalize.after: FedPuReL's phase 2),
     scored on the local test set."""
     c = exp.clients[cid]
     stored = ClientState.from_store(store.get(cid))
-    logits = exp.recipe.personalize.after(OnClient(exp, cid), global_params, stored.branch if stored else {})
+    stage = cast(Personal, exp.recipe.personalize)  # the task of a recipe with personalize.after only
+    logits = cast("After", stage.after)(OnClient(exp, cid), global_params, stored.branch if stored else {})
     return score(exp, exp.data.test_labels[c.test_idx], logits, c.test_idx)
 
 
-def cold_start(exp, store, cid: int, global_params: dict) -> dict:
+def cold_start(exp: Experiment, store: Store, cid: int, global_params: Mapping[str, torch.Tensor]) -> Metrics:
     """A held-out client: the final GLOBAL tensors (through the method's download rule, if it
     has one) and fresh PRIVATE ones; accuracy on its local test set at step 0 and after each of
     1..N local epochs (PFAdapter §V)."""
@@ -323,7 +355,7 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
     exp.model.load_params({**global_params, **fresh})
     labels, r = exp.data.test_labels[exp.clients[cid].test_idx], exp.recipe
     accs: list[float] = []
-    opt_state: dict = {}
+    opt_state: Params = {}
     private = dpsgd_session(exp, cid, streams.COLD_START_ROUND)  # its data is protected as a training client's
     for e in range(exp.cfg.eval.cold_start_epochs + 1):
         if e > 0:
@@ -335,7 +367,7 @@ def cold_start(exp, store, cid: int, global_params: dict) -> dict:
     return {"accuracy": accs}
 
 
-def evaluate_global(exp, store, cid: int, global_params: dict) -> dict:
+def evaluate_global(exp: Experiment, store: Store, cid: int, global_params: Params) -> Metrics:
     """The global model (GLOBAL + fresh PRIVATE tensors, as GM) on the client's local test set,
     with its confusion counts: GM evaluated on the sites when the server holds no test set
     (per-site data); only counts and metrics leave."""
@@ -350,16 +382,17 @@ def evaluate_global(exp, store, cid: int, global_params: dict) -> dict:
 
 
 # runtimes call run_task
-RUN = {"evaluate": evaluate, "personalize": personalize, "cold_start": cold_start, "evaluate_global": evaluate_global}
+RUN: dict[str, Callable[[Experiment, Store, int, Params], Metrics]] = {
+    "evaluate": evaluate, "personalize": personalize, "cold_start": cold_start, "evaluate_global": evaluate_global}
 
 
-def run_task(task: str, exp, store, cid: int, global_params: dict) -> dict:
+def run_task(task: str, exp: Experiment, store: Store, cid: int, global_params: Params) -> Metrics:
     """Run client task `task` (one of TASKS) for client `cid`; what it returns is all that leaves."""
     if task not in RUN:
         raise ValueError(f"unknown client task {task!r}; one of {', '.join(TASKS)}")
     return RUN[task](exp, store, cid, global_params)
 
 
-def accepts(exp, task: str, cid: int) -> bool:
+def accepts(exp: Experiment, task: str, cid: int) -> bool:
     """Whether `cid` may be given `task`: cold start is for held-out clients, the rest for training ones."""
     return cid in (exp.holdout_ids if task == "cold_start" else exp.train_ids)

@@ -17,8 +17,12 @@ import re
 import string
 from collections import Counter
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rouge_score.rouge_scorer import RougeScorer
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -47,7 +51,7 @@ def token_f1(prediction: str, reference: str) -> float:
 
 
 @lru_cache(maxsize=1)
-def _rouge():
+def _rouge() -> RougeScorer:
     try:
         from rouge_score import rouge_scorer
     except ImportError:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
-from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, cast
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -15,6 +15,29 @@ from fedsplice.config import ClientConfig
 from fedsplice.core.context import TrainContext
 from fedsplice.model.device import grad_scaler
 
+if TYPE_CHECKING:
+    from fedsplice.algorithms import Recipe
+    from fedsplice.algorithms.hooks import GradTransform, LossTerm, Objective
+    from fedsplice.core.server import Params
+    from fedsplice.model.taskmodel import TaskModel
+
+Sums = dict[str, list[torch.Tensor | float]]  # a round's per-step statistics, by name (`accumulate`)
+# one DP-SGD step (federation.dpsgd): (the data loss, the parameter-only terms, the tensors, the batch size)
+DPStep = Callable[[torch.Tensor, torch.Tensor | float, list[torch.nn.Parameter], int], None]
+
+
+class PrivateSteps(Protocol):
+    """DP-SGD on the loop's steps: a federation.dpsgd.LocalDP (which imports this module)."""
+
+    def attached(self, model: TaskModel, opt: torch.optim.Optimizer, batch_size: int
+                 ) -> AbstractContextManager[DPStep]: ...
+
+
+class WeightedTerm(Protocol):
+    """A loss term with a weight (PFAdapter's λo, HetLoRA's λ): `term_diagnostics` measures it."""
+
+    weight: float
+
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: ClientConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
@@ -22,7 +45,8 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: ClientConfig) -> torch
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def export_opt_state(opt, names_by_param: dict, keep: set[str]) -> dict[str, torch.Tensor]:
+def export_opt_state(opt: torch.optim.Optimizer, names_by_param: dict[torch.Tensor, str],
+                     keep: set[str]) -> dict[str, torch.Tensor]:
     """Optimizer state of the `keep` parameters, as name-keyed CPU tensors ("<param>/<slot>")."""
     out = {}
     for p, st in opt.state.items():
@@ -34,7 +58,8 @@ def export_opt_state(opt, names_by_param: dict, keep: set[str]) -> dict[str, tor
     return out
 
 
-def import_opt_state(opt, params: dict[str, torch.nn.Parameter], state: dict[str, torch.Tensor]) -> None:
+def import_opt_state(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
+                     state: Mapping[str, torch.Tensor]) -> None:
     for key, v in state.items():
         name, slot = key.rsplit("/", 1)
         p = params[name]
@@ -42,7 +67,8 @@ def import_opt_state(opt, params: dict[str, torch.nn.Parameter], state: dict[str
         opt.state[p][slot] = v.clone() if slot == "step" else v.to(p.device, copy=True)
 
 
-def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.ndarray, ctx: TrainContext) -> dict:
+def cross_entropy_objective(model: torch.nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
+                            ctx: TrainContext) -> dict[str, torch.Tensor]:
     """The plain task loss. ctx.logit_offset (logit adjustment, Menon et al.) shifts the
     training logits by τ·log(prior) so rare classes are not crowded out; evaluation is unshifted.
     ctx.grab (Fed-GraB's balancer, `fedsplice.core.grab`) re-weights the loss's per-class
@@ -52,17 +78,19 @@ def cross_entropy_objective(model, texts: list[str], y: torch.Tensor, ids: np.nd
     return {"task": F.cross_entropy(logits, y) if grab is None else grab.loss(logits, y)}
 
 
-def response_objective(model, texts: list, y: torch.Tensor, ids: np.ndarray, ctx: TrainContext) -> dict:
+def response_objective(model: torch.nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
+                       ctx: TrainContext) -> dict[str, torch.Tensor]:
     """model.task = "generate": the mean -log p of the batch's response tokens (prompts masked)."""
-    return {"task": model.response_loss(texts)}
+    return {"task": cast("TaskModel", model).response_loss(texts)}
 
 
-def default_objective(model) -> Callable:
+def default_objective(model: torch.nn.Module) -> Objective:
     """The task's own loss: cross-entropy over classes, or the response loss of free-text answers."""
     return response_objective if getattr(model, "task", None) == "generate" else cross_entropy_objective
 
 
-def backward(losses: dict, total, plist: list, grad_transform, sums: dict, scaler=None) -> None:
+def backward(losses: dict[str, torch.Tensor], total: torch.Tensor, plist: list[torch.nn.Parameter],
+             grad_transform: GradTransform | None, sums: Sums, scaler: torch.amp.GradScaler | None = None) -> None:
     """Set every parameter's .grad: of the summed losses, or, with a grad transform, the
     transform's combination of each loss's own gradient (adding its statistics to `sums`).
     `scaler` (fp16's GradScaler) scales the losses; a transform sees the true gradients (divided
@@ -83,13 +111,13 @@ def backward(losses: dict, total, plist: list, grad_transform, sums: dict, scale
         accumulate(sums, k, v)
 
 
-def accumulate(sums: dict, key: str, v) -> None:
+def accumulate(sums: Sums, key: str, v: torch.Tensor | float) -> None:
     """Add a step's statistic (a 0-d tensor or a float) to the round's running sums: tensors stay
     on the device, so the loop does not wait for it every step; `means` reads them once a round."""
     sums.setdefault(key, []).append(v.detach() if torch.is_tensor(v) else float(v))
 
 
-def means(sums: dict, steps: int) -> dict:
+def means(sums: Sums, steps: int) -> dict[str, float]:
     """{key: mean over the round's steps} of the running sums, summed in float64."""
     out = {}
     for k, vs in sums.items():
@@ -105,18 +133,19 @@ def planned_steps(n: int, cfg: ClientConfig, epochs: int | None) -> int:
     return min(total, cfg.max_steps) if cfg.max_steps else total
 
 
-def term_diagnostics(task, terms: dict, plist: list, names: list[str], split: dict) -> dict:
+def term_diagnostics(task: torch.Tensor, terms: dict[str, tuple[torch.Tensor, float]], plist: list[torch.nn.Parameter],
+                     names: list[str], split: dict[str, str]) -> dict[str, float]:
     """Per loss term, ‖∇term‖ / ‖∇task‖ on the GLOBAL and on the PRIVATE tensors (PFAdapter's
     question: does λo·Lo move anything next to the task loss?), and the unweighted term value."""
-    def norms(loss) -> dict:
+    def norms(loss: torch.Tensor) -> dict[str, float]:
         gs = torch.autograd.grad(loss, plist, retain_graph=True, allow_unused=True)
-        sq: dict[str, list] = {"global": [], "private": []}
+        sq: dict[str, list[torch.Tensor]] = {"global": [], "private": []}
         for n, g in zip(names, gs):
             if g is not None:
                 sq["private" if split.get(n) == "private" else "global"].append((g.detach() ** 2).sum())
         return {k: float(torch.stack(v).double().sum()) ** 0.5 if v else 0.0 for k, v in sq.items()}
 
-    base, out = norms(task), {}
+    base, out = norms(task), dict[str, float]()
     for key, (v, weight) in terms.items():
         t = norms(v)
         out[f"{key}_raw"] = float(v.detach()) / weight
@@ -126,7 +155,7 @@ def term_diagnostics(task, terms: dict, plist: list, names: list[str], split: di
     return out
 
 
-def optimizer_step(opt, scaler, max_grad_norm: float = 0.0) -> None:
+def optimizer_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, max_grad_norm: float = 0.0) -> None:
     """opt.step(); with fp16's GradScaler: unscale, skip a step whose gradients overflowed, and
     adapt the scale. `max_grad_norm` > 0 first clips the gradient of all the optimizer's tensors
     together to that L2 norm, on the unscaled gradient (as Hugging Face's Trainer does)."""
@@ -141,17 +170,20 @@ def optimizer_step(opt, scaler, max_grad_norm: float = 0.0) -> None:
     scaler.update()
 
 
-def add_terms(losses: dict, loss_terms, params: dict, ctx: TrainContext, sums: dict, last: bool) -> tuple[dict, Any]:
+def add_terms(losses: dict[str, torch.Tensor], loss_terms: Sequence[LossTerm], params: Mapping[str, torch.Tensor],
+              ctx: TrainContext, sums: Sums,
+              last: bool) -> tuple[dict[str, tuple[torch.Tensor, float]], torch.Tensor | float]:
     """Add the parameter-only loss terms to losses["task"] (their values to `sums`); return, on
     the round's `last` step, {name: (term, weight)} of the weighted ones, for term_diagnostics;
     and the terms' sum (0.0 without terms: DP-SGD adds its gradient after the noise)."""
-    weighted, reg = {}, 0.0
+    weighted: dict[str, tuple[torch.Tensor, float]] = {}
+    reg: torch.Tensor | float = 0.0
     for term in loss_terms:
         v = term(params, ctx)
         key = type(term).__name__.lower()
         accumulate(sums, key, v)
         if last and getattr(term, "weight", 0) > 0 and v.requires_grad:
-            weighted[key] = (v, term.weight)
+            weighted[key] = (v, cast(WeightedTerm, term).weight)
         losses["task"] = losses["task"] + v
         reg = reg + v
     return weighted, reg
@@ -168,21 +200,22 @@ class Step:
     (`grad_transform(grads: {loss: [tensor per param]}) -> ([tensor per param], stats)`), as
     FedPuReL's purification does."""
 
-    objective: Callable | None = None
-    loss_terms: tuple = ()
-    grad_transform: Callable | None = None
+    objective: Objective | None = None
+    loss_terms: tuple[LossTerm, ...] = ()
+    grad_transform: GradTransform | None = None
 
     @classmethod
-    def of(cls, recipe) -> Step:
+    def of(cls, recipe: Recipe) -> Step:
         return cls(recipe.objective, tuple(recipe.loss_terms), recipe.grad_transform)
 
 
 PLAIN = Step()  # cross-entropy, no loss terms, the plain gradient
 
 
-def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, step: Step = PLAIN,
-                keep_opt: set[str], opt_state: dict, rng: np.random.Generator, ctx: TrainContext,
-                ids: np.ndarray | None = None, epochs: int | None = None, private=None) -> tuple[dict, dict]:
+def local_train(model: TaskModel, texts: list[str], labels: np.ndarray, *, cfg: ClientConfig, step: Step = PLAIN,
+                keep_opt: set[str], opt_state: Mapping[str, torch.Tensor], rng: np.random.Generator, ctx: TrainContext,
+                ids: np.ndarray | None = None, epochs: int | None = None,
+                private: PrivateSteps | None = None) -> tuple[Params, dict[str, float]]:
     """Train the model's trainable tensors in place on one client's data, one `Step` at a time.
 
     Returns the optimizer state of the `keep_opt` names (PRIVATE tensors: their Adam moments
@@ -202,8 +235,8 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
     ctx = ctx.to(dev)
     y_all = torch.as_tensor(labels, dtype=torch.long).to(dev)
     ids = np.arange(len(texts)) if ids is None else np.asarray(ids)
-    sums: dict[str, list] = {}
-    steps, diag = 0, {}
+    sums: Sums = {}
+    steps, diag = 0, dict[str, float]()
     # -1: no step is measured (nor under DP-SGD, whose hooks would take the extra gradients as a step's)
     last = planned_steps(len(texts), cfg, epochs) - 1 if cfg.diagnostics and not private else -1
     model.train()
@@ -218,7 +251,7 @@ def local_train(model, texts: list[str], labels: np.ndarray, *, cfg: ClientConfi
                 # parameter-only terms in fp32 (PFAdapter's orthogonality products are ~1e-9 early on)
                 task, (weighted, reg) = losses["task"], add_terms(losses, step.loss_terms, params, ctx, sums,
                                                                   steps == last)
-                total = sum(losses.values())
+                total = cast(torch.Tensor, sum(losses.values()))  # "task" at least: a tensor
                 if weighted:  # measured once a round, on its last step (where the terms have grown most)
                     diag = term_diagnostics(task, weighted, plist, names, ctx.split)
                 if dp_step is not None:  # DP-SGD (federation.dpsgd): per-example clipping and noise

@@ -19,6 +19,7 @@ and then the cross-checks, with the same one-line ConfigErrors the CLI prints (e
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fedsplice import config
 from fedsplice.algorithms import method_params
@@ -74,7 +75,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     return cfg
 
 
-def check_data(cfg: ExperimentConfig) -> dict:
+def check_data(cfg: ExperimentConfig) -> dict[str, Any]:  # JSON: the data report
     """Read the data as a run would — files, headers, labels, the split, the clients' shares, the
     scenario — without loading a model (a built-in set is fetched once, as a run would); returns
     the data report (`fedsplice.data.report`)."""

@@ -42,6 +42,7 @@ from fedsplice.model.unpad import CPU_OVERHEAD
 from fedsplice.model.vision import Projector, load_vision_tower
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from transformers import CLIPModel
 
 
@@ -270,7 +271,7 @@ class TaskModel(nn.Module):
         finally:
             self._zero_shot = False
 
-    def adapters_scaled(self, factors):
+    def adapters_scaled(self, factors: Mapping[str, float]):
         """A context in which each LoRA adapter named in `factors` ({adapter: factor}; "default"
         is the shared one, a method's `LoraParts` add theirs) acts with its output times the factor
         (0: off). A method mixes its adapters with it (FedDPA)."""
@@ -290,7 +291,7 @@ class TaskModel(nn.Module):
         return peft.lora_scalings(self.named_modules())
 
     @torch.no_grad()
-    def load_params(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_params(self, tensors: Mapping[str, torch.Tensor]) -> None:
         params = dict(self.named_parameters())
         for n, t in tensors.items():
             if params[n].shape != t.shape:
