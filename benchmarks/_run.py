@@ -20,10 +20,10 @@ from benchmarks._common import FP32, quick_sets  # also sets up the offline envi
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
-    from fedsplice.federation.validate import load_config
     from fedsplice.federation.experiment import build
-    from fedsplice.runtimes.inprocess import run_rounds
     from fedsplice.federation.store import make_store
+    from fedsplice.federation.validate import load_config
+    from fedsplice.runtimes.inprocess import run_rounds
 
     sets = job.get("set", [])
     if job.get("quick"):  # a script's --quick smoke run: the tiny model and budget first, the script's own sets win

@@ -29,10 +29,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-
-from benchmarks._common import report  # noqa: E402
 from gpucheck import fixtures as fx  # noqa: E402
 from gpucheck.runs import timed  # noqa: E402
+
+from benchmarks._common import report  # noqa: E402
 
 WIDTHS = (32, 64, 128, 192, 256, 384)
 

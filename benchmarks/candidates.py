@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import FP32, ROOT, quick_sets, report  # noqa: E402
-
 import torch  # noqa: E402  (after _common: the offline environment is set first)
+
+from benchmarks._common import FP32, ROOT, quick_sets, report  # noqa: E402
 
 if TYPE_CHECKING:
     from fedsplice.federation.experiment import Experiment

@@ -36,12 +36,12 @@ def main() -> None:
     import torch
     from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
 
-    from fedsplice.data import tiny, zoo
-    from fedsplice.model.taskmodel import TaskModel
     from fedsplice.config import ClientConfig, DataConfig, ExperimentConfig, ModelConfig, PeftConfig
     from fedsplice.core.context import TrainContext
+    from fedsplice.data import tiny, zoo
     from fedsplice.data.datasets import load_dataset
     from fedsplice.federation.train import local_train
+    from fedsplice.model.taskmodel import TaskModel
 
     tmp = Path(tempfile.mkdtemp(prefix="clip-b16-"))
     tok = zoo.tiny_tokenizer(style="clip")

@@ -48,17 +48,17 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 
 from fedsplice.algorithms.registry import build_recipe  # noqa: E402
-from fedsplice.model.taskmodel import TaskModel  # noqa: E402
 from fedsplice.config import ExperimentConfig  # noqa: E402
-from fedsplice.federation.validate import load_config  # noqa: E402
-from fedsplice.data.datasets import load_dataset  # noqa: E402
+from fedsplice.core.split import GLOBAL, PRIVATE, names_in  # noqa: E402
 from fedsplice.core.streams import CLIENT as STREAM_CLIENT  # noqa: E402
 from fedsplice.core.streams import rng, seed_torch  # noqa: E402
+from fedsplice.data.datasets import load_dataset  # noqa: E402
 from fedsplice.federation.experiment import apply_long_tail, build, make_clients  # noqa: E402
 from fedsplice.federation.metrics import classification_metrics  # noqa: E402
 from fedsplice.federation.tasks import train_context  # noqa: E402
-from fedsplice.core.split import GLOBAL, PRIVATE, names_in  # noqa: E402
 from fedsplice.federation.train import Step, local_train  # noqa: E402
+from fedsplice.federation.validate import load_config  # noqa: E402
+from fedsplice.model.taskmodel import TaskModel  # noqa: E402
 
 if TYPE_CHECKING:
     from fedsplice.federation.experiment import Experiment

@@ -37,14 +37,14 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from fedsplice.core import losses
-    from fedsplice.federation.validate import load_config
-    from fedsplice.federation.experiment import build
     from fedsplice.algorithms.fedpurel import align_objective
-    from fedsplice.core.purify import purification
+    from fedsplice.core import losses
     from fedsplice.core.context import TrainContext
     from fedsplice.core.losses import Orthogonality
+    from fedsplice.core.purify import purification
+    from fedsplice.federation.experiment import build
     from fedsplice.federation.train import Step, local_train
+    from fedsplice.federation.validate import load_config
 
     base = ROOT / "configs" / "fedavg-lora-minilm.toml"
     exp = build(load_config(base, FP32 + [f"client.max_steps={steps}", "client.batch_size=16"]))

@@ -60,8 +60,7 @@ def child(job: dict) -> None:
 
     import torch
 
-    from fedsplice.federation import build, make_store
-    from fedsplice.federation import tasks
+    from fedsplice.federation import build, make_store, tasks
     from fedsplice.federation.train import Step
     from fedsplice.federation.validate import load_config
     from fedsplice.runtimes.inprocess import run_rounds

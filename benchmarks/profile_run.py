@@ -101,11 +101,11 @@ class Timers:
 
 
 def instrument(T: Timers) -> None:
-    import fedsplice.app.runner as runner
     import fedsplice.app.rundir as rundir
+    import fedsplice.app.runner as runner
+    import fedsplice.federation.checkpoint as ckpt
     import fedsplice.federation.experiment as experiment
     import fedsplice.federation.rounds as rounds
-    import fedsplice.federation.checkpoint as ckpt
     import fedsplice.federation.train as train
     import fedsplice.model.taskmodel as taskmodel
     import fedsplice.runtimes.inprocess as inprocess
@@ -176,9 +176,10 @@ def child(job: dict) -> None:
     T = Timers()
     T.add("interpreter start", T_MAIN - t_start)
     t0 = time.perf_counter()
+    import peft  # noqa: F401
     import torch  # noqa: F401
     import transformers  # noqa: F401
-    import peft  # noqa: F401
+
     import fedsplice.app.runner  # noqa: F401
     from fedsplice.federation.validate import load_config
     T.add("imports", time.perf_counter() - t0)
@@ -288,8 +289,8 @@ def main() -> None:
     cols = ["workload", "stage", "seconds", "share"]
     md = report("profile_run", rows, cols, args.quick, notes)
     # the detail table goes under the main one in the same .md (the .csv keeps the main table)
-    from fedsplice.data.assets import atomic_write_bytes
     from benchmarks._common import RESULTS, fmt
+    from fedsplice.data.assets import atomic_write_bytes
 
     dcols = ["workload", "part", "stage", "seconds", "share"]
     table = ["| " + " | ".join(dcols) + " |", "|" + "---|" * len(dcols)]

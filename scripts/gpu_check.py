@@ -60,7 +60,6 @@ for _p in (HERE.parent / "src", HERE):
         sys.path.insert(0, str(_p))  # a checkout that was not `pip install`ed; the gpucheck package
 
 import torch  # noqa: E402
-
 from gpucheck import scale, stages  # noqa: E402
 from gpucheck.measure import Row, table  # noqa: E402
 from gpucheck.runs import Ctx  # noqa: E402

@@ -54,7 +54,6 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import matplotlib.font_manager  # noqa: E402,F401  (builds the font list into _MPL_DIR)
 import torch  # noqa: E402
-
 from timeouts import pytest_timeout_set_timer  # noqa: E402,F401  (a hook: timeouts fail the test, not the run)
 
 _DEFAULT_THREADS = torch.get_num_threads()

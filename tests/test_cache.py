@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from fedsplice.data import zoo
-from fedsplice.model.taskmodel import TaskModel
-from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.federation.experiment import build
-from fedsplice.runtimes.inprocess import run_rounds
 from fedsplice.federation.store import MemoryStore
+from fedsplice.model.cache import FrozenCache, TokenCache
+from fedsplice.model.taskmodel import TaskModel
+from fedsplice.runtimes.inprocess import run_rounds
 
 TEXTS = ["hello world game", "the moon is a plant 3", "sing a song", "a"]
 CLASSES = ["sports", "science", "music"]

@@ -5,11 +5,11 @@ import torch
 
 from fedsplice.core import wire
 from fedsplice.errors import ConfigError
+from fedsplice.federation import fit_client as client_update
 from fedsplice.federation.experiment import build
 from fedsplice.federation.gather import gather
-from fedsplice.federation import fit_client as client_update
-from fedsplice.runtimes.inprocess import run_rounds
 from fedsplice.federation.store import MemoryStore
+from fedsplice.runtimes.inprocess import run_rounds
 
 
 def _tensors(seed, scale=1.0):

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from fedsplice.app.rundir import write_config
 from fedsplice.config import (
     DEFAULT_CONFIG,
     ExperimentConfig,
@@ -13,7 +14,6 @@ from fedsplice.config import (
     read_toml,
     to_dict,
 )
-from fedsplice.app.rundir import write_config
 from fedsplice.errors import ConfigError
 from fedsplice.federation.validate import load_config  # parse + leaf checks + the cross-checks
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import tomli_w
+from conftest import MICRO_BUDGET, as_table, set_args, zoo_as_tiny
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +26,6 @@ from fedsplice.app.cli import main
 from fedsplice.config import ExperimentConfig
 from fedsplice.config import load_config as parse_config  # parse + the leaf checks only
 from fedsplice.federation.validate import load_config
-
-from conftest import MICRO_BUDGET, as_table, set_args, zoo_as_tiny
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 SHIPPED = [tomllib.loads(p.read_text()) for p in CONFIGS]

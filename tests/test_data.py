@@ -14,7 +14,6 @@ from fedsplice.data.datasets import DATASETS, TextDataset, describe_datasets, lo
 from fedsplice.data.text import detokenize, parse_brown_text, parse_email, parse_fortune_file, parse_fortune_text
 from fedsplice.errors import AssetError, ConfigError
 
-
 # ----------------------------------------------------------------------------- fortunes parser
 
 FORTUNE_RAW = """\

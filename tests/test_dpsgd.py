@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
+from fedsplice.config import ClientConfig
 from fedsplice.core.context import TrainContext
+from fedsplice.errors import ConfigError
 from fedsplice.federation import dpsgd
 from fedsplice.federation import privacy as FP
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
 from fedsplice.federation.train import local_train
-from fedsplice.config import ClientConfig
-from fedsplice.errors import ConfigError
 from fedsplice.runtimes.inprocess import run_rounds
 
 pytestmark = pytest.mark.unit

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_BUDGET
 
 import fedsplice
 from fedsplice.algorithms import registry
 from fedsplice.core import wire
 from fedsplice.federation import build, fit_client
 from fedsplice.federation.store import MemoryStore
-
-from conftest import TINY_BUDGET
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "extending.md"
@@ -120,7 +119,8 @@ def test_config_file_route_runs_the_same_method(mypkg, tiny_bert_dir, toy_jsonl,
     assert ref.params.__name__ == "FedRepParams" and ref.params.__module__ == "mypkg.fedrep"
     a = fedsplice.run(by_file, tmp_path / "by-file")
     # the same method registered by name, on the same config otherwise: the same numbers
-    from mypkg.fedrep import FedRepParams, build as fedrep_build
+    from mypkg.fedrep import FedRepParams
+    from mypkg.fedrep import build as fedrep_build
 
     fedsplice.register_algorithm("fedrep", FedRepParams, fedrep_build)
     by_name = fedsplice.load_config(toml, [*sets, "algorithm=fedrep"])

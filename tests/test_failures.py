@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedsplice.core import robust
-from fedsplice.runtimes import inprocess as simulation
-from fedsplice.core import wire
-from fedsplice.federation.experiment import build
+from fedsplice.core import robust, wire
 from fedsplice.core.server import weighted_mean
 from fedsplice.federation import Reply
-from fedsplice.runtimes.inprocess import InProcess, run_rounds
+from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
+from fedsplice.runtimes import inprocess as simulation
+from fedsplice.runtimes.inprocess import InProcess, run_rounds
 
 POISONED = 3
 BOUND = 5.0  # honest updates of this tiny setup have norms of 0.2-0.5
@@ -196,8 +195,8 @@ def test_stragglers_are_late_and_their_work_is_discarded(cfg):
     never = {cid for _, cid in late} - trained
     assert all(store.get(cid) is None for cid in never)  # a late client's PRIVATE state is untouched
     # a deadline above the stragglers' delay makes nobody late (checked by the config: an error)
-    from fedsplice.federation.validate import load_config
     from fedsplice.errors import ConfigError
+    from fedsplice.federation.validate import load_config
 
     with pytest.raises(ConfigError, match="round_deadline_s"):
         load_config(None, ["faults.straggler=0.5", "server.round_deadline_s=90"])

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from fedsplice.algorithms import fedpurel as fp
 from fedsplice.core import purify as PU
 from fedsplice.core import tkl as T
-from fedsplice.runtimes import inprocess as simulation
 from fedsplice.core import wire
 from fedsplice.core.context import TrainContext
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
 from fedsplice.federation.tasks import train_context
 from fedsplice.federation.train import Step, local_train
+from fedsplice.runtimes import inprocess as simulation
 
 # ----------------------------------------------------------------------------- temperature
 
@@ -544,8 +544,7 @@ def test_fedpurel_run_writes_longtail_results_and_personalizes_locally(
 
 def _count_local_steps(monkeypatch) -> list[int]:
     """Record the steps of every local_train call, under every name the client tasks call it by."""
-    from fedsplice.federation import tasks
-    from fedsplice.federation import train
+    from fedsplice.federation import tasks, train
 
     steps, orig = [], train.local_train
 

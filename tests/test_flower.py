@@ -26,12 +26,12 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
+from fedsplice.app.flower import launcher
+from fedsplice.app.runner import run_experiment
 from fedsplice.core import wire
 from fedsplice.federation.experiment import build
 from fedsplice.runtimes.flower import certs
-from fedsplice.app.flower import launcher
 from fedsplice.runtimes.flower.records import RecordError, decode, from_record, to_record, weigh
-from fedsplice.app.runner import run_experiment
 
 SUPERNODES = 3  # = the 3 training clients of the tiny budget: one client per SuperNode
 
@@ -423,9 +423,9 @@ def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedsplice.config import to_dict
+    from fedsplice.federation.store import MemoryStore
     from fedsplice.runtimes.flower.transport import FlowerTransport, JsonLog
     from fedsplice.runtimes.inprocess import run_rounds
-    from fedsplice.federation.store import MemoryStore
 
     for k, v in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, k, v)
@@ -451,8 +451,8 @@ def in_process(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path, monkeypatch):
                                      {"mode": "central", "clip": 0.05, "noise_multiplier": 1.0},
                                      {"local": "dpsgd", "local_noise_multiplier": 1.0}])
 def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_bert_dir, toy_jsonl, privacy):
-    from fedsplice.runtimes.inprocess import run_rounds
     from fedsplice.federation.store import MemoryStore
+    from fedsplice.runtimes.inprocess import run_rounds
 
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl)
     if privacy:
@@ -581,8 +581,8 @@ def test_flower_app_is_a_valid_flower_app(cfg_factory, tiny_bert_dir, toy_jsonl,
     from flwr.cli.config_utils import load_and_validate
 
     from fedsplice.app.cli import main
-    from fedsplice.runtimes.flower.transport import CONFIG_KEY
     from fedsplice.federation import config_from_text
+    from fedsplice.runtimes.flower.transport import CONFIG_KEY
 
     cfg = _write_cfg(cfg_factory(tiny_bert_dir, toy_jsonl), tmp_path / "cfg.toml")
     assert main(["flower", "app", str(cfg), "--app-dir", str(tmp_path / "app"), "--out", "/srv/run"]) == 0
@@ -599,8 +599,9 @@ def test_in_process_flower_equals_the_simulation_on_generated_answers(in_process
                                                                       instruct_jsonl):
     """model.task = "generate": the same response losses and answer scores through Flower's messages."""
     from conftest import GEN_BUDGET
-    from fedsplice.runtimes.inprocess import run_rounds
+
     from fedsplice.federation.store import MemoryStore
+    from fedsplice.runtimes.inprocess import run_rounds
 
     cfg = cfg_factory(tiny_llama_dir, instruct_jsonl, **{**GEN_BUDGET, "server__rounds": 2})
     exp_s, sim = build(cfg), []

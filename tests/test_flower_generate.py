@@ -9,12 +9,11 @@ import json
 
 import flwr  # noqa: F401  a pinned test dependency: a broken install must fail here, not skip
 import pytest
+from conftest import GEN_BUDGET
 
 from fedsplice.app.flower import launcher
 from fedsplice.app.runner import run_experiment
 from fedsplice.federation.experiment import build
-
-from conftest import GEN_BUDGET
 
 
 @pytest.mark.integration

@@ -183,10 +183,10 @@ def test_max_grad_norm_clips_the_step_by_hand():
 
 
 def test_fp4_is_bitsandbytes_default_4bit_type():
+    import bitsandbytes  # noqa: F401  pinned in the test extras: a broken install fails here, never skips
+
     from fedsplice.federation.validate import load_config
     from fedsplice.model.loading import quantization_config
-
-    import bitsandbytes  # noqa: F401  pinned in the test extras: a broken install fails here, never skips
     q = quantization_config(load_config(None, ["model.quantization=fp4", "runtime.precision=fp32"]))
     assert (q.load_in_4bit, q.bnb_4bit_quant_type, q.bnb_4bit_use_double_quant) == (True, "fp4", False)
     assert q.bnb_4bit_compute_dtype == torch.float32

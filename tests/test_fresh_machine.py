@@ -12,7 +12,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from timeouts import in_gc_callback
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import GEN_BUDGET
 
 

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
+from conftest import GEN_BUDGET
 
 from fedsplice.core import wire
 from fedsplice.errors import ConfigError
 
-from conftest import GEN_BUDGET
 
 @pytest.fixture
 def gen_cfg(cfg_factory, tiny_llama_dir, instruct_jsonl):

@@ -11,12 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import GEN_BUDGET
 from PIL import Image
 
 from fedsplice.core import wire
 from fedsplice.errors import ConfigError
-
-from conftest import GEN_BUDGET
 
 COLOURS = {"red": (200, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 200)}
 

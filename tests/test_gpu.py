@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from test_unpad import build, inputs, logits_and_grads
+
 from fedsplice.model import taskmodel
 
 pytestmark = pytest.mark.gpu

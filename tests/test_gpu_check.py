@@ -33,7 +33,8 @@ def _load_script():
 
 
 gpu_check = _load_script()
-from gpucheck import fixtures as fx, measure, runs, stages  # noqa: E402 (on sys.path once the script loaded)
+from gpucheck import fixtures as fx  # noqa: E402 (on sys.path once the script loaded)
+from gpucheck import measure, runs, stages  # noqa: E402
 
 
 def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:

@@ -9,13 +9,13 @@ import torch
 
 from fedsplice.app.cli import main
 from fedsplice.core import grab as G
+from fedsplice.core import wire
+from fedsplice.core.context import TrainContext
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
-from fedsplice.core.context import TrainContext
 from fedsplice.federation.tasks import fit, grab_balancer, train_context
 from fedsplice.federation.train import cross_entropy_objective
-from fedsplice.core import wire
 
 LN3 = math.log(3.0)
 U2 = 100.0 * math.log(9.0 / 4.0)  # f(U2) = 2, f(-U2) = 8/17 (β = 1/9, λ = 0.01)

@@ -17,8 +17,7 @@ from fedsplice.data.assets import manifest_digest, sha256_file
 from fedsplice.data.datasets import DATASETS, describe_datasets, load_dataset
 from fedsplice.data.imagecache import load_parsed, save_parsed
 from fedsplice.data.images import decode_image
-from fedsplice.data.imagesets import (parse_easyvqa, parse_emoji, parse_fashion_mnist, parse_idx,
-                                      parse_tuxpaint)
+from fedsplice.data.imagesets import parse_easyvqa, parse_emoji, parse_fashion_mnist, parse_idx, parse_tuxpaint
 from fedsplice.data.samples import Sample
 from fedsplice.errors import AssetError, ConfigError
 

@@ -7,9 +7,9 @@ import pickle
 
 import pytest
 
-from fedsplice.federation import textmetrics as T
 from fedsplice.data import instruct as I
 from fedsplice.errors import ConfigError
+from fedsplice.federation import textmetrics as T
 
 
 def test_the_three_forms_give_the_same_turns():

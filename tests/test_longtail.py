@@ -6,12 +6,12 @@ import math
 import numpy as np
 import pytest
 
-from fedsplice.federation.validate import load_config
 from fedsplice.data.datasets import TextDataset
+from fedsplice.data.partition import long_tail_counts
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import apply_long_tail
 from fedsplice.federation.metrics import balancedness, head_bias, longtail_metrics, per_class_counts, shot_groups
-from fedsplice.data.partition import long_tail_counts
+from fedsplice.federation.validate import load_config
 
 # ----------------------------------------------------------------------------- balancedness
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from fedsplice.errors import ConfigError
 from fedsplice.core.context import TrainContext
 from fedsplice.core.losses import Orthogonality, Proximal, ortho_column, ortho_naive, ortho_row
 from fedsplice.core.split import ParamInfo
+from fedsplice.errors import ConfigError
 
 
 def _lora(out, inp, r, gen, dtype=torch.float64):

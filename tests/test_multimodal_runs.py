@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TINY_RUN, ZOO_SMALL, set_args
 from PIL import Image
 
+from fedsplice.app.cli import main
 from fedsplice.core import wire
 from fedsplice.data import zoo
-from fedsplice.app.cli import main
-
-from conftest import TINY_RUN, ZOO_SMALL, set_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ["circle", "square", "triangle"]

@@ -5,7 +5,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedsplice.errors import ConfigError
 from fedsplice.data.partition import (
     dirichlet_partition,
     iid_partition,
@@ -15,6 +14,7 @@ from fedsplice.data.partition import (
     long_tail_subsample,
     shard_partition,
 )
+from fedsplice.errors import ConfigError
 
 
 def balanced_labels(num_classes=10, per_class=100):

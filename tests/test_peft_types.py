@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from fedsplice.algorithms.registry import display_name
-from fedsplice.model.taskmodel import TaskModel
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
-from fedsplice.federation.tasks import train_context
-from fedsplice.runtimes.inprocess import run_rounds
 from fedsplice.federation.store import MemoryStore
+from fedsplice.federation.tasks import train_context
 from fedsplice.federation.train import cross_entropy_objective, local_train
+from fedsplice.model.taskmodel import TaskModel
+from fedsplice.runtimes.inprocess import run_rounds
 
 CLASSES = ["sports", "science", "music"]
 

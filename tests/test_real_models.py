@@ -10,10 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import ZOO_SMALL, set_args
 
 from fedsplice.app.cli import main
-
-from conftest import ZOO_SMALL, set_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

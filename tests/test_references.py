@@ -21,7 +21,6 @@ from fedsplice.federation import build, evaluate_only, pooled, tasks
 from fedsplice.federation.evaluation import evaluate_global, summarize_pm
 from fedsplice.runtimes.inprocess import InProcess
 
-
 # ----------------------------------------------------------------------------- by hand
 
 # 3 classes. Training labels of the 3 training clients (client 3 is held out, never pooled):

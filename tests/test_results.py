@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 
 from fedsplice.app import compare as C
+from fedsplice.app.cli import main
+from fedsplice.app.report import md_to_html, render, write_report
+from fedsplice.app.rundir import write_config
+from fedsplice.errors import ConfigError
 from fedsplice.study import claims as V
 from fedsplice.study import curves as H
 from fedsplice.study import results as R
-from fedsplice.app.cli import main
-from fedsplice.errors import ConfigError
-from fedsplice.app.report import md_to_html, render, write_report
-from fedsplice.app.rundir import write_config
-
 
 SUITE = """
 seeds = 2
@@ -361,8 +360,8 @@ def test_setting_text_is_read_from_the_configs():
     FedPuReL's phase 2 says which schedule (and T_p) the runs used."""
     import copy
 
-    from fedsplice.study.settings import setting_text
     from fedsplice.config import ExperimentConfig
+    from fedsplice.study.settings import setting_text
 
     a = ExperimentConfig()
     b, c = copy.deepcopy(a), copy.deepcopy(a)

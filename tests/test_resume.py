@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from fedsplice.federation import checkpoint as ckpt
 from fedsplice.app.cli import main
 from fedsplice.config import to_dict
+from fedsplice.federation import checkpoint as ckpt
 
 ROUNDS = 8
 SEED = int(os.environ.get("FEDSPLICE_KILL_SEED", random.SystemRandom().randrange(10**6)))
@@ -247,8 +247,8 @@ def test_resume_without_any_checkpoint_starts_over(setups, tmp_path):
 
 
 def test_checkpoints_are_pruned_and_share_unchanged_clients(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path):
-    from fedsplice.federation.experiment import sampling_stream
     from fedsplice.app.runner import run_experiment
+    from fedsplice.federation.experiment import sampling_stream
 
     cfg = _config(cfg_factory, tiny_bert_dir, toy_jsonl, runtime__keep_checkpoints="2", server__rounds="4")
     run_experiment(cfg, tmp_path / "run", quiet=True)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from fedsplice.config import ExperimentConfig, ScenarioConfig, from_dict
-from fedsplice.data.datasets import TextDataset
-from fedsplice.errors import ConfigError
-from fedsplice.federation.experiment import make_clients
 from fedsplice.core.streams import SCENARIO, rng
+from fedsplice.data.datasets import TextDataset
 from fedsplice.data.samples import Sample
 from fedsplice.data.scenarios import apply_scenario, count_of, gaussian_noise, noise_tag, summary_line
+from fedsplice.errors import ConfigError
+from fedsplice.federation.experiment import make_clients
 
 C, PER_CLASS, N_TEST = 10, 40, 10  # 300 training and 100 global test samples
 

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from fedsplice.errors import ConfigError
 from fedsplice.core.server import (
     SERVER_OPTIMIZERS,
     deltas,
@@ -17,6 +16,7 @@ from fedsplice.core.server import (
     make_server_optimizer,
     weighted_mean,
 )
+from fedsplice.errors import ConfigError
 
 # Two tensors, three rounds.  Deltas mix large and small magnitudes and zeros so Yogi's
 # sign(v - Δ²) takes both signs (round 1: Δ² > v, round 2 with |Δ| = 0.01 or 0: Δ² < v).

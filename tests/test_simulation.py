@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedsplice.runtimes import inprocess as simulation
-from fedsplice.core import wire
-from fedsplice.federation.experiment import build
 from fedsplice.app.runner import run_experiment
+from fedsplice.core import wire
 from fedsplice.core.server import deltas, fedavg, weighted_mean
-from fedsplice.runtimes.inprocess import run_rounds
+from fedsplice.federation.experiment import build
 from fedsplice.federation.store import DiskStore, MemoryStore
+from fedsplice.runtimes import inprocess as simulation
+from fedsplice.runtimes.inprocess import run_rounds
 
 EMPTY_PAYLOAD = len(wire.encode({}))
 

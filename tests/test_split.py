@@ -2,8 +2,8 @@
 
 import pytest
 
-from fedsplice.core import split as S
 from fedsplice.algorithms.registry import build_recipe
+from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
 BERT_ROLE = {"q": "attention.self.query", "k": "attention.self.key",

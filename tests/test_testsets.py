@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import write_toy_jsonl
 
 from fedsplice.config import ExperimentConfig, from_dict
 from fedsplice.core.streams import LOCAL_TEST, PARTITION, SCENARIO, rng
@@ -17,8 +18,6 @@ from fedsplice.data.scenarios import apply_scenario
 from fedsplice.data.testsets import client_quotas, deal, disjoint_clients, fill, top_up
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build_data, make_clients, split_data
-
-from conftest import write_toy_jsonl
 
 W = np.array([[3, 1, 0], [1, 1, 2]])  # two clients' training counts over 3 classes
 

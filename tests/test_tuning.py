@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from fedsplice.errors import ConfigError
 from fedsplice.study import results as R
 from fedsplice.study import tuning as T
-from fedsplice.errors import ConfigError
 
 
 def write_run(d: Path, pm: list[float], losses: list[float]) -> Path:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedsplice.model.verbalizer import cut_prompt, tokenize_answers, verbalizer_logits
 from fedsplice.data.zoo import tiny_llama
+from fedsplice.model.verbalizer import cut_prompt, tokenize_answers, verbalizer_logits
 
 PROMPTS = [
     "the dog ran to the river and saw a big fish",

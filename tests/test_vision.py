@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedsplice.data import zoo
-from fedsplice.model.taskmodel import TaskModel
 from fedsplice.config import DataConfig, ExperimentConfig, ModelConfig, PeftConfig
-from fedsplice.errors import ConfigError
-from fedsplice.data.samples import Sample
 from fedsplice.core.split import GLOBAL, PRIVATE, by_roles
+from fedsplice.data import zoo
+from fedsplice.data.samples import Sample
+from fedsplice.errors import ConfigError
+from fedsplice.model.taskmodel import TaskModel
 
 CLASSES = ["circle", "square", "triangle"]
 

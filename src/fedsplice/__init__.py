@@ -26,9 +26,21 @@ _LAZY = ("load_config", "run", "resume", "load_result", "compare", "register_alg
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real signatures (__getattr__ re-exports them)
-    from fedsplice.app.api import (AssetError, CompareRow, ConfigError,  # noqa: F401  re-exported lazily (__getattr__)
-                                   FedspliceError, RunResult, compare, list_algorithms, load_config, load_export,
-                                   load_result, register_algorithm, resume, run)
+    from fedsplice.app.api import (  # noqa: F401  re-exported lazily (__getattr__)
+        AssetError,
+        CompareRow,
+        ConfigError,
+        FedspliceError,
+        RunResult,
+        compare,
+        list_algorithms,
+        load_config,
+        load_export,
+        load_result,
+        register_algorithm,
+        resume,
+        run,
+    )
 
 
 def __getattr__(name: str):

@@ -11,10 +11,28 @@ composes a `Recipe` from core parts (a split, loss terms, an objective, a grad t
 """
 
 from fedsplice.algorithms.hooks import ClientOps
-from fedsplice.algorithms.recipe import (Algorithm, Exchange, LoraParts, NoParams, Personal, Phase, PromptParts, Recipe,
-                                         clone, refuse_grab)
-from fedsplice.algorithms.registry import (available, build_recipe, display_name, get_algorithm, lora_parts,
-                                           method_params, prompt_parts, register_algorithm)
+from fedsplice.algorithms.recipe import (
+                                         Algorithm,
+                                         Exchange,
+                                         LoraParts,
+                                         NoParams,
+                                         Personal,
+                                         Phase,
+                                         PromptParts,
+                                         Recipe,
+                                         clone,
+                                         refuse_grab,
+)
+from fedsplice.algorithms.registry import (
+                                         available,
+                                         build_recipe,
+                                         display_name,
+                                         get_algorithm,
+                                         lora_parts,
+                                         method_params,
+                                         prompt_parts,
+                                         register_algorithm,
+)
 
 __all__ = ["Algorithm", "ClientOps", "Exchange", "LoraParts", "NoParams", "Personal", "Phase", "PromptParts",
            "Recipe", "available", "build_recipe", "clone", "display_name", "get_algorithm", "lora_parts",

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fedsplice.algorithms.promptfolio import PROMPTFOLIO
 from fedsplice.algorithms.hooks import CheckConfig
+from fedsplice.algorithms.promptfolio import PROMPTFOLIO
 from fedsplice.algorithms.recipe import Algorithm, Infos, NoParams, Recipe, Scalings, Shapes, no_server_step
 from fedsplice.core import split as S
 from fedsplice.core.losses import Proximal

@@ -13,8 +13,8 @@ Learning", CVPR 2024, https://arxiv.org/abs/2403.00041; official code HongxiaLee
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 

@@ -22,8 +22,8 @@ from torch import nn
 
 from fedsplice.algorithms.hooks import Objective
 from fedsplice.algorithms.recipe import Algorithm, Infos, PromptParts, Recipe, refuse_grab
-from fedsplice.core.context import TrainContext
 from fedsplice.core import split as S
+from fedsplice.core.context import TrainContext
 from fedsplice.core.losses import prompt_contrastive
 from fedsplice.errors import ConfigError
 

@@ -23,8 +23,8 @@ from torch import nn
 
 from fedsplice.algorithms.hooks import ClientOps, Objective, Slot, Tensors
 from fedsplice.algorithms.recipe import Algorithm, Infos, Personal, Recipe, Scalings, Shapes, default_label, refuse_grab
-from fedsplice.core.context import TrainContext
 from fedsplice.core import split as S
+from fedsplice.core.context import TrainContext
 from fedsplice.core.purify import TIE_TOL, purification
 from fedsplice.core.tkl import tkl
 from fedsplice.errors import ConfigError

@@ -29,8 +29,8 @@ import torch
 
 from fedsplice.algorithms.hooks import ClientOps, LossTerm, Scores, Slot, Tensors
 from fedsplice.algorithms.recipe import Algorithm, Exchange, Infos, Personal, Recipe, Shapes
-from fedsplice.core.context import TrainContext
 from fedsplice.core import split as S
+from fedsplice.core.context import TrainContext
 from fedsplice.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ the client between its tasks and never sent. Where a hook's argument is the mode
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch

@@ -8,14 +8,28 @@ runs every recipe with the same client tasks and the same round loop (docs/desig
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
-from collections.abc import Mapping
 
 import torch
 
-from fedsplice.algorithms.hooks import (After, CheckConfig, ClassEmbeddings, Fit, GradTransform, Label, LossTerm,
-                                        Objective, Predict, PromptModules, Receive, Send, TokenScorerFn, Weights)
+from fedsplice.algorithms.hooks import (
+    After,
+    CheckConfig,
+    ClassEmbeddings,
+    Fit,
+    GradTransform,
+    Label,
+    LossTerm,
+    Objective,
+    Predict,
+    PromptModules,
+    Receive,
+    Send,
+    TokenScorerFn,
+    Weights,
+)
 from fedsplice.core.split import ParamInfo
 from fedsplice.errors import ConfigError
 

@@ -22,14 +22,26 @@ from fedsplice.algorithms.baselines import BASELINES, LORA_BASELINES
 from fedsplice.algorithms.feddpa import FEDDPA
 from fedsplice.algorithms.fedotp import FEDOTP
 from fedsplice.algorithms.fedpgp import FEDPGP
-from fedsplice.algorithms.flora import FLORA
 from fedsplice.algorithms.fedpurel import FEDPUREL
+from fedsplice.algorithms.flora import FLORA
 from fedsplice.algorithms.hetlora import HETLORA
+from fedsplice.algorithms.hooks import CheckConfig
 from fedsplice.algorithms.pfadapter import PFADAPTER
 from fedsplice.algorithms.pfedlora import PFEDLORA
-from fedsplice.algorithms.hooks import CheckConfig
-from fedsplice.algorithms.recipe import (Algorithm, Build, Infos, LoraParts, LoraPartsOf, NoParams, PromptParts,
-                                         PromptPartsOf, Recipe, Scalings, Shapes, default_label)
+from fedsplice.algorithms.recipe import (
+    Algorithm,
+    Build,
+    Infos,
+    LoraParts,
+    LoraPartsOf,
+    NoParams,
+    PromptParts,
+    PromptPartsOf,
+    Recipe,
+    Scalings,
+    Shapes,
+    default_label,
+)
 from fedsplice.algorithms.references import REFERENCES
 from fedsplice.config import from_dict
 from fedsplice.core import split as S

@@ -15,10 +15,10 @@ from fedsplice.errors import FedspliceError, need
 
 
 def cmd_run(args) -> None:
-    from fedsplice.federation.validate import load_config
     from fedsplice.app.rundir import default_out
     from fedsplice.app.runner import console, run_experiment
     from fedsplice.app.summary import print_table
+    from fedsplice.federation.validate import load_config
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else default_out(cfg)

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from fedsplice.errors import ConfigError
-from fedsplice.data.assets import atomic_write_bytes
 from fedsplice.app.rundir import atomic_write_text
+from fedsplice.data.assets import atomic_write_bytes
+from fedsplice.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedsplice.config import ExperimentConfig
@@ -91,8 +91,8 @@ class RunLines:
 
 def _one(cfg, d: Path, threads: int, lines: RunLines | None = None) -> dict:
     """One run, resumed from its checkpoints when it has any (also the body of a --jobs worker)."""
-    from fedsplice.federation.checkpoint import DIRNAME
     from fedsplice.app.runner import resume_experiment, run_experiment
+    from fedsplice.federation.checkpoint import DIRNAME
 
     if threads:  # a worker process: its share of the cores (runtime.threads, if set, wins)
         import torch

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from markdown_it import MarkdownIt
 
-from fedsplice.errors import ConfigError
 from fedsplice.app.rundir import atomic_write_text
+from fedsplice.errors import ConfigError
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #bbb;padding:3px 7px;

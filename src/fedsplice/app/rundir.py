@@ -13,8 +13,8 @@ from pathlib import Path
 import tomli_w
 
 from fedsplice.algorithms.registry import display_name
-from fedsplice.data.assets import atomic_write_bytes, atomic_write_json, atomic_write_text, dumps
 from fedsplice.config import ExperimentConfig, to_dict
+from fedsplice.data.assets import atomic_write_bytes, atomic_write_json, atomic_write_text, dumps
 from fedsplice.errors import ConfigError
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import closing, contextmanager
 from pathlib import Path
-from collections.abc import Callable
 
 from fedsplice.algorithms import display_name
 from fedsplice.app import rundir
@@ -27,11 +27,19 @@ from fedsplice.data.report import summary_lines
 from fedsplice.data.scenarios import summary_line
 from fedsplice.data.zoo import random_label
 from fedsplice.errors import ConfigError
-from fedsplice.federation import (build, cold_start, evaluate_only, make_store, movement, personalization, references,
-                                 run_rounds)
+from fedsplice.federation import (
+    build,
+    cold_start,
+    evaluate_only,
+    make_store,
+    movement,
+    personalization,
+    references,
+    run_rounds,
+)
 from fedsplice.federation import checkpoint as ckpt
-from fedsplice.federation.validate import load_config
 from fedsplice.federation.rounds import SECAGG_NEEDS_FLOWER
+from fedsplice.federation.validate import load_config
 from fedsplice.runtimes.inprocess import InProcess
 from fedsplice.runtimes.workers import Workers, check_workers
 

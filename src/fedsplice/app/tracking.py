@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
-from collections.abc import Callable
 
 from fedsplice.errors import ConfigError
 

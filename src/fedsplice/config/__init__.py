@@ -21,11 +21,19 @@ from fedsplice.config.checks import ROLES, check_positive, check_roles
 from fedsplice.config.experiment import DEFAULT_CONFIG, ExperimentConfig, load_config, saved_as_current, to_dict
 from fedsplice.config.parsing import apply_overrides, from_dict, parse_value, read_toml
 from fedsplice.config.privacy import PrivacyConfig
-from fedsplice.config.tracking import TrackingConfig
 from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, GrabConfig, RuntimeConfig, ServerConfig
-from fedsplice.config.task import (HF, SITES, USER_DATA_KINDS, DataConfig, ModelConfig, PeftConfig, ScenarioConfig,
-                                   check_user_path, user_data)
-
+from fedsplice.config.task import (
+                                   HF,
+                                   SITES,
+                                   USER_DATA_KINDS,
+                                   DataConfig,
+                                   ModelConfig,
+                                   PeftConfig,
+                                   ScenarioConfig,
+                                   check_user_path,
+                                   user_data,
+)
+from fedsplice.config.tracking import TrackingConfig
 
 __all__ = ["DEFAULT_CONFIG", "HF", "ROLES", "SITES", "USER_DATA_KINDS", "ClientConfig", "DataConfig", "EvalConfig",
            "ExperimentConfig", "FaultsConfig", "GrabConfig", "ModelConfig", "PeftConfig", "PrivacyConfig",

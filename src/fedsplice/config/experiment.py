@@ -17,9 +17,9 @@ from pathlib import Path
 from fedsplice.config.generate import check_generate
 from fedsplice.config.parsing import apply_overrides, from_dict, read_toml
 from fedsplice.config.privacy import PrivacyConfig
-from fedsplice.config.tracking import TrackingConfig
 from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, GrabConfig, RuntimeConfig, ServerConfig
 from fedsplice.config.task import DataConfig, ModelConfig, PeftConfig, ScenarioConfig
+from fedsplice.config.tracking import TrackingConfig
 from fedsplice.errors import ConfigError
 
 

@@ -17,7 +17,6 @@ from fedsplice.core.context import TrainContext
 from fedsplice.core.split import ParamInfo
 from fedsplice.errors import ConfigError
 
-
 # ----------------------------------------------------------------- PFAdapter orthogonality
 # Lo = Σ_layers Σ_{g∈G} Σ_{p∈P} ‖ΔW_gᵀ ΔW_p‖²_F with ΔW = s·B·A (B: out×r, A: r×in).
 # Never form d×d products: both forms below are O(d·r²).

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import NamedTuple
-from collections.abc import Callable, Sequence
 
 import torch
 

@@ -22,19 +22,19 @@ what was done: the split, what was dropped and why, and warnings.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 
 import numpy as np
 
-from fedsplice.data import flowertune, imagesets, instruct, wordnet
-from fedsplice.data.assets import atomic_write_json, cache_dir
-from fedsplice.errors import AssetError, ConfigError
-from fedsplice.data import text as txt
 from fedsplice.config import HF
+from fedsplice.data import flowertune, imagesets, instruct, wordnet
+from fedsplice.data import text as txt
+from fedsplice.data.assets import atomic_write_json, cache_dir
 from fedsplice.data.hubdata import HubColumns, load_hub, load_hub_instructions
 from fedsplice.data.userdata import load_user
+from fedsplice.errors import AssetError, ConfigError
 
 # The class-side template of users' data; built-in sets bring their own (DatasetInfo.class_prompt).
 GENERIC_PROMPT = "{label}."

@@ -16,8 +16,8 @@ for any instruction record (fedsplice.data.instruct).
 
 from __future__ import annotations
 
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 
 from fedsplice.data import instruct
 from fedsplice.errors import ConfigError

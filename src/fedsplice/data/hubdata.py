@@ -13,9 +13,9 @@ With model.task = "generate" the rows are instruction records under their own fi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 
 from fedsplice.data import images as imagedata
 from fedsplice.data import instruct

@@ -25,8 +25,8 @@ import csv
 import hashlib
 import io
 import json
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 

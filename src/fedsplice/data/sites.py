@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from fedsplice.config import SITES
-from fedsplice.data.datasets import TextDataset, rename_classes, split_given, split_report, small_test_warnings
+from fedsplice.data.datasets import TextDataset, rename_classes, small_test_warnings, split_given, split_report
 from fedsplice.data.userdata import load_user
 from fedsplice.errors import ConfigError
-
 
 
 def _user_spec(spec: str, field: str) -> tuple[str, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 TINY_WORDS = (
     "the of and to a in is it you that he was for on are with as i his they be at one have this "
     "from or had by not but what some we can out other were all there when up use your how said "

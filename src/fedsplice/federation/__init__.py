@@ -18,19 +18,26 @@ import tomllib
 from fedsplice.config import SITES, ExperimentConfig, from_dict
 from fedsplice.core import wire
 from fedsplice.core.robust import check_update
+from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation import ledger
 from fedsplice.federation.calls import Observer
 from fedsplice.federation.evaluation import movement, references
 from fedsplice.federation.experiment import Client, Experiment, build
 from fedsplice.federation.gather import Secured
 from fedsplice.federation.ledger import masked_rows, site_masked
-from fedsplice.federation.rounds import (Reply, Transport, cold_start, evaluate_only, gm_and_pm, personalization,
-                                         run_rounds)
+from fedsplice.federation.rounds import (
+    Reply,
+    Transport,
+    cold_start,
+    evaluate_only,
+    gm_and_pm,
+    personalization,
+    run_rounds,
+)
 from fedsplice.federation.store import DiskStore, Store, make_store
 from fedsplice.federation.tasks import TASKS, accepts
 from fedsplice.federation.tasks import fit as fit_client
 from fedsplice.federation.tasks import run_task as client_task
-from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation.validate import load_config
 from fedsplice.federation.validate import validate as validate_config
 

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from fedsplice.core.tkl import tkl
-from fedsplice.federation.generative import scores as answer_scores, summarize as summarize_answers
+from fedsplice.federation.generative import scores as answer_scores
+from fedsplice.federation.generative import summarize as summarize_answers
 from fedsplice.federation.metrics import classification_metrics, longtail_metrics, per_class_counts, summarize_clients
 from fedsplice.federation.state import ClientState
 

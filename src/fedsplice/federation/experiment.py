@@ -14,25 +14,25 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedsplice.algorithms import Recipe, clone
+from fedsplice.config import SITES, ExperimentConfig
+from fedsplice.core.server import ServerOptimizer, make_server_optimizer
+from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, VALIDATION, rng
 from fedsplice.data import flowertune
 from fedsplice.data import partition as P
-from fedsplice.data.partition import Client as Client  # re-exported: fedsplice.federation.experiment.Client
-from fedsplice.data.instruct import natural_clients
-from fedsplice.algorithms import Recipe, clone
-from fedsplice.federation.generative import check_images, length_warnings_of
-from fedsplice.federation.plan import check_loaded, plan
-from fedsplice.federation.privacy import Plan
-from fedsplice.federation.privacy import plan as privacy_plan
-from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, VALIDATION, rng
-from fedsplice.model.taskmodel import TaskModel
-from fedsplice.config import SITES, ExperimentConfig
 from fedsplice.data.datasets import TextDataset, load_dataset
 from fedsplice.data.hubdata import HubColumns
-from fedsplice.data.sites import load_server_test, load_site
+from fedsplice.data.instruct import natural_clients
+from fedsplice.data.partition import Client as Client  # re-exported: fedsplice.federation.experiment.Client
 from fedsplice.data.scenarios import apply_scenario
+from fedsplice.data.sites import load_server_test, load_site
 from fedsplice.data.testsets import disjoint_clients
-from fedsplice.core.server import ServerOptimizer, make_server_optimizer
+from fedsplice.federation.generative import check_images, length_warnings_of
+from fedsplice.federation.plan import check_loaded, plan
 from fedsplice.federation.pooled import prepare_reference
+from fedsplice.federation.privacy import Plan
+from fedsplice.federation.privacy import plan as privacy_plan
+from fedsplice.model.taskmodel import TaskModel
 
 
 @dataclass

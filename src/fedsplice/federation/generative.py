@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import numpy as np
 
 from fedsplice.errors import ConfigError
-from fedsplice.federation.textmetrics import choice_letter, scores as text_scores
+from fedsplice.federation.textmetrics import choice_letter
+from fedsplice.federation.textmetrics import scores as text_scores
 from fedsplice.model.generate import encode
 
 if TYPE_CHECKING:

@@ -17,24 +17,28 @@ steps with that.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
-from collections.abc import Callable
 
 import numpy as np
 
 from fedsplice.core import wire
+
 # aggregate, deltas, gather, evaluate_global: re-exported (benchmarks/profile_run.py times them here)
 from fedsplice.core.robust import aggregate as aggregate
-from fedsplice.core.server import Params, deltas as deltas, weighted_mean
+from fedsplice.core.server import Params, weighted_mean
+from fedsplice.core.server import deltas as deltas
+from fedsplice.errors import ConfigError
 from fedsplice.federation.calls import ask
 from fedsplice.federation.checkpoint import RoundState
-from fedsplice.federation.evaluation import evaluate_global as evaluate_global, pooled_gm, summarize_pm
+from fedsplice.federation.evaluation import evaluate_global as evaluate_global
+from fedsplice.federation.evaluation import pooled_gm, summarize_pm
+from fedsplice.federation.gather import Gathered, Upload, secure_gather
+from fedsplice.federation.gather import gather as gather
 from fedsplice.federation.ledger import SERVER, write_split
 from fedsplice.federation.ledger import append as ledger_append
 from fedsplice.federation.ledger import rows as ledger_rows
-from fedsplice.errors import ConfigError
-from fedsplice.federation.gather import Gathered, Upload, gather as gather, secure_gather
 from fedsplice.federation.privacy import secure_release, server_aggregate
 
 if TYPE_CHECKING:

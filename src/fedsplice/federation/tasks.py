@@ -22,8 +22,8 @@ and a prior recipe (majority, local-prior) scores constant log-prior logits in `
 from __future__ import annotations
 
 import dataclasses
-from contextlib import nullcontext
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -32,22 +32,21 @@ import torch
 
 from fedsplice.algorithms import Personal, Phase, clone, refuse_grab
 from fedsplice.core import grab as G
-from fedsplice.core import wire
-from fedsplice.core import streams
+from fedsplice.core import streams, wire
 from fedsplice.core.context import TrainContext
-from fedsplice.federation.generative import scores as answer_scores
 from fedsplice.federation.dpsgd import session as dpsgd_session
 from fedsplice.federation.evaluation import prior_logits, score
+from fedsplice.federation.generative import scores as answer_scores
+from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.metrics import classification_metrics
 from fedsplice.federation.pooled import pooled_budget
-from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.privacy import client_release
 from fedsplice.federation.state import ClientState
 from fedsplice.federation.train import PLAIN, Step, local_train, planned_steps
 
 if TYPE_CHECKING:
-    from fedsplice.algorithms.hooks import After, Objective, Scores
     from fedsplice.algorithms import Recipe
+    from fedsplice.algorithms.hooks import After, Objective, Scores
     from fedsplice.config import ClientConfig, ExperimentConfig
     from fedsplice.core.server import Params
     from fedsplice.data.datasets import TextDataset

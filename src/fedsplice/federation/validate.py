@@ -26,12 +26,11 @@ from fedsplice.algorithms import method_params
 from fedsplice.config import ExperimentConfig
 from fedsplice.core.server import make_server_optimizer
 from fedsplice.data.datasets import DATASETS
-from fedsplice.data.wordnet import NAME as WORDNET
 from fedsplice.data.report import data_report
+from fedsplice.data.wordnet import NAME as WORDNET
 from fedsplice.data.zoo import ZOO
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build_data
-
 
 INSTRUCTION_SETS = (WORDNET,)  # built-in instruction data (model.task = "generate")
 

@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F

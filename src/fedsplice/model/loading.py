@@ -18,9 +18,9 @@ import torch
 
 from fedsplice.config import ExperimentConfig
 from fedsplice.data.zoo import resolve_model
-from fedsplice.model.device import DTYPES, resolve_precision
 from fedsplice.errors import ConfigError, ModelUnavailable
 from fedsplice.model import templates
+from fedsplice.model.device import DTYPES, resolve_precision
 from fedsplice.model.vision import load_image_processor
 
 if TYPE_CHECKING:

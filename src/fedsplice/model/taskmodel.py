@@ -28,21 +28,21 @@ from fedsplice.core import streams
 from fedsplice.core.split import ParamInfo
 from fedsplice.data.datasets import class_prompt_of
 from fedsplice.errors import ConfigError
-from fedsplice.model import peft
+from fedsplice.model import peft, scorers
 from fedsplice.model.adapters import PromptLearner
+from fedsplice.model.answers import Answering
 from fedsplice.model.cache import FrozenCache, TokenCache
 from fedsplice.model.device import DTYPES, autocast, resolve_device
 from fedsplice.model.encoders import ClassSide, InputSide, TextEncoder
-from fedsplice.model.answers import Answering
 from fedsplice.model.generate import Encoded
 from fedsplice.model.loading import Backbone, load_backbone, run_precision
 from fedsplice.model.prefix import TextPrefix, build_image_prefix, text_prefix_layer, wants_image_prefix
-from fedsplice.model import scorers
 from fedsplice.model.unpad import CPU_OVERHEAD
 from fedsplice.model.vision import Projector, load_vision_tower
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
+
     from transformers import CLIPModel
 
 

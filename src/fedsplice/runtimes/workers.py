@@ -23,6 +23,7 @@ with the main process, so a killed run leaves no worker writing into its run dir
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,10 +40,18 @@ import torch
 
 from fedsplice import errors
 from fedsplice.errors import ConfigError, FedspliceError
-from fedsplice.federation import (DiskStore, Observer, Reply, build, client_task, config_from_text, fit_client,
-                                  make_store, wire)
+from fedsplice.federation import (
+    DiskStore,
+    Observer,
+    Reply,
+    build,
+    client_task,
+    config_from_text,
+    fit_client,
+    make_store,
+    wire,
+)
 from fedsplice.runtimes.inprocess import FaultPlan
-import contextlib
 
 STOP_S = 10.0  # after `close`, how long an idle worker gets to exit before it is terminated
 

@@ -24,8 +24,8 @@ import tomllib
 from pathlib import Path
 
 from fedsplice.app.rundir import atomic_write_json
-from fedsplice.data.assets import atomic_write_bytes
 from fedsplice.config import saved_as_current, to_dict
+from fedsplice.data.assets import atomic_write_bytes
 from fedsplice.errors import ConfigError
 
 FILES = ("results.json", "metrics.jsonl", "config.toml", "provenance.json")

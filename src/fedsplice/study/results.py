@@ -21,18 +21,17 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
 from fedsplice.app import compare as C
-from fedsplice.study.claims import PARAMS, fmt, per_seed, value
-from fedsplice.study.settings import setting_text
+from fedsplice.app.rundir import atomic_write_text
+from fedsplice.errors import ConfigError
 from fedsplice.study import claims as V
 from fedsplice.study import curves as H
 from fedsplice.study import diagnostics as D
 from fedsplice.study import provenance as P
 from fedsplice.study import tableplots as TP
 from fedsplice.study import tuning as T
-from fedsplice.errors import ConfigError
-from fedsplice.app.rundir import atomic_write_text
+from fedsplice.study.claims import PARAMS, fmt, per_seed, value
+from fedsplice.study.settings import setting_text
 
 if TYPE_CHECKING:
     from fedsplice.config import ExperimentConfig

@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from fedsplice.app import compare as C
-from fedsplice.study import curves as K
 from fedsplice.errors import ConfigError
+from fedsplice.study import curves as K
 
 
 def check_tune(path: Path, name: str, tune: dict, columns: set[str]) -> None:

@@ -81,10 +81,10 @@ def resume_flower(out: Path, quiet: bool = False) -> dict:
 
     need_flower("resuming a Flower run")
 
-    from fedsplice.errors import ConfigError
-    from fedsplice.federation.validate import load_config
     from fedsplice.app.flower.processes import tagged
     from fedsplice.app.flower.resume import LAUNCH_FILE
+    from fedsplice.errors import ConfigError
+    from fedsplice.federation.validate import load_config
 
     out = Path(out)
     launch = out / "flower" / LAUNCH_FILE
@@ -110,9 +110,9 @@ def resume_flower(out: Path, quiet: bool = False) -> dict:
 
 
 def cmd_up(args) -> None:
+    from fedsplice.app.rundir import default_out
     from fedsplice.app.summary import print_table
     from fedsplice.federation.validate import load_config
-    from fedsplice.app.rundir import default_out
     need_flower("fedsplice flower up")
     from fedsplice.app.flower.launcher import parse_devices
 

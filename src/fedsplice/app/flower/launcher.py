@@ -28,14 +28,14 @@ Flower App and runs `up`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 import shutil
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import tomli_w
 

@@ -10,6 +10,7 @@ SIGTERM, then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-import contextlib
 
 TAG_VAR = "FEDSPLICE_FLOWER_TAG"
 _GONE = (psutil.NoSuchProcess, psutil.AccessDenied)

@@ -25,8 +25,16 @@ from fedsplice.app import rundir, runner
 from fedsplice.app.flower.resume import Start, begin
 from fedsplice.data.assets import atomic_write_json
 from fedsplice.federation import config_from_text
-from fedsplice.runtimes.flower.transport import (CONFIG_KEY, MIN_NODES_KEY, NODE_WAIT_KEY, OUT_KEY, RESUME_KEY,
-                                                 STATUS_FILE, FlowerTransport, JsonLog)
+from fedsplice.runtimes.flower.transport import (
+    CONFIG_KEY,
+    MIN_NODES_KEY,
+    NODE_WAIT_KEY,
+    OUT_KEY,
+    RESUME_KEY,
+    STATUS_FILE,
+    FlowerTransport,
+    JsonLog,
+)
 
 server_app = ServerApp()
 

@@ -52,16 +52,33 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsplice.errors import ConfigError
-from fedsplice.version import __version__
-from fedsplice.federation import (SITES, DiskStore, accepts, build, client_task, config_from_text, fit_client,
-                                  validate_config, wire)
+from fedsplice.federation import (
+    SITES,
+    DiskStore,
+    accepts,
+    build,
+    client_task,
+    config_from_text,
+    fit_client,
+    validate_config,
+    wire,
+)
 from fedsplice.runtimes.flower import secagg
 from fedsplice.runtimes.flower.faults import classified
-from fedsplice.runtimes.flower.partition import client_fingerprint, owned
 from fedsplice.runtimes.flower.nodestate import prune, rollback, run_folder, snapshot, state_root
+from fedsplice.runtimes.flower.partition import client_fingerprint, owned
 from fedsplice.runtimes.flower.records import from_record, to_record, wire_scalar
-from fedsplice.runtimes.flower.transport import (CONFIG_KEY, GLOBAL_KEY, RESULT_KEY, ROLLBACK_ERROR, ROLLBACK_FIELD,
-                                                 RUN_KEY_FIELD, TASK_KEY, UP_PREFIX)
+from fedsplice.runtimes.flower.transport import (
+    CONFIG_KEY,
+    GLOBAL_KEY,
+    RESULT_KEY,
+    ROLLBACK_ERROR,
+    ROLLBACK_FIELD,
+    RUN_KEY_FIELD,
+    TASK_KEY,
+    UP_PREFIX,
+)
+from fedsplice.version import __version__
 
 if TYPE_CHECKING:
     from flwr.common import ConfigRecordValues

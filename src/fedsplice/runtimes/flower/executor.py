@@ -23,6 +23,7 @@ Usage (next to `flower-supernode --isolation process --port 9094 ...`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -39,7 +40,6 @@ from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
 from fedsplice.runtimes.flower.client import client_app
-import contextlib
 
 CLIENTAPP_REF = "fedsplice.runtimes.flower.client:client_app"
 log = logging.getLogger("fedsplice.runtimes.flower.executor")

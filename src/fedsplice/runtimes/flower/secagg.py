@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
-from collections.abc import Callable
 
 import flwr.compat.common.recorddict_compat as compat
 import numpy as np
@@ -36,10 +36,10 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy
-from flwr.serverapp import Grid
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.serverapp import Grid
 
 from fedsplice.federation import site_masked
 from fedsplice.runtimes.flower.faults import fatal_reason

@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import cast
 from collections.abc import Callable
-
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from typing import cast
 
 import torch
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedsplice.federation import SITES, Experiment, Observer, Reply, Secured, check_update, masked_rows, wire
 from fedsplice.runtimes.flower import secagg
