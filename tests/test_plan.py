@@ -105,3 +105,20 @@ def test_bitsandbytes_is_imported_only_for_a_quantized_base(tiny_llama_dir, toy_
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip().splitlines()[-1] == "ok True"
+
+
+@pytest.mark.parametrize("sets", [dict(peft__r=2**30),  # LoRA: 2**30 x the width a factor, 100+ GiB on the host
+                                  dict(algorithm='"fedclip"', method="{}", peft__type='"adapter"',
+                                       peft__adapter_hidden=2**30)])
+def test_the_skeleton_allocates_no_trainable_tensor(tiny_cfg, no_weights, sets):
+    """The plan's trainable modules live on the meta device too: a rank or a size no machine could
+    hold is planned (and refused or run later) without allocating it. A fuzzed peft.r of 1.4e8
+    made `fedsplice validate` try to allocate 18 GB (tests/test_config_fuzz.py)."""
+    from fedsplice.federation.plan import PLACEHOLDER_CLASSES
+    from fedsplice.model.taskmodel import TaskModel
+
+    planned = plan(tiny_cfg(**sets))
+    assert max(max(s) for s in planned.shapes.values()) == 2**30 and planned.global_names
+    skeleton = TaskModel(tiny_cfg(**{k: v for k, v in sets.items() if k not in ("peft__r", "peft__adapter_hidden")}),
+                         PLACEHOLDER_CLASSES, skeleton=True)
+    assert all(p.is_meta for p in skeleton.trainable().values())

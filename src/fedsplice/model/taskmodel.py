@@ -16,7 +16,7 @@ parts are plain objects holding references.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -53,8 +53,8 @@ class TaskModel(nn.Module):
 
     def __init__(self, cfg: ExperimentConfig, class_names: list[str], class_prompt: str = "", skeleton: bool = False):
         """class_prompt: the class side's template; empty: data.class_prompt, else the data set's own.
-        `skeleton`: the backbone on the meta device (no weight read) and only the trainable modules
-        built, on the host: their names, shapes and LoRA scalings for a plan
+        `skeleton`: the backbone and the trainable modules on the meta device (no weight read,
+        nothing allocated): their names, shapes and LoRA scalings for a plan
         (fedsplice.federation.plan); such a model never runs."""
         super().__init__()
         self.class_prompt = class_prompt or cfg.data.class_prompt or class_prompt_of(cfg.data.dataset)
@@ -75,7 +75,8 @@ class TaskModel(nn.Module):
         self.tokenizer, self.rmap, self.is_clip = bb.tokenizer, bb.rmap, bb.is_clip
         self.image_processor, self.vision, self.projector = bb.image_processor, None, None
         self._parts = prompt_parts(cfg)  # what the method adds to a prompt model (None: nothing)
-        self._build_trainables(cfg, bb, skeleton)
+        with torch.device("meta") if skeleton else nullcontext():  # a plan allocates no trainable tensor
+            self._build_trainables(cfg, bb, skeleton)
         # CLIP with LoRA in its text tower: the class side changes as it trains; full fine-tuning
         # keeps no frozen copy of the encoder, so the class side goes through the trained one
         pc = cfg.peft
