@@ -47,7 +47,7 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 
-from fedsplice.algorithms.registry import build_recipe  # noqa: E402
+from fedsplice.algorithms import ModelSpec, build_recipe  # noqa: E402
 from fedsplice.config import ExperimentConfig  # noqa: E402
 from fedsplice.core.split import GLOBAL, PRIVATE, names_in  # noqa: E402
 from fedsplice.core.streams import CLIENT as STREAM_CLIENT  # noqa: E402
@@ -121,7 +121,8 @@ def get_model(cfg: ExperimentConfig, class_names: list[str]):
     is seeded by cfg.seed, so its trainable tensors equal experiment.build's init_params."""
     model = TaskModel(cfg, class_names)
     params = model.trainable()
-    recipe = build_recipe(cfg, model.param_infos(), {n: p.shape for n, p in params.items()}, model.scalings())
+    spec = ModelSpec(model.param_infos(), {n: p.shape for n, p in params.items()}, model.scalings())
+    recipe = build_recipe(cfg, spec)
     return model, recipe, names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE)
 
 

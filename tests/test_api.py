@@ -222,9 +222,9 @@ def test_register_and_list_algorithms(example, tmp_path, monkeypatch):
     assert {"pfadapter", "fedpurel", "lora", "fedper", "local"} <= set(listed)
     assert listed["pfadapter"].params.__name__ == "PFAdapterParams" and listed["fedper"].paper
 
-    def q_only(p: NoParams, infos, shapes, scalings) -> Recipe:
+    def q_only(p: NoParams, spec) -> Recipe:
         """only q LoRA shared"""
-        return Recipe({n: S.GLOBAL if i.role == "q" else S.PRIVATE for n, i in infos.items()})
+        return Recipe({n: S.GLOBAL if i.role == "q" else S.PRIVATE for n, i in spec.infos.items()})
 
     algo = fedsplice.register_algorithm("q-only", NoParams, q_only)
     assert fedsplice.list_algorithms()["q-only"] is algo and algo.description == "only q LoRA shared"

@@ -176,8 +176,8 @@ def test_a_users_method_adds_prompt_modules_without_editing_fedsplice(tiny_cfg):
 
     parts = PromptParts(modules=lambda make, prompt, gen: {"mine": make()},
                         class_embeddings=lambda enc, m: F.normalize(enc(m["prompt"]) + enc(m["mine"]), dim=-1))
-    register_algorithm("twoprompt", NoParams, lambda p, infos, *_: Recipe(
-        {n: S.PRIVATE if i.kind == "mine" else S.GLOBAL for n, i in infos.items()}), prompt_parts=lambda p: parts)
+    register_algorithm("twoprompt", NoParams, lambda p, spec: Recipe(
+        {n: S.PRIVATE if i.kind == "mine" else S.GLOBAL for n, i in spec.infos.items()}), prompt_parts=lambda p: parts)
     try:
         exp = build(tiny_cfg(algorithm='"twoprompt"', peft__type='"prompt"', server__rounds=2))
         assert exp.global_names == ["prompt.ctx"] and exp.private_names == ["mine.ctx"]

@@ -33,7 +33,7 @@ def test_only_the_first_annotation_is_read(monkeypatch):
     monkeypatch.setitem(sys.modules, "myalgo_mod", mod)  # dataclasses look their module up
     exec("from __future__ import annotations\nimport dataclasses\n"
          "@dataclasses.dataclass\nclass P:\n    k: int = 3\n"
-         "def build(p: P, infos: OnlyForTypeCheckers, shapes, scalings):\n    'my method'\n    return None\n",
+         "def build(p: P, spec: OnlyForTypeCheckers):\n    'my method'\n    return None\n",
          mod.__dict__)
     algo = get_algorithm("myalgo_mod:build")
     assert algo.params is mod.P and algo.description == "my method"
@@ -117,7 +117,7 @@ def test_a_users_check_config_runs_in_validate(capsys, tiny_zoo):
     def check_config(p, cfg):
         if cfg.model.task != "encoder_head":
             raise ConfigError("algorithm 'head-only' keeps a head private: set model.task = 'encoder_head'")
-    register_algorithm("head-only", build=lambda p, infos, *_: Recipe({n: "global" for n in infos}),
+    register_algorithm("head-only", build=lambda p, spec: Recipe({n: "global" for n in spec.infos}),
                        check_config=check_config, replace=True)
     try:
         assert main(["validate", "--no-data", "--set", "algorithm=head-only", "--set", "method={}"]) == 2
@@ -140,7 +140,7 @@ def test_the_peft_settings_a_method_misreads_are_declared_by_the_method(capsys, 
     assert {n for n, a in R.ALGORITHMS.items() if a.lora_parts} == {"pfedlora", "feddpa", "flora"}
     assert main(["validate", "--no-data", "--set", "peft.type=full"]) == 2  # the default is PFAdapter
     assert "peft.type = 'full' trains the whole backbone" in capsys.readouterr().err
-    register_algorithm("mine", build=lambda p, infos, *_: Recipe({n: "global" for n in infos}), replace=True)
+    register_algorithm("mine", build=lambda p, spec: Recipe({n: "global" for n in spec.infos}), replace=True)
     try:
         assert main(["validate", "--no-data", "--set", "algorithm=mine", "--set", "method={}",
                      "--set", "peft.type=full"]) == 0
@@ -167,3 +167,31 @@ def test_labels_come_from_the_methods(sets, label):
 
     method = [] if not any(s.startswith("algorithm=") for s in sets) else ["method={}"]
     assert R.display_name(load_config(None, sets + method)) == label
+
+
+def test_a_build_of_the_earlier_four_argument_form_still_runs_with_a_warning():
+    """build(params, infos, shapes, scalings) was the form before ModelSpec: it is called with the
+    spec's three parts and gives the recipe the spec form gives, with one FutureWarning."""
+    from fedsplice.algorithms import ModelSpec, build_recipe
+    from fedsplice.config import ExperimentConfig
+    from fedsplice.core.split import ParamInfo
+
+    seen = {}
+
+    def old(p, infos, shapes, scalings):
+        seen.update(shapes=dict(shapes), scalings=dict(scalings))
+        return Recipe({n: "global" if i.role == "q" else "private" for n, i in infos.items()})
+
+    with pytest.warns(FutureWarning, match=r"write build\(params, spec\)"):
+        register_algorithm("old-form", build=old, replace=True)
+    register_algorithm("new-form", build=lambda p, spec: Recipe(
+        {n: "global" if i.role == "q" else "private" for n, i in spec.infos.items()}), replace=True)
+    infos = {"l0.q.A": ParamInfo("q", "A", "0", "lora"), "l0.v.A": ParamInfo("v", "A", "0", "lora")}
+    spec = ModelSpec(infos, {"l0.q.A": (4, 8), "l0.v.A": (4, 8)}, {"l0.q.A": 2.0, "l0.v.A": 2.0})
+    try:
+        old_r, new_r = (build_recipe(ExperimentConfig(algorithm=a), spec) for a in ("old-form", "new-form"))
+        assert old_r.split == new_r.split == {"l0.q.A": "global", "l0.v.A": "private"}
+        assert seen == {"shapes": dict(spec.shapes), "scalings": dict(spec.scalings)}
+    finally:
+        R.ALGORITHMS.pop("old-form")
+        R.ALGORITHMS.pop("new-form")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fedsplice.algorithms.registry import build_recipe
+from fedsplice.algorithms import ModelSpec, build_recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
@@ -128,7 +128,7 @@ def test_validate_rejects_bad_splits(models):
 def _recipe(cfg_factory, tiny_bert_dir, toy_jsonl, m, **kw):
     cfg = cfg_factory(tiny_bert_dir, toy_jsonl, **kw)
     params = m.trainable()
-    return build_recipe(cfg, m.param_infos(), {n: p.shape for n, p in params.items()}, m.scalings())
+    return build_recipe(cfg, ModelSpec(m.param_infos(), {n: p.shape for n, p in params.items()}, m.scalings()))
 
 
 def test_pfadapter_shares_exactly_half_of_lora(models, cfg_factory, tiny_bert_dir, toy_jsonl):

@@ -2,7 +2,8 @@
 composes a `Recipe` from core parts (a split, loss terms, an objective, a grad transform).
 
 - `recipe`: Recipe, Algorithm, Personal, Phase, Exchange, PromptParts, LoraParts, NoParams — what a method
-  is; `refuse_grab`, the rule a method with its own objective declares in its `check_config`.
+  is; ModelSpec, what its `build(params, spec)` sees of the model; `refuse_grab`, the rule a method
+  with its own objective declares in its `check_config`.
 - `hooks`: the hooks' signatures as Protocols (ClientOps, LossTerm, Objective, Fit, Send, ...), checked by mypy.
 - `pfadapter`, `fedpurel`: the two methods fedsplice implements exactly.
 - `baselines`: the methods the papers compare against; `fedotp`, `fedpgp`, `promptfolio`,
@@ -12,28 +13,29 @@ composes a `Recipe` from core parts (a split, loss terms, an objective, a grad t
 
 from fedsplice.algorithms.hooks import ClientOps
 from fedsplice.algorithms.recipe import (
-                                         Algorithm,
-                                         Exchange,
-                                         LoraParts,
-                                         NoParams,
-                                         Personal,
-                                         Phase,
-                                         PromptParts,
-                                         Recipe,
-                                         clone,
-                                         refuse_grab,
+    Algorithm,
+    Exchange,
+    LoraParts,
+    ModelSpec,
+    NoParams,
+    Personal,
+    Phase,
+    PromptParts,
+    Recipe,
+    clone,
+    refuse_grab,
 )
 from fedsplice.algorithms.registry import (
-                                         available,
-                                         build_recipe,
-                                         display_name,
-                                         get_algorithm,
-                                         lora_parts,
-                                         method_params,
-                                         prompt_parts,
-                                         register_algorithm,
+    available,
+    build_recipe,
+    display_name,
+    get_algorithm,
+    lora_parts,
+    method_params,
+    prompt_parts,
+    register_algorithm,
 )
 
-__all__ = ["Algorithm", "ClientOps", "Exchange", "LoraParts", "NoParams", "Personal", "Phase", "PromptParts",
-           "Recipe", "available", "build_recipe", "clone", "display_name", "get_algorithm", "lora_parts",
+__all__ = ["Algorithm", "ClientOps", "Exchange", "LoraParts", "ModelSpec", "NoParams", "Personal", "Phase",
+           "PromptParts", "Recipe", "available", "build_recipe", "clone", "display_name", "get_algorithm", "lora_parts",
            "method_params", "prompt_parts", "refuse_grab", "register_algorithm"]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from fedsplice.algorithms.hooks import CheckConfig
 from fedsplice.algorithms.promptfolio import PROMPTFOLIO
-from fedsplice.algorithms.recipe import Algorithm, Infos, NoParams, Recipe, Scalings, Shapes, no_server_step
+from fedsplice.algorithms.recipe import Algorithm, ModelSpec, NoParams, Recipe, no_server_step
 from fedsplice.core import split as S
 from fedsplice.core.losses import Proximal
 from fedsplice.errors import ConfigError
@@ -29,14 +29,14 @@ class FedProxParams:
             raise ConfigError(f"method.mu must be >= 0, got {self.mu}")
 
 
-def fedprox(p: FedProxParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
-    split = S.all_global(infos)
+def fedprox(p: FedProxParams, spec: ModelSpec) -> Recipe:
+    split = S.all_global(spec.infos)
     return Recipe(split, [Proximal(S.names_in(split, S.GLOBAL), p.mu)] if p.mu > 0 else [])
 
 
-def all_global(p: NoParams, infos: Infos, *_: object) -> Recipe:
+def all_global(p: NoParams, spec: ModelSpec) -> Recipe:
     """All-global FedAvg over the config's PEFT parts (PromptFL: prompts; FedCLIP: the adapter)."""
-    return Recipe(S.all_global(infos))
+    return Recipe(S.all_global(spec.infos))
 
 
 def needs_peft(peft: str) -> CheckConfig:
@@ -62,7 +62,7 @@ def full_ft_check(p: NoParams, cfg: ExperimentConfig) -> None:
 
 BASELINES: dict[str, Algorithm] = {
     "zeroshot": Algorithm(
-        NoParams, lambda p, i, *_: Recipe(S.none_global(i), trains=False),
+        NoParams, lambda p, spec: Recipe(S.none_global(spec.infos), trains=False),
         "the frozen model's zero-shot predictions; no training, no traffic", full_ok=True, label=no_server_step),
     "promptfl": Algorithm(
         NoParams, all_global,
@@ -76,15 +76,15 @@ BASELINES: dict[str, Algorithm] = {
 # after PFAdapter in `fedsplice list algorithms` (the registry keeps this order)
 LORA_BASELINES: dict[str, Algorithm] = {
     "lora": Algorithm(
-        NoParams, lambda p, i, *_: Recipe(S.all_global(i)),
+        NoParams, lambda p, spec: Recipe(S.all_global(spec.infos)),
         "federated LoRA, every adapter tensor shared; the server optimizer names the variant "
         "(fedavg-lora, fedavgm-lora, fedadam-lora, fedyogi-lora, fedadagrad-lora)",
         "https://arxiv.org/abs/2003.00295", label=lambda cfg: f"{cfg.server.optimizer}-lora"),
     "fedsa-lora": Algorithm(
-        NoParams, lambda p, i, *_: Recipe(S.by_lora_factor(i)),
+        NoParams, lambda p, spec: Recipe(S.by_lora_factor(spec.infos)),
         "LoRA A global, B private (FedSA-LoRA)", "https://arxiv.org/abs/2410.01463"),
     "fedper": Algorithm(
-        NoParams, lambda p, i, *_: Recipe(S.head_private(i)),
+        NoParams, lambda p, spec: Recipe(S.head_private(spec.infos)),
         "adapters global, classification head private (FedPer)", "https://arxiv.org/abs/1912.00818", fedper_check,
         full_ok=True),
     "fedprox": Algorithm(
@@ -92,7 +92,7 @@ LORA_BASELINES: dict[str, Algorithm] = {
         "federated LoRA with a proximal term mu/2*||theta_g - theta_g0||^2 (FedProx)",
         "https://arxiv.org/abs/1812.06127", full_ok=True),
     "local": Algorithm(
-        NoParams, lambda p, i, *_: Recipe(S.none_global(i)),
+        NoParams, lambda p, spec: Recipe(S.none_global(spec.infos)),
         "local-only training, nothing shared (lower bound on communication)", full_ok=True, label=no_server_step),
     "full-ft": Algorithm(
         NoParams, all_global,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal, cast
 import numpy as np
 
 from fedsplice.algorithms.hooks import ClientOps, Scores, Slot, Tensors
-from fedsplice.algorithms.recipe import Algorithm, Infos, LoraParts, Personal, Phase, PhasesOf, Recipe
+from fedsplice.algorithms.recipe import Algorithm, LoraParts, ModelSpec, Personal, Phase, PhasesOf, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
@@ -109,8 +109,8 @@ def dynamic_mix(p: FedDPAParams) -> Personal:
     return Personal(predict=predict)
 
 
-def build(p: FedDPAParams, infos: Infos, *_: object) -> Recipe:
-    split = {n: S.PRIVATE if i.kind == f"lora_{LOCAL}" else S.GLOBAL for n, i in infos.items()}
+def build(p: FedDPAParams, spec: ModelSpec) -> Recipe:
+    split = {n: S.PRIVATE if i.kind == f"lora_{LOCAL}" else S.GLOBAL for n, i in spec.infos.items()}
     return Recipe(split, phases=phases(p), phases_share_budget=p.budget == "shared", personalize=dynamic_mix(p))
 
 

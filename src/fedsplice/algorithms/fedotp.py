@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedsplice.algorithms.recipe import Algorithm, Infos, PromptParts, Recipe
+from fedsplice.algorithms.recipe import Algorithm, ModelSpec, PromptParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.core.ot import ot_scores
 from fedsplice.errors import ConfigError
@@ -63,8 +63,8 @@ def prompt_parts(p: FedOTPParams) -> PromptParts:
                        token_scorer=partial(ot_scores, gamma=p.gamma, eps=p.eps, iters=p.iters))
 
 
-def build(p: FedOTPParams, infos: Infos, *_: object) -> Recipe:
-    return Recipe({n: S.PRIVATE if i.kind == "prompt_ot" else S.GLOBAL for n, i in infos.items()})
+def build(p: FedOTPParams, spec: ModelSpec) -> Recipe:
+    return Recipe({n: S.PRIVATE if i.kind == "prompt_ot" else S.GLOBAL for n, i in spec.infos.items()})
 
 
 FEDOTP = Algorithm(FedOTPParams, build, "global prompt shared, local prompt private, both matched to the input's "

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsplice.algorithms.hooks import Objective
-from fedsplice.algorithms.recipe import Algorithm, Infos, PromptParts, Recipe, refuse_grab
+from fedsplice.algorithms.recipe import Algorithm, ModelSpec, PromptParts, Recipe, refuse_grab
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
 from fedsplice.core.losses import prompt_contrastive
@@ -109,8 +109,8 @@ def check_config(p: FedPGPParams, cfg: ExperimentConfig) -> None:
     refuse_grab(cfg, "cross-entropy plus its prompt-wise contrastive loss")
 
 
-def build(p: FedPGPParams, infos: Infos, *_: object) -> Recipe:
-    split = {n: S.PRIVATE if i.kind == "prompt_lowrank" else S.GLOBAL for n, i in infos.items()}
+def build(p: FedPGPParams, spec: ModelSpec) -> Recipe:
+    split = {n: S.PRIVATE if i.kind == "prompt_lowrank" else S.GLOBAL for n, i in spec.infos.items()}
     return Recipe(split, objective=objective(p.mu, p.tau))
 
 

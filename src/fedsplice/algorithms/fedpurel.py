@@ -22,7 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsplice.algorithms.hooks import ClientOps, Objective, Slot, Tensors
-from fedsplice.algorithms.recipe import Algorithm, Infos, Personal, Recipe, Scalings, Shapes, default_label, refuse_grab
+from fedsplice.algorithms.recipe import (
+    Algorithm,
+    ModelSpec,
+    Personal,
+    Recipe,
+    default_label,
+    refuse_grab,
+)
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
 from fedsplice.core.purify import TIE_TOL, purification
@@ -154,8 +161,8 @@ def check_config(p: FedPuReLParams, cfg: ExperimentConfig) -> None:
                          "trains plain cross-entropy)")
 
 
-def build(p: FedPuReLParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
-    return Recipe(S.all_global(infos),
+def build(p: FedPuReLParams, spec: ModelSpec) -> Recipe:
+    return Recipe(S.all_global(spec.infos),
                   objective=align_objective(p.align == "tkl") if p.purify else None,
                   grad_transform=purification(p.granularity, p.tie_tol) if p.purify else None,
                   needs_zero_shot=p.purify,

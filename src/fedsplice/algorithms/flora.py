@@ -27,7 +27,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedsplice.algorithms.hooks import ClientOps, Slot, Tensors
-from fedsplice.algorithms.recipe import Algorithm, Exchange, Infos, LoraParts, Personal, Phase, Recipe, Scalings, Shapes
+from fedsplice.algorithms.recipe import (
+    Algorithm,
+    Exchange,
+    Infos,
+    LoraParts,
+    ModelSpec,
+    Personal,
+    Phase,
+    Recipe,
+    Scalings,
+)
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
@@ -75,8 +85,8 @@ def merged_upload(params: Tensors, mods: Mapping[str, tuple[str, str, str]],
             for a, b, d in mods.values()}
 
 
-def build(p: FLoRAParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
-    mods = modules_of(infos)
+def build(p: FLoRAParams, spec: ModelSpec) -> Recipe:
+    mods = modules_of(spec.infos)
     lora = [n for a, b, _ in mods.values() for n in (a, b)]
 
     def fresh(ops: ClientOps) -> dict[str, torch.Tensor]:
@@ -91,9 +101,9 @@ def build(p: FLoRAParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> R
         return {**received, **fresh(ops)}, {**slot, "rank": torch.tensor(p.ranks[ops.cid % len(p.ranks)])}
 
     def send(ops: ClientOps, rnd: int, trained: Tensors, slot: Slot) -> tuple[Tensors, Slot, dict[str, float]]:
-        return merged_upload(trained, mods, scalings), slot, {"rank": float(slot["rank"])}
+        return merged_upload(trained, mods, spec.scalings), slot, {"rank": float(slot["rank"])}
 
-    split = {n: S.GLOBAL if i.kind == "lora_dense" else S.PRIVATE for n, i in infos.items()}
+    split = {n: S.GLOBAL if i.kind == "lora_dense" else S.PRIVATE for n, i in spec.infos.items()}
     return Recipe(split, phases=(Phase(S.PRIVATE, p.local_epochs),),
                   personalize=Personal(predict=lambda ops, params, slot: ops.test_logits({**params, **fresh(ops)})),
                   exchange=Exchange(receive, send))

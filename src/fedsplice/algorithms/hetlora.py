@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedsplice.algorithms.hooks import ClientOps, LossTerm, Scores, Slot, Tensors
-from fedsplice.algorithms.recipe import Algorithm, Exchange, Infos, Personal, Recipe, Shapes
+from fedsplice.algorithms.recipe import Algorithm, Exchange, Infos, ModelSpec, Personal, Recipe
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
 from fedsplice.errors import ConfigError
@@ -112,9 +112,9 @@ class SelfPruning:
         return self.weight * tail_norm(params, self.pairs, int(ctx.state["rank"]), self.gamma)
 
 
-def build(p: HetLoRAParams, infos: Infos, shapes: Shapes, *_: object) -> Recipe:
-    pairs = pairs_of(infos)
-    r_max = shapes[next(iter(pairs))][0]
+def build(p: HetLoRAParams, spec: ModelSpec) -> Recipe:
+    pairs = pairs_of(spec.infos)
+    r_max = spec.shapes[next(iter(pairs))][0]
 
     def rank(ops: ClientOps, slot: Slot) -> int:
         if "rank" in slot:
@@ -136,7 +136,7 @@ def build(p: HetLoRAParams, infos: Infos, shapes: Shapes, *_: object) -> Recipe:
         return ops.test_logits(truncate(params, pairs, rank(ops, slot)))
 
     terms: list[LossTerm] = [SelfPruning(pairs, p.gamma, p.lam)] if p.lam > 0 else []
-    return Recipe(S.all_global(infos), terms, personalize=Personal(predict=predict),
+    return Recipe(S.all_global(spec.infos), terms, personalize=Personal(predict=predict),
                   exchange=Exchange(receive, send, lambda ups, n: sparsity_weights(ups, pairs)))
 
 

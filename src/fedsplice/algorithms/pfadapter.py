@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fedsplice.algorithms.hooks import LossTerm
-from fedsplice.algorithms.recipe import Algorithm, Infos, Recipe, Scalings, Shapes
+from fedsplice.algorithms.recipe import Algorithm, ModelSpec, Recipe
 from fedsplice.config import check_roles
 from fedsplice.core import split as S
 from fedsplice.core.losses import Orthogonality
@@ -38,11 +38,12 @@ class PFAdapterParams:
             raise ConfigError(f"method.ortho_on must be 'BA' (Eq. 11) or 'A' (our extension), got {self.ortho_on!r}")
 
 
-def build(p: PFAdapterParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
+def build(p: PFAdapterParams, spec: ModelSpec) -> Recipe:
+    infos = spec.infos
     split = S.by_roles(infos, p.global_roles) if p.selective_aggregation else S.all_global(infos)
     terms: list[LossTerm] = []
     if p.ortho_lambda > 0:
-        terms.append(Orthogonality(infos, shapes, scalings, p.global_roles, p.ortho_lambda, p.ortho_on))
+        terms.append(Orthogonality(infos, spec.shapes, spec.scalings, p.global_roles, p.ortho_lambda, p.ortho_on))
     return Recipe(split, terms)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from fedsplice.algorithms.recipe import Algorithm, Infos, LoraParts, Recipe
+from fedsplice.algorithms.recipe import Algorithm, LoraParts, ModelSpec, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
@@ -53,8 +53,8 @@ def check_config(p: PFedLoRAParams, cfg: ExperimentConfig) -> None:
         raise ConfigError("algorithm 'pfedlora' trains a shared and a private LoRA adapter: set peft.type = 'lora'")
 
 
-def build(p: PFedLoRAParams, infos: Infos, *_: object) -> Recipe:
-    split = {n: S.PRIVATE if i.kind == "lora_private" else S.GLOBAL for n, i in infos.items()}
+def build(p: PFedLoRAParams, spec: ModelSpec) -> Recipe:
+    split = {n: S.PRIVATE if i.kind == "lora_private" else S.GLOBAL for n, i in spec.infos.items()}
     return Recipe(split, phases=((S.PRIVATE, p.private_epochs), (S.GLOBAL, p.global_epochs)),
                   phases_share_budget=p.budget == "shared")
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from fedsplice.algorithms.recipe import Algorithm, Infos, PromptParts, Recipe
+from fedsplice.algorithms.recipe import Algorithm, ModelSpec, PromptParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
 
@@ -47,8 +47,8 @@ def prompt_parts(p: PromptFolioParams) -> PromptParts:
     return PromptParts(modules=lambda make_prompt, prompt, gen: {"prompt_local": make_prompt()}, class_embeddings=mix)
 
 
-def build(p: PromptFolioParams, infos: Infos, *_: object) -> Recipe:
-    return Recipe({n: S.PRIVATE if i.kind == "prompt_local" else S.GLOBAL for n, i in infos.items()})
+def build(p: PromptFolioParams, spec: ModelSpec) -> Recipe:
+    return Recipe({n: S.PRIVATE if i.kind == "prompt_local" else S.GLOBAL for n, i in spec.infos.items()})
 
 
 PROMPTFOLIO = Algorithm(PromptFolioParams, build, "global prompt shared, local prompt private, class features mixed "

@@ -42,6 +42,18 @@ Shapes = Mapping[str, tuple[int, ...]]
 Scalings = Mapping[str, float]
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a method's `build(params, spec)` sees of the model: every trainable tensor by name,
+    with what it is (`infos`: kind, role, layer), its shape and its LoRA scaling (alpha/r, or
+    alpha/sqrt(r) with rsLoRA). Known before any weight loads: federation.plan builds it from the
+    model's skeleton on the meta device."""
+
+    infos: Infos
+    shapes: Shapes
+    scalings: Scalings
+
+
 @dataclass
 class NoParams:
     """The `[method]` table of an algorithm without hyperparameters (it must be empty)."""
@@ -166,7 +178,7 @@ class Recipe:
 @dataclass(frozen=True)
 class Algorithm:
     params: type  # the dataclass of the `[method]` table; an optional `check()` validates it
-    build: Build  # (params, infos, shapes, scalings) -> Recipe
+    build: Build  # (params, spec) -> Recipe
     description: str
     paper: str = ""
     # (params, cfg) -> None: what the method needs of, or refuses in, the rest of the config (a
@@ -195,7 +207,7 @@ class Build(Protocol):
     """Algorithm.build: the method's recipe from its `[method]` table and the model's trainable
     tensors (names, roles, shapes, LoRA scalings: known before any weight loads, federation.plan)."""
 
-    def __call__(self, params: Any, infos: Infos, shapes: Shapes, scalings: Scalings, /) -> Recipe: ...
+    def __call__(self, params: Any, spec: ModelSpec, /) -> Recipe: ...
 
 
 class PromptPartsOf(Protocol):

@@ -26,20 +26,20 @@ model's predictions, are not reported for them.
 
 from __future__ import annotations
 
-from fedsplice.algorithms.recipe import Algorithm, Infos, NoParams, Recipe, Scalings, Shapes, no_server_step
+from fedsplice.algorithms.recipe import Algorithm, ModelSpec, NoParams, Recipe, no_server_step
 from fedsplice.core import split as S
 
 
-def centralized(p: NoParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
-    return Recipe(S.all_global(infos), pooled=True)
+def centralized(p: NoParams, spec: ModelSpec) -> Recipe:
+    return Recipe(S.all_global(spec.infos), pooled=True)
 
 
-def majority(p: NoParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
-    return Recipe(S.none_global(infos), trains=False, prior="global")
+def majority(p: NoParams, spec: ModelSpec) -> Recipe:
+    return Recipe(S.none_global(spec.infos), trains=False, prior="global")
 
 
-def local_prior(p: NoParams, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
-    return Recipe(S.none_global(infos), trains=False, prior="local")
+def local_prior(p: NoParams, spec: ModelSpec) -> Recipe:
+    return Recipe(S.none_global(spec.infos), trains=False, prior="local")
 
 
 REFERENCES: dict[str, Algorithm] = {

@@ -4,7 +4,7 @@ A config names its algorithm in one of three ways:
 - a registered name: the built-ins below, or one added with `register_algorithm` (from Python)
   or through the `fedsplice.algorithms` entry-point group (from an installed package);
 - `"package.module:object"`: imported on use, where `object` is an `Algorithm` or a
-  `build(params, infos, shapes, scalings) -> Recipe` function whose first parameter is annotated
+  `build(params, spec: ModelSpec) -> Recipe` function whose first parameter is annotated
   with its `[method]` dataclass (no annotation: the method takes no parameters).
 docs/extending.md walks through adding a method.
 """
@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import inspect
 import warnings
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, cast
 
@@ -31,15 +32,13 @@ from fedsplice.algorithms.pfedlora import PFEDLORA
 from fedsplice.algorithms.recipe import (
     Algorithm,
     Build,
-    Infos,
     LoraParts,
     LoraPartsOf,
+    ModelSpec,
     NoParams,
     PromptParts,
     PromptPartsOf,
     Recipe,
-    Scalings,
-    Shapes,
     default_label,
 )
 from fedsplice.algorithms.references import REFERENCES
@@ -66,8 +65,8 @@ def register_algorithm(name: str, params_type: type = NoParams, build: Build | N
                        check_config: CheckConfig | None = None, prompt_parts: PromptPartsOf | None = None,
                        lora_parts: LoraPartsOf | None = None) -> Algorithm:
     """Make `algorithm = name` usable in configs. `params_type` is the dataclass of its `[method]`
-    table (an optional `check()` validates it); `build(params, infos, shapes, scalings)` returns
-    the `Recipe`; `check_config(params, cfg)` refuses the rest of a config the method cannot run
+    table (an optional `check()` validates it); `build(params, spec)` returns the `Recipe` (spec:
+    the trainable tensors' `ModelSpec`); `check_config(params, cfg)` refuses the rest of a config the method cannot run
     with (`fedsplice validate` runs it); `prompt_parts(params) -> PromptParts` adds modules to a
     prompt model, `lora_parts(params) -> LoraParts` LoRA adapters to a LoRA one. Refuses to
     shadow an existing name unless `replace=True`."""
@@ -77,6 +76,7 @@ def register_algorithm(name: str, params_type: type = NoParams, build: Build | N
         raise ConfigError(f"register_algorithm: {name!r} is already registered; pass replace=True to override it")
     if not dataclasses.is_dataclass(params_type) or not callable(build):
         raise ConfigError(f"register_algorithm({name!r}): params_type must be a dataclass and build a function")
+    build = spec_form(build, f"register_algorithm({name!r})")
     ALGORITHMS[name] = Algorithm(params_type, build, description or (build.__doc__ or "").strip().split("\n")[0],
                                  paper, check_config, full_ok=None, prompt_parts=prompt_parts,
                                  lora_parts=lora_parts)
@@ -85,7 +85,7 @@ def register_algorithm(name: str, params_type: type = NoParams, build: Build | N
 
 def _as_algorithm(obj: object, where: str) -> Algorithm:
     if isinstance(obj, Algorithm):
-        return obj
+        return dataclasses.replace(obj, build=spec_form(obj.build, where))
     if not callable(obj):
         raise ConfigError(f"algorithm: {where} is neither an Algorithm nor a build function")
     try:
@@ -96,14 +96,13 @@ def _as_algorithm(obj: object, where: str) -> Algorithm:
             raw = eval(raw, getattr(inspect.unwrap(obj), "__globals__", {}))  # noqa: S307 - the user's own module
     except Exception as e:  # noqa: BLE001 - any failure to read the signature is a config error
         raise ConfigError(f"algorithm: cannot read {where}'s first parameter ({type(e).__name__}: {e}); annotate "
-                          f"it with the [method] dataclass, e.g. def build(p: MyParams, infos, shapes, "
-                          f"scalings)") from None
+                          f"it with the [method] dataclass, e.g. def build(p: MyParams, spec)") from None
     params = NoParams if raw is inspect.Parameter.empty else raw
     if not dataclasses.is_dataclass(params):
         raise ConfigError(f"algorithm: {where}'s first parameter must be annotated with a dataclass, got {params!r}")
     # a build function: build_recipe checks that what it returns is a Recipe
-    return Algorithm(params, cast(Build, obj), (getattr(obj, "__doc__", None) or "").strip().split("\n")[0],
-                     full_ok=None)
+    doc = (getattr(obj, "__doc__", None) or "").strip().split("\n")[0]
+    return Algorithm(params, spec_form(cast(Build, obj), where), doc, full_ok=None)
 
 
 def _load_reference(ref: str) -> Algorithm:
@@ -218,12 +217,31 @@ def check_peft_fits(cfg: ExperimentConfig, algo: Algorithm) -> None:
                           f"(or one of {', '.join(n for n in ok if n != 'full-ft')}), or another peft.type")
 
 
-def build_recipe(cfg: ExperimentConfig, infos: Infos, shapes: Shapes, scalings: Scalings) -> Recipe:
+def spec_form(build: Build, where: str) -> Build:
+    """`build(params, spec)`; a build of the earlier form `build(params, infos, shapes, scalings)`
+    (three or more positional parameters, or `*args`) is called that way, with a FutureWarning."""
+    try:
+        ps = list(inspect.signature(build).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a C callable): taken as written
+        return build
+    positional = [q for q in ps if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 3 and not any(q.kind == q.VAR_POSITIONAL for q in ps):
+        return build
+    warnings.warn(f"{where}: build(params, infos, shapes, scalings) is the earlier form; write build(params, spec) "
+                  f"and read spec.infos, spec.shapes, spec.scalings (fedsplice.algorithms.ModelSpec)",
+                  FutureWarning, stacklevel=3)
+
+    def adapted(params: object, spec: ModelSpec, /) -> Recipe:
+        return cast(Recipe, cast(Callable[..., object], build)(params, spec.infos, spec.shapes, spec.scalings))
+    return adapted
+
+
+def build_recipe(cfg: ExperimentConfig, spec: ModelSpec) -> Recipe:
     algo = get_algorithm(cfg.algorithm)
-    recipe = algo.build(method_params(cfg), infos, shapes, scalings)
+    recipe = algo.build(method_params(cfg), spec)
     if not isinstance(recipe, Recipe):
         raise ConfigError(f"algorithm {cfg.algorithm!r}: build returned {type(recipe).__name__}, not a Recipe")
-    S.validate(recipe.split, list(infos))
+    S.validate(recipe.split, list(spec.infos))
     return recipe
 
 

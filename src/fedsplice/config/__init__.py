@@ -23,15 +23,15 @@ from fedsplice.config.parsing import apply_overrides, from_dict, parse_value, re
 from fedsplice.config.privacy import PrivacyConfig
 from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, GrabConfig, RuntimeConfig, ServerConfig
 from fedsplice.config.task import (
-                                   HF,
-                                   SITES,
-                                   USER_DATA_KINDS,
-                                   DataConfig,
-                                   ModelConfig,
-                                   PeftConfig,
-                                   ScenarioConfig,
-                                   check_user_path,
-                                   user_data,
+    HF,
+    SITES,
+    USER_DATA_KINDS,
+    DataConfig,
+    ModelConfig,
+    PeftConfig,
+    ScenarioConfig,
+    check_user_path,
+    user_data,
 )
 from fedsplice.config.tracking import TrackingConfig
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fedsplice.algorithms import Recipe, build_recipe
+from fedsplice.algorithms import ModelSpec, Recipe, build_recipe
 from fedsplice.config import ExperimentConfig
 from fedsplice.core.split import GLOBAL, PRIVATE, ParamInfo, names_in
 from fedsplice.federation.dpsgd import check as dpsgd_check
@@ -56,7 +56,7 @@ def plan(cfg: ExperimentConfig, class_names: list[str] | None = None, class_prom
     params = skeleton.trainable()
     infos, scalings = skeleton.param_infos(), skeleton.scalings()
     shapes = {n: tuple(p.shape) for n, p in params.items()}
-    recipe = build_recipe(cfg, infos, shapes, scalings)
+    recipe = build_recipe(cfg, ModelSpec(infos, shapes, scalings))
     global_names, private_names = names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE)
     check_recipe(cfg, recipe, global_names, skeleton)
     return Plan(recipe, infos, shapes, scalings, global_names, private_names)
