@@ -77,7 +77,7 @@ GENERATE_OVERRIDES = {"eval.cold_start_epochs": "0", "eval.max_new_tokens": "4",
 METHOD_OVERRIDES = {"fedpurel": {"method.personal_rounds": "1"}}
 
 # Keys dropped at any depth: they differ between two runs of the same config.
-VOLATILE = {"time_s", "cpu_s"}
+VOLATILE = {"time_s", "cpu_s", "setup"}
 
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "MPLBACKEND": "Agg"}

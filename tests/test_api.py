@@ -39,7 +39,7 @@ def _tiny_bert_sizes(model_dir: Path) -> tuple[int, int]:
 
 
 def _without_time(raw: dict) -> dict:
-    return {k: v for k, v in raw.items() if k not in ("time_s", "cpu_s")}
+    return {k: v for k, v in raw.items() if k not in ("time_s", "cpu_s", "setup")}
 
 
 @pytest.fixture(scope="module")

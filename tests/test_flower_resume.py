@@ -89,7 +89,7 @@ def _records(out: Path) -> list[dict]:
 
 def _results(out: Path) -> dict:
     r = json.loads((out / "results.json").read_text())
-    r.pop("time_s"), r.pop("cpu_s")
+    r.pop("time_s"), r.pop("cpu_s"), r.pop("setup", None)
     return r
 
 

@@ -1,8 +1,8 @@
 """Kill a run at any moment, resume it, and get the same outputs as a run that never stopped.
 
 "Same" is bit for bit: every metrics.jsonl record and results.json equal after dropping the
-wall-clock `time_s` and `cpu_s` fields (the only fields excluded), results.csv byte-equal, and the final
-GLOBAL tensors, server state, every client's PRIVATE state and torch's RNG byte-equal.
+wall-clock `time_s`, `cpu_s` and `setup` fields (the only fields excluded), results.csv
+byte-equal, and the final GLOBAL tensors, server state, every client's PRIVATE state and torch's RNG byte-equal.
 
 The SIGKILL tests run a real `fedsplice run` subprocess on the tiny BERT and the toy data set,
 kill it at a randomly chosen round (set FEDSPLICE_KILL_SEED to replay a choice) or inside a
@@ -62,7 +62,7 @@ def _records(run: Path) -> list[dict]:
 
 def _results(run: Path) -> dict:
     r = json.loads((run / "results.json").read_text())
-    r.pop("time_s"), r.pop("cpu_s")
+    r.pop("time_s"), r.pop("cpu_s"), r.pop("setup", None)
     return r
 
 
@@ -216,6 +216,19 @@ def test_resume_from_checkpoint_k(setups, tmp_path, k):
     run = _truncate_to(ref, tmp_path / "run", k)
     assert main(["resume", str(run), "--quiet"]) == 0
     assert_same_outputs(run, ref, f"resume after round {k}")
+
+
+def test_setup_time_is_reported_and_a_resume_has_no_round_0(setups, tmp_path):
+    """results.json `setup`: the wall seconds from the start to the round loop, and the round-0
+    evaluation's; a resumed run does not evaluate round 0 again, so it has none."""
+    _, ref = setups["memory"]
+    fresh = json.loads((ref / "results.json").read_text())["setup"]
+    assert fresh["build_s"] > 0 and fresh["round0_s"] > 0, fresh
+    assert fresh["build_s"] + fresh["round0_s"] <= json.loads((ref / "results.json").read_text())["time_s"] + 0.1
+    run = _truncate_to(ref, tmp_path / "run", 1)
+    assert main(["resume", str(run), "--quiet"]) == 0
+    resumed = json.loads((run / "results.json").read_text())["setup"]
+    assert resumed["build_s"] > 0 and resumed["round0_s"] is None, resumed
 
 
 def test_a_run_resumes_across_a_version_that_added_a_setting(setups, tmp_path):

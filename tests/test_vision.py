@@ -226,6 +226,20 @@ def test_random_zoo_models_build_once_and_are_labelled():
     assert is_random("zoo:tiny-clip") and is_random("zoo:tiny-vit") and not is_random("zoo:minilm")
 
 
+def test_a_random_zoo_model_is_built_for_real_under_a_meta_device_context(tmp_path, monkeypatch):
+    """A plan builds its skeleton under torch.device("meta"); the zoo's random weights it asks for
+    on a fresh cache are still made (and saved) as real tensors (the easyvqa configs' first plan)."""
+    from safetensors.torch import load_file
+
+    from fedsplice.data.zoo import resolve_model
+
+    monkeypatch.setenv("FEDSPLICE_CACHE", str(tmp_path))
+    with torch.device("meta"):
+        path = resolve_model("zoo:tiny-vit")
+    weights = load_file(str(zoo.Path(path) / "model.safetensors"))
+    assert weights and all(t.device.type == "cpu" and not t.is_meta for t in weights.values())
+
+
 def test_image_tokens_follow_bos(llama_dir, vit_dir):
     """With a tokenizer that adds BOS, the image tokens go after it: [BOS, image, prompt]."""
     from fedsplice.model.verbalizer import pad_embeds

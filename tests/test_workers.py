@@ -37,7 +37,7 @@ def metrics_text(run) -> str:
 
 def results(run) -> dict:
     r = json.loads((run / "results.json").read_text())
-    r.pop("time_s"), r.pop("cpu_s")
+    r.pop("time_s"), r.pop("cpu_s"), r.pop("setup", None)
     return r
 
 

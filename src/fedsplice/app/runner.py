@@ -126,6 +126,9 @@ def _prepare_dir(cfg: ExperimentConfig, exp, out: Path, loaded, overwrite: bool,
 
 
 def _restore(loaded, store, log, checkpointer) -> None:
+    """A resumed run's client states, metrics so far, checkpoints and random streams (None: a fresh run)."""
+    if loaded is None:
+        return
     ckpt.restore_store(store, loaded.clients)
     log.lines = list(loaded.metrics_lines)  # drops rounds logged after the checkpoint
     rundir.atomic_write_text(log.path, "\n".join(log.lines) + "\n")
@@ -134,10 +137,11 @@ def _restore(loaded, store, log, checkpointer) -> None:
 
 
 def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, track: RunProgress, refs=None,
-           trackers: Trackers | None = None):
+           trackers: Trackers | None = None, marks: dict[str, float] | None = None):
     """The round loop (or one evaluation) and the personalization stage, every client task watched
     by `track` (the progress, the transport's observer) and each round logged to `trackers`.
-    Returns the final server state and the transport (later stages use it)."""
+    `marks["round0"]`: when round 0's evaluation was logged. Returns the final server state and the
+    transport (later stages use it)."""
     every, adapters = cfg.runtime.checkpoint_every, cfg.runtime.save_adapter_every
 
     def on_state(state: ckpt.RoundState) -> None:
@@ -147,6 +151,8 @@ def _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, tra
             write_adapter(exp, state.global_params, checkpointer.root.parent / f"peft_{state.round}")
 
     def on_round(record: dict) -> None:
+        if marks is not None and record["round"] == 0 and "phase" not in record:
+            marks.setdefault("round0", time.perf_counter())
         log.append(record)
         if trackers is not None:
             trackers.round(record)
@@ -197,6 +203,13 @@ def client_side(cfg: ExperimentConfig, exp, store, make_transport):
         yield pool.store, lambda exp, store: pool
 
 
+def _setup(t0: float, marks: dict[str, float]) -> dict[str, float | None]:
+    """Wall seconds before round 1: `build_s` from the run's start to its round loop (weights,
+    data, references, caches), `round0_s` the round-0 evaluation (None: a resumed run)."""
+    r0 = marks.get("round0")
+    return {"build_s": round(marks["rounds"] - t0, 1), "round0_s": round(r0 - marks["rounds"], 1) if r0 else None}
+
+
 def _clocks(t0: float, c0: float) -> dict[str, float]:
     """Wall seconds since t0, and CPU seconds of this process since c0 (every thread): a pause or a
     second run on the cores adds nothing to the latter, so `fedsplice results` can sum a
@@ -245,10 +258,10 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
           as (store, make_transport),
           RunProgress(cfg, exp, loaded.state.round if loaded is not None else 0, quiet, progress) as track,
           closing(trackers)):
-        if loaded is not None:
-            _restore(loaded, store, log, checkpointer)
+        _restore(loaded, store, log, checkpointer)
+        marks = {"rounds": time.perf_counter()}
         final, transport = _train(cfg, exp, store, log, loaded, checkpointer, make_transport, echo, track, refs,
-                                  trackers)
+                                  trackers, marks)
         records = log.records()
         results = results_table(cfg, exp, name, records, final, refs)
         results["movement"] = movement(exp, final["global_params"], store)
@@ -257,7 +270,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
                 console.print(f"cold start: {plural(len(exp.holdout_ids), 'held-out client')}, "
                               f"{plural(cfg.eval.cold_start_epochs, 'local epoch')}")
             results["cold_start"] = cold_start(exp, transport, final["global_params"])
-        results.update(_clocks(t0, c0))
+        results.update(_clocks(t0, c0), setup=_setup(t0, marks))
         trackers.final(results)
     for line in results["warnings"] if echo is not None else ():  # the CLI prints them under its table
         echo(line)

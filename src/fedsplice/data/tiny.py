@@ -112,9 +112,7 @@ def build_seeded(build, seed: int, device=None):
     dev = torch.device(device) if device is not None else torch.device("cpu")
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
-        if dev.type == "cpu":
-            return build()
-        with dev:
+        with dev:  # the CPU too: a caller's device context (a plan's meta device) never reaches the weights
             return build()
 
 
