@@ -66,8 +66,8 @@ def register_algorithm(name: str, params_type: type = NoParams, build: Build | N
                        lora_parts: LoraPartsOf | None = None) -> Algorithm:
     """Make `algorithm = name` usable in configs. `params_type` is the dataclass of its `[method]`
     table (an optional `check()` validates it); `build(params, spec)` returns the `Recipe` (spec:
-    the trainable tensors' `ModelSpec`); `check_config(params, cfg)` refuses the rest of a config the method cannot run
-    with (`fedsplice validate` runs it); `prompt_parts(params) -> PromptParts` adds modules to a
+    the trainable tensors' `ModelSpec`); `check_config(params, cfg)` refuses the rest of a config
+    the method cannot run with (`fedsplice validate` runs it); `prompt_parts(params) -> PromptParts` adds modules to a
     prompt model, `lora_parts(params) -> LoraParts` LoRA adapters to a LoRA one. Refuses to
     shadow an existing name unless `replace=True`."""
     if not name or ":" in name:
@@ -169,8 +169,8 @@ def get_algorithm(name: str) -> Algorithm:
 def method_params(cfg: ExperimentConfig) -> DataclassInstance:
     """The typed `[method]` table of cfg's algorithm (unknown keys are errors), after checking that
     the algorithm fits its PEFT parts (check_peft_fits) and the rest of the config (the method's
-    own `check_config`). `fedsplice validate` runs this, but not `build_recipe` (which needs the loaded
-    model), so a combination refused only while the recipe is built passes validate (docs/design.md §11)."""
+    own `check_config`). `fedsplice validate` runs this first, then the plan (federation.plan), which
+    builds the recipe from the model's skeleton and runs the checks that need it (docs/design.md §11)."""
     algo = get_algorithm(cfg.algorithm)
     check_peft_fits(cfg, algo)
     try:
