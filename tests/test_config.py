@@ -236,7 +236,7 @@ def test_unknown_dataset_rejected_at_load():
     (["privacy.secagg_threshold=0.6"], "privacy.secagg_threshold = 0.6 does nothing while "
      "privacy.secure_aggregation = false"),
     (['data.hf_text="x"'], "data.hf_text = 'x' does nothing while data.dataset = 'fortunes' is no hf: data set"),
-    (["grab.kp=3.0"], "grab.kp = 3.0 does nothing while grab.enabled = false: set grab.enabled = true"),
+    (["grab.kp=3.0"], "grab.kp = 3.0 does nothing while grab.enabled = false: write [switch.grab]"),
 ])
 def test_a_setting_that_does_nothing_is_refused(overrides, needle):
     """A value the rest of the config makes inert is an error naming it and what would make it
@@ -253,7 +253,7 @@ def test_inert_checks_let_active_and_saved_settings_through(tmp_path):
                              "privacy.delta=1e-6"])
     assert (cfg.privacy.clip, cfg.privacy.delta) == (1.0, 1e-6)
     assert load_config(None, ["privacy.local=dpsgd", "privacy.local_noise_multiplier=1.0"]).privacy.local == "dpsgd"
-    assert load_config(None, ["grab.enabled=true", "grab.kp=3.0"]).grab.kp == 3.0
+    assert load_config(None, ["grab.enabled=true", "grab.kp=3.0"]).switch == {"grab": {"kp": 3.0}}
     saved = tmp_path / "config.toml"
     write_config(tmp_path, load_config(None, []))
     assert to_dict(load_config(saved)) == to_dict(load_config(None, []))

@@ -187,7 +187,7 @@ def test_cli_run_reports_the_worst_clients_epsilon(tiny_cfg, tmp_path, capsys):
     (["privacy.local=\"dpsgd\"", "privacy.local_noise_multiplier=1", "peft.type=\"prompt\""], "trains the class side"),
     (["privacy.local=\"dpsgd\"", "privacy.local_noise_multiplier=1", "runtime.precision=\"bf16\""],
      "set runtime.precision = 'fp32'"),
-    (["privacy.local=\"dpsgd\"", "privacy.local_noise_multiplier=1", "grab.enabled=true"], "Fed-GraB re-weights"),
+    (["privacy.local=\"dpsgd\"", "privacy.local_noise_multiplier=1", "switch.grab={}"], "Fed-GraB re-weights"),
     (["privacy.local=\"dpsgd\"", "privacy.local_noise_multiplier=1", "algorithm=\"fedpgp\"", "method={}",
       "peft.type=\"prompt\""], "a loss or gradient rule of its own"),
 ])

@@ -328,8 +328,7 @@ def test_residual_objective_by_hand():
         return -logp[torch.arange(len(y)), y].mean()
 
     for lam in (0.0, 0.9, 1.0):
-        ctx = TrainContext(global_logits=global_logits)
-        out = fp.residual_objective(lam)(model, ["w", "x", "y", "z"], y, ids, ctx)
+        out = fp.residual_objective(lam, global_logits)(model, ["w", "x", "y", "z"], y, ids, TrainContext())
         l_g = global_logits[torch.as_tensor(ids)]
         want = (1 - lam) * ce(l_g + l_p, y) + lam * ce(l_p, y)
         assert set(out) == {"task"}

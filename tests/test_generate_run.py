@@ -75,7 +75,8 @@ def test_records_longer_than_max_length_are_counted(gen_cfg):
 @pytest.mark.parametrize("sets, match", [
     (dict(algorithm='"fedpurel"'), "fedpurel"),
     (dict(algorithm='"majority"', method="{}"), "'majority' needs a class prior"),
-    (dict(grab__enabled="true"), "grab.enabled"),
+    (dict(switch__grab="{}"), "switch.grab: model.task = 'generate'"),
+    (dict(switch__logit_adjustment="{}"), "switch.logit_adjustment: model.task = 'generate'"),
     (dict(peft__type='"prompt"'), "peft.type = 'prompt'"),
     (dict(eval__cold_start_epochs=1), "eval.cold_start_epochs"),
     (dict(data__partition='"dirichlet"'), "needs data.group_field"),

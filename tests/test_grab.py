@@ -1,21 +1,24 @@
-"""Fed-GraB ([grab]): the PID step, the re-weighted logit gradients and the prior estimate
+"""Fed-GraB ([switch.grab]): the PID step, the re-weighted logit gradients and the prior estimate
 against hand-computed values; the switch end to end on fedavg-lora and promptfolio; bad
 hyperparameters as one-line errors."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from fedsplice.algorithms import grab as G
 from fedsplice.app.cli import main
-from fedsplice.core import grab as G
+from fedsplice.config import to_dict
 from fedsplice.core import wire
-from fedsplice.core.context import TrainContext
+from fedsplice.core.context import TrainContext, cross_entropy
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
-from fedsplice.federation.tasks import fit, grab_balancer, train_context
+from fedsplice.federation.tasks import fit, start_switches, train_context
 from fedsplice.federation.train import cross_entropy_objective
+from fedsplice.federation.validate import load_config, saved_as_current
 
 LN3 = math.log(3.0)
 U2 = 100.0 * math.log(9.0 / 4.0)  # f(U2) = 2, f(-U2) = 8/17 (β = 1/9, λ = 0.01)
@@ -140,36 +143,63 @@ def cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
     return make
 
 
+def on(over=None, **kw):
+    """The config kwargs that turn the switch on ([switch.grab], its settings inside)."""
+    return {**kw, **(over or {"switch__grab": "{}"})}
+
+
 def test_off_by_default_and_the_balancer_reaches_the_objective(cfg):
     exp = build(cfg(algorithm='"lora"'))
-    assert exp.cfg.grab.enabled is False and train_context(exp, 0, {}).grab is None
-    exp = build(cfg(algorithm='"lora"', grab__enabled=True, grab__loss='"softmax"'))
+    assert exp.switches == {} and start_switches(exp, 0, None, {}) == {}
+    assert train_context(exp, 0, {}).task_loss is cross_entropy
+    exp = build(cfg(algorithm='"lora"', switch__grab='{loss = "softmax"}'))
     received = {n: exp.init_params[n].clone() for n in exp.global_names}
-    b = grab_balancer(exp, None, received)
-    assert b.open.shape == (3,) and b.p.loss == "softmax" and b.p.kp == 10.0 and b.scales() == (1.0, 1.0)
+    link = start_switches(exp, 0, None, received)["grab"]
     c = exp.clients[0]
     x = [exp.data.train_texts[i] for i in c.train_idx[:8]]
     y = torch.as_tensor(exp.data.train_labels[c.train_idx[:8]])
     exp.model.eval()
     ce = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], TrainContext())["task"]
-    gr = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], TrainContext(grab=b))["task"]
+    gr = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], train_context(exp, 0, received, [link]))["task"]
     assert float(gr.detach()) == pytest.approx(float(ce.detach()), abs=1e-5)  # the value is the plain CE
-    assert float(b.state["pos"].sum()) > 0 and float(b.state["neg"].sum()) > 0
+    st = link.state()
+    assert set(st) == set(G.STATE_KEYS) and float(st["pos"].sum()) > 0 and float(st["neg"].sum()) > 0
+
+
+def test_the_balancer_takes_its_settings_and_the_prior():
+    """start: every controller open (prior = "all"), or the tail the content-free prior names."""
+    class Ops:
+        num_classes, fresh = 3, staticmethod(dict)
+
+        def logits(self, params, texts):
+            assert texts == [""] and params == {"w": 1}
+            return torch.tensor([[2.0, 0.0, 0.0]])  # softmax: [0.79, 0.11, 0.11]: tail 1 and 2
+
+    p = G.GrabParams(kp=2.0, loss="sigmoid")
+    b = G.start(p, Ops(), {}, {"w": 1}).state()
+    assert b["out"].tolist() == [0.0] * 3
+    link = G.start(G.GrabParams(prior="content-free", kp=1.0), Ops(), {}, {"w": 1})
+    z, y = torch.zeros(2, 3, requires_grad=True), torch.tensor([0, 1])
+    link.wrap(cross_entropy)(z, y)
+    link.wrap(cross_entropy)(z, y)  # the second step's PID sees the first's sums
+    assert link.state()["out"][0] == 0.0 and bool((link.state()["out"][1:] != 0).all())
+    kept = {k: v + 1 for k, v in link.state().items()}
+    assert torch.equal(G.start(p, Ops(), kept, {}).state()["pos"], kept["pos"])  # from what the client kept
 
 
 def test_the_state_is_private_and_persists_across_rounds(cfg):
-    exp = build(cfg(algorithm='"lora"', grab__enabled=True))
+    exp = build(cfg(**on(algorithm='"lora"')))
     store = MemoryStore()
     down = wire.encode({n: exp.init_params[n].clone() for n in exp.global_names})
     up, _ = fit(exp, store, 0, 0, down)
     st = store.get(0)
-    assert {f"grab/{k}" for k in G.STATE_KEYS} <= set(st)
-    assert not any(k.startswith("grab") for k in wire.decode(up))  # never uploaded
-    acc1 = st["grab/pos"] + st["grab/neg"]
-    assert float(st["grab/pos"].sum()) > 0 and float(st["grab/neg"].sum()) > 0
+    assert {f"switch/grab/{k}" for k in G.STATE_KEYS} <= set(st)
+    assert not any("grab" in k for k in wire.decode(up))  # never uploaded
+    acc1 = st["switch/grab/pos"] + st["switch/grab/neg"]
+    assert float(st["switch/grab/pos"].sum()) > 0 and float(st["switch/grab/neg"].sum()) > 0
     fit(exp, store, 0, 1, down)
     st2 = store.get(0)
-    assert bool((st2["grab/pos"] + st2["grab/neg"] > acc1).all())  # round 2 continues round 1's sums
+    assert bool((st2["switch/grab/pos"] + st2["switch/grab/neg"] > acc1).all())  # round 2 continues round 1's sums
 
 
 @pytest.mark.parametrize("over", [
@@ -179,12 +209,12 @@ def test_the_state_is_private_and_persists_across_rounds(cfg):
 def test_grab_runs_end_to_end(over, cfg):
     from fedsplice.runtimes.inprocess import run_rounds
 
-    exp, store, recs = build(cfg(**over, grab__enabled=True)), MemoryStore(), []
+    exp, store, recs = build(cfg(**on(**over))), MemoryStore(), []
     final = run_rounds(exp, store, recs.append)
     assert [r["round"] for r in recs] == [0, 1, 2]
     # every client that trained keeps its balancer state (PRIVATE, in its store)
     for c in {c for r in exp.sampling[:2] for c in r}:
-        assert {f"grab/{k}" for k in G.STATE_KEYS} <= set(store.get(c)), c
+        assert {f"switch/grab/{k}" for k in G.STATE_KEYS} <= set(store.get(c)), c
     # GM, recomputed by hand: the final GLOBAL tensors with fresh PRIVATE ones on the global test set
     d = exp.data
     exp.model.load_params({**final["global_params"], **{n: exp.init_params[n] for n in exp.private_names}})
@@ -200,29 +230,47 @@ def test_grab_runs_end_to_end(over, cfg):
     ("neg_scale", "nan"), ("out_limit", "0.0"), ("tail_ratio", "-0.1"), ("loss", '"focal"'),
 ])
 def test_bad_hyperparameters_are_one_line_errors(field, value, cfg, capsys):
-    with pytest.raises(ConfigError, match=f"grab.{field}"):
-        cfg(algorithm='"lora"', grab__enabled=True, **{f"grab__{field}": value})
-    rc = main(["validate", "--no-data", "--set", "grab.enabled=true", "--set", f"grab.{field}={value}"])
+    with pytest.raises(ConfigError, match=f"switch.grab.{field}"):
+        cfg(algorithm='"lora"', **{f"switch__grab__{field}": value})
+    rc = main(["validate", "--no-data", "--set", f"switch.grab.{field}={value}"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and f"grab.{field}" in err, err
+    assert rc == 2 and len(err.splitlines()) == 1 and f"switch.grab.{field}" in err, err
 
 
-def test_the_settings_moved_from_client_read_in_grab():
-    """Fed-GraB's settings live in [grab]: an old file's `client.grab*` keys, and a run saved before
-    the move, read with them in [grab] (its results stay reusable)."""
-    from fedsplice.config import load_config, saved_as_current
+def test_the_earlier_settings_read_as_the_switch():
+    """[grab] enabled = true (and before it client.grab*), as a user's old file or a saved run's
+    config.toml wrote them, read as [switch.grab], so recorded runs stay reusable; a setting under
+    enabled = false is refused as before."""
+    cur = to_dict(load_config(overrides=["switch.grab.kp=2.0"]))
+    assert cur["switch"] == {"grab": {"kp": 2.0}}
+    assert to_dict(load_config(overrides=["client.grab=true", "client.grab_kp=2.0"])) == cur
+    assert to_dict(load_config(overrides=["grab.enabled=true", "grab.kp=2.0"])) == cur
+    # a run saved before the switch wrote every default of [grab], and client.logit_adjustment = 0
+    saved = {k: v for k, v in cur.items() if k != "switch"}
+    saved["grab"] = {"enabled": True, **dataclasses.asdict(G.GrabParams(kp=2.0))}
+    saved["client"] = {**saved["client"], "logit_adjustment": 0.0}
+    assert saved_as_current(saved) == cur
+    saved["grab"] = {"enabled": False, **dataclasses.asdict(G.GrabParams())}
+    assert saved_as_current(saved)["switch"] == {}
+    with pytest.raises(ConfigError, match=r"^grab.kp = 2.0 does nothing while grab.enabled = false: write \[switch"):
+        load_config(overrides=["grab.kp=2.0"])
 
-    grab = load_config(overrides=["client.grab=true", "client.grab_kp=2.0"]).grab
-    assert grab.enabled is True and grab.kp == 2.0 and grab.ki == 0.0
-    old = saved_as_current({"algorithm": "lora", "client": {"grab": True, "grab_kp": 5.0, "grab_loss": "sigmoid"}})
-    assert old["grab"] == {**old["grab"], "enabled": True, "kp": 5.0, "loss": "sigmoid"} and "grab" not in old["client"]
 
+def test_an_algorithm_with_its_own_objective_refuses_the_switch(cfg):
+    """Refused where the recipe is planned, before any weight loads (`fedsplice validate`, build)."""
+    from fedsplice.algorithms import NoParams, Recipe, register_algorithm
+    from fedsplice.algorithms import registry as R
+    from fedsplice.core import split as S
 
-def test_an_algorithm_with_its_own_objective_refuses_the_switch(cfg, monkeypatch):
-    with pytest.raises(ConfigError, match="^grab.enabled re-weights the plain task loss, and algorithm 'fedpurel'"):
-        cfg(algorithm='"fedpurel"', method="{personal_rounds = 1}", grab__enabled=True)  # at validation
-    # a user's method that declares no check_config: refused at the first fit, by the same rule
-    exp = build(cfg(algorithm='"fedpurel"', method="{personal_rounds = 1}"))
-    monkeypatch.setattr(exp.cfg.grab, "enabled", True)
-    with pytest.raises(ConfigError, match="^grab.enabled re-weights .* trains on an objective of its own"):
-        grab_balancer(exp, None, {n: exp.init_params[n] for n in exp.global_names})
+    rule = "^switch.grab re-weights the plain cross-entropy, and algorithm {!r} trains on an objective of its own"
+    with pytest.raises(ConfigError, match=rule.format("fedpurel")):
+        build(cfg(**on(algorithm='"fedpurel"', method="{personal_rounds = 1}")))
+    build(cfg(**on(algorithm='"fedpurel"', method="{personal_rounds = 1, purify = false}")))  # plain CE: composes
+    # a user's method declares nothing: the switch's own check refuses it
+    register_algorithm("own-objective", NoParams,
+                       lambda p, spec: Recipe(S.all_global(spec.infos), objective=cross_entropy_objective))
+    try:
+        with pytest.raises(ConfigError, match=rule.format("own-objective")):
+            build(cfg(**on(algorithm='"own-objective"')))
+    finally:
+        del R.ALGORITHMS["own-objective"]

@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedsplice.algorithms import logit_adjustment as LA
 from fedsplice.algorithms.registry import display_name
+from fedsplice.core.context import cross_entropy
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
-from fedsplice.federation.tasks import train_context
+from fedsplice.federation.tasks import start_switches, train_context
 from fedsplice.federation.train import cross_entropy_objective, local_train
 from fedsplice.model.taskmodel import TaskModel
 from fedsplice.runtimes.inprocess import run_rounds
@@ -237,16 +239,16 @@ def test_zeroshot_run_no_rounds_no_bytes_equals_round0(cfg, tmp_path):
 
 
 def test_logit_adjustment_shifts_the_training_loss(cfg):
-    exp = build(cfg(algorithm='"lora"', client__logit_adjustment=1.0, client__batch_size=64,
+    exp = build(cfg(algorithm='"lora"', switch__logit_adjustment="{}", client__batch_size=64,
                     client__max_steps=1, client__optimizer='"sgd"'))
     assert display_name(exp.cfg) == "fedavg-lora+la"
     _no_dropout(exp.model)
     cid = 1
     c = exp.clients[cid]
     counts = np.bincount(exp.data.train_labels[c.train_idx], minlength=3)
-    ctx = train_context(exp, cid, {})
+    ctx = train_context(exp, cid, {}, start_switches(exp, cid, None, {}).values())
     offset = torch.log(torch.tensor((counts + 1e-3) / counts.sum(), dtype=torch.float32))
-    assert torch.allclose(ctx.logit_offset, offset)
+    assert torch.allclose(LA.offset(1.0, exp.data.train_labels[c.train_idx], 3), offset)  # τ = 1, the default
     assert float(offset.max() - offset.min()) > 0.1  # a skewed client: a visible shift
     x = [exp.data.train_texts[i] for i in c.train_idx]
     y = torch.as_tensor(exp.data.train_labels[c.train_idx])
@@ -255,7 +257,7 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
         logits = exp.model(x)
         adjusted = cross_entropy_objective(exp.model, x, y, c.train_idx, ctx)["task"]
         plain = cross_entropy_objective(exp.model, x, y, c.train_idx,
-                                        dataclasses.replace(ctx, logit_offset=0.0))["task"]
+                                        dataclasses.replace(ctx, task_loss=cross_entropy))["task"]
     z = logits + offset
     by_hand = -(z[torch.arange(len(y)), y] - z.logsumexp(-1)).mean()
     assert float(adjusted) == pytest.approx(float(by_hand), rel=1e-5)
@@ -266,9 +268,9 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
                            keep_opt=set(), opt_state={}, rng=np.random.default_rng(0),
                            ctx=ctx, ids=c.train_idx)
     assert stats["task_loss"] == pytest.approx(float(by_hand), rel=1e-5)
-    # off: a zero offset
+    # off: plain cross-entropy
     exp0 = build(cfg(algorithm='"lora"'))
-    assert train_context(exp0, cid, {}).logit_offset == 0.0
+    assert train_context(exp0, cid, {}, start_switches(exp0, cid, None, {}).values()).task_loss is cross_entropy
 
 
 @pytest.mark.parametrize("sets,match", [

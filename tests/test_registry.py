@@ -84,9 +84,9 @@ def test_a_broken_entry_point_is_named_not_raised(monkeypatch):
 COMBINATIONS = [  # config, --set, the error's start: each one used to wait for the first fit
     ("fedotp-fortunes", ["peft.type=adapter"], "algorithm 'fedotp' matches a global and a local prompt"),
     ("fedotp-fortunes", ["model.task=encoder_head"], "algorithm 'fedotp' matches an input's token features"),
-    ("fedpurel-lora-fortunes", ["grab.enabled=true"],
-     "grab.enabled re-weights the plain task loss, and algorithm 'fedpurel'"),
-    ("fedpgp-fortunes", ["grab.enabled=true"], "grab.enabled re-weights the plain task loss, and algorithm 'fedpgp'"),
+    ("fedpurel-lora-fortunes", ["switch.grab={}"],
+     "switch.grab re-weights the plain cross-entropy, and algorithm 'fedpurel'"),
+    ("fedpgp-fortunes", ["switch.grab={}"], "switch.grab re-weights the plain cross-entropy, and algorithm 'fedpgp'"),
     ("fedpgp-fortunes", ["peft.type=adapter"], "algorithm 'fedpgp' adds a private low-rank correction"),
     ("pfedlora-fortunes", ["peft.type=prompt"], "algorithm 'pfedlora' trains a shared and a private LoRA adapter"),
     ("promptfolio-fortunes", ["peft.type=adapter"], "algorithm 'promptfolio' mixes a global and a local prompt"),
@@ -157,8 +157,9 @@ def test_the_peft_settings_a_method_misreads_are_declared_by_the_method(capsys, 
     (["algorithm=local", "server.optimizer=fedadam"], "local"),
     (["algorithm=majority", "server.optimizer=fedadam"], "majority"),
     (["algorithm=fedpurel", "peft.type=prompt", "server.optimizer=fedadam"], "fedpurel+fedadam-prompt"),
-    (["algorithm=fedpurel", "client.logit_adjustment=1.0"], "fedpurel-lora+la"),
-    (["algorithm=lora", "grab.enabled=true"], "fedavg-lora+grab"),
+    (["algorithm=fedpurel", "switch.logit_adjustment.tau=1.0"], "fedpurel-lora+la"),
+    (["algorithm=lora", "switch.grab={}"], "fedavg-lora+grab"),
+    (["algorithm=lora", "switch.grab={}", "client.logit_adjustment=1.0"], "fedavg-lora+la+grab"),
 ])
 def test_labels_come_from_the_methods(sets, label):
     """display_name: each method's own `label` (lora, fedpurel, the methods without a server step)

@@ -2,8 +2,10 @@
 composes a `Recipe` from core parts (a split, loss terms, an objective, a grad transform).
 
 - `recipe`: Recipe, Algorithm, Personal, Phase, Exchange, PromptParts, LoraParts, NoParams — what a method
-  is; ModelSpec, what its `build(params, spec)` sees of the model; `refuse_grab`, the rule a method
-  with its own objective declares in its `check_config`.
+  is; ModelSpec, what its `build(params, spec)` sees of the model; Switch and Link, a setting that
+  composes onto any method through the task loss.
+- `switches`: names -> switches (`[switch.NAME]`): `logit_adjustment`, `grab` (one file each);
+  `register_switch` for users' own.
 - `hooks`: the hooks' signatures as Protocols (ClientOps, LossTerm, Objective, Fit, Send, ...), checked by mypy.
 - `pfadapter`, `fedpurel`: the two methods fedsplice implements exactly.
 - `baselines`: the methods the papers compare against; `fedotp`, `fedpgp`, `promptfolio`,
@@ -15,6 +17,7 @@ from fedsplice.algorithms.hooks import ClientOps
 from fedsplice.algorithms.recipe import (
     Algorithm,
     Exchange,
+    Link,
     LoraParts,
     ModelSpec,
     NoParams,
@@ -22,8 +25,8 @@ from fedsplice.algorithms.recipe import (
     Phase,
     PromptParts,
     Recipe,
+    Switch,
     clone,
-    refuse_grab,
 )
 from fedsplice.algorithms.registry import (
     available,
@@ -35,7 +38,8 @@ from fedsplice.algorithms.registry import (
     prompt_parts,
     register_algorithm,
 )
+from fedsplice.algorithms.switches import register_switch
 
-__all__ = ["Algorithm", "ClientOps", "Exchange", "LoraParts", "ModelSpec", "NoParams", "Personal", "Phase",
-           "PromptParts", "Recipe", "available", "build_recipe", "clone", "display_name", "get_algorithm", "lora_parts",
-           "method_params", "prompt_parts", "refuse_grab", "register_algorithm"]
+__all__ = ["Algorithm", "ClientOps", "Exchange", "Link", "LoraParts", "ModelSpec", "NoParams", "Personal", "Phase",
+           "PromptParts", "Recipe", "Switch", "available", "build_recipe", "clone", "display_name", "get_algorithm",
+           "lora_parts", "method_params", "prompt_parts", "register_algorithm", "register_switch"]

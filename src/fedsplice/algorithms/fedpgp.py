@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedsplice.algorithms.hooks import Objective
-from fedsplice.algorithms.recipe import Algorithm, ModelSpec, PromptParts, Recipe, refuse_grab
+from fedsplice.algorithms.recipe import Algorithm, ModelSpec, PromptParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
 from fedsplice.core.losses import prompt_contrastive
@@ -93,8 +92,7 @@ def objective(mu: float, tau: float) -> Objective:
     def fedpgp_objective(model: nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
                          ctx: TrainContext) -> dict[str, torch.Tensor]:
         v = views(cast(PGPModel, model))
-        logits = model(texts, v["personal"]) + ctx.logit_offset
-        out = {"task": F.cross_entropy(logits, y)}
+        out = {"task": ctx.task_loss(model(texts, v["personal"]), y)}
         if mu > 0:
             out["contrastive"] = mu * prompt_contrastive(v["template"], v["global"], v["personal"], tau)
         return out
@@ -106,7 +104,6 @@ def check_config(p: FedPGPParams, cfg: ExperimentConfig) -> None:
     if cfg.peft.type != "prompt":
         raise ConfigError("algorithm 'fedpgp' adds a private low-rank correction to a prompt: set "
                           "peft.type = 'prompt'")
-    refuse_grab(cfg, "cross-entropy plus its prompt-wise contrastive loss")
 
 
 def build(p: FedPGPParams, spec: ModelSpec) -> Recipe:

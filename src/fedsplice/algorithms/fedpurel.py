@@ -28,7 +28,6 @@ from fedsplice.algorithms.recipe import (
     Personal,
     Recipe,
     default_label,
-    refuse_grab,
 )
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
@@ -39,7 +38,6 @@ from fedsplice.errors import ConfigError
 if TYPE_CHECKING:
     import numpy as np
 
-    from fedsplice.config import ExperimentConfig
 
 
 @dataclass
@@ -96,19 +94,20 @@ def align_objective(aligned: bool = True) -> Objective:
             z = ctx.zero_shot[torch.as_tensor(ids)]
         else:  # runtime.cache = false: an extra frozen forward every step, as the caches' reference
             z = zero_shot_logits(model, texts)
-        return {"task": F.cross_entropy(f + ctx.logit_offset, y),
+        return {"task": ctx.task_loss(f, y),
                 "align": tkl(f, z, aligned).mean()}
 
     return objective
 
 
-def residual_objective(lam: float) -> Objective:
-    """Phase 2: (1−λ)·CE(y, l_G + l_P) + λ·CE(y, l_P), l_G the frozen, cached global logits."""
+def residual_objective(lam: float, global_logits: torch.Tensor) -> Objective:
+    """Phase 2: (1−λ)·CE(y, l_G + l_P) + λ·CE(y, l_P), l_G the frozen global logits on the
+    client's training data (`global_logits`, indexed by sample id)."""
 
     def objective(model: nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
                   ctx: TrainContext) -> dict[str, torch.Tensor]:
         l_p = model(texts)
-        l_g = cast(torch.Tensor, ctx.global_logits)[torch.as_tensor(ids)]  # set by train_branch
+        l_g = global_logits[torch.as_tensor(ids)].to(l_p.device)
         return {"task": (1 - lam) * F.cross_entropy(l_g + l_p, y) + lam * F.cross_entropy(l_p, y)}
 
     return objective
@@ -118,21 +117,19 @@ def residual_objective(lam: float) -> Objective:
 PHASE2_OPTIMIZER = {"momentum": 0.0, "weight_decay": 0.0, "schedule": "constant"}
 
 
-def train_branch(ops: ClientOps, objective: Objective, received: Tensors, branch: Tensors, rounds: range,
+def train_branch(ops: ClientOps, lam: float, received: Tensors, branch: Tensors, rounds: range,
                  l_g: torch.Tensor) -> dict[str, torch.Tensor]:
     """The residual branch l_P: `branch` trained on `objective` for one local budget per round
     key in `rounds` (one optimizer across them), l_G the frozen global logits on the training data."""
-    return ops.train(branch, objective, rounds, received=received, client=PHASE2_OPTIMIZER, global_logits=l_g)
+    return ops.train(branch, residual_objective(lam, l_g), rounds, received=received, client=PHASE2_OPTIMIZER)
 
 
 def phase2(p: FedPuReLParams) -> Personal:
     """Phase 2 as the client tasks' hooks (recipe.Personal); the slot is the client's branch, a
     PEFT of the same type ({} until first trained: a fresh one)."""
-    objective = residual_objective(p.lam)
-
     # one round's budget, from where it stopped
     def fit(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> Slot:
-        return train_branch(ops, objective, received, slot or ops.fresh(), range(rnd, rnd + 1),
+        return train_branch(ops, p.lam, received, slot or ops.fresh(), range(rnd, rnd + 1),
                             ops.train_logits(received))
 
     # test_logits are class logits here: FedPuReL is refused with model.task = "generate" (its check_recipe)
@@ -146,19 +143,13 @@ def phase2(p: FedPuReLParams) -> Personal:
             return predict(ops, global_params, slot)
         l_g = ops.train_logits(global_params)  # Algorithm 1: a fresh branch, T_p rounds (0: it stays at init)
         l_g_test = cast("np.ndarray", ops.test_logits(global_params))
-        branch = train_branch(ops, objective, global_params, ops.fresh(), range(p.personal_rounds), l_g)
+        branch = train_branch(ops, p.lam, global_params, ops.fresh(), range(p.personal_rounds), l_g)
         pm: np.ndarray = l_g_test + cast("np.ndarray", ops.test_logits(branch))
         return pm
 
     if p.phase2 == "persistent":
         return Personal(fit=fit, predict=predict, after=after)
     return Personal(after=after, after_rounds=p.personal_rounds)
-
-
-def check_config(p: FedPuReLParams, cfg: ExperimentConfig) -> None:
-    if p.purify:
-        refuse_grab(cfg, "cross-entropy purified against its alignment to zero-shot (method.purify = false "
-                         "trains plain cross-entropy)")
 
 
 def build(p: FedPuReLParams, spec: ModelSpec) -> Recipe:
@@ -172,5 +163,5 @@ def build(p: FedPuReLParams, spec: ModelSpec) -> Recipe:
 FEDPUREL = Algorithm(FedPuReLParams, build,
                      "gradient purification toward zero-shot (TKL) + residual personalization (FedPuReL)",
                      "Fine-Tuning Impairs the Balancedness of Foundation Models in Long-tailed Personalized "
-                     "Federated Learning (FedPuReL; github.com/shihaohou/FedPuReL)", check_config,
+                     "Federated Learning (FedPuReL; github.com/shihaohou/FedPuReL)",
                      label=lambda cfg: default_label(cfg) + f"-{cfg.peft.type}")  # fedpurel-lora, -prompt, -adapter

@@ -33,6 +33,11 @@ class ClientOps(Protocol):
 
     cid: int
 
+    @property
+    def num_classes(self) -> int:
+        """How many classes the task has."""
+        ...
+
     def fresh(self) -> dict[str, torch.Tensor]:
         """A copy of every trainable tensor at its initialization (the run's seeded init)."""
         ...
@@ -59,6 +64,14 @@ class ClientOps(Protocol):
         (the same draws in every run of the config and on every runtime)."""
         ...
 
+    def labels(self) -> np.ndarray:
+        """The class labels of the client's training samples, in their order."""
+        ...
+
+    def logits(self, params: Mapping[str, torch.Tensor], texts: list[str]) -> torch.Tensor:
+        """`params` loaded: the model's logits [len(texts), C] on `texts` (eval mode)."""
+        ...
+
     def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """`params` loaded: the model's logits on the client's training data, in a table
         [N, C] indexed by training sample id (as an objective looks them up by `ids`)."""
@@ -71,7 +84,8 @@ class ClientOps(Protocol):
         loss}) for one local budget per round key in `rounds` (each its own data order; one
         optimizer across them), with the client config changed by `client` (e.g. momentum=0.0);
         `received` is ctx.global_ref and `ctx` sets the TrainContext's other fields (e.g.
-        global_logits). Returns the trained tensors (CPU copies)."""
+        round); the task loss is plain cross-entropy (the config's switches train the rounds).
+        Returns the trained tensors (CPU copies)."""
         ...
 
 

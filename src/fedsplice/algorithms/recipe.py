@@ -8,7 +8,7 @@ runs every recipe with the same client tasks and the same round loop (docs/desig
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -18,6 +18,7 @@ from fedsplice.algorithms.hooks import (
     After,
     CheckConfig,
     ClassEmbeddings,
+    ClientOps,
     Fit,
     GradTransform,
     Label,
@@ -27,11 +28,12 @@ from fedsplice.algorithms.hooks import (
     PromptModules,
     Receive,
     Send,
+    Tensors,
     TokenScorerFn,
     Weights,
 )
+from fedsplice.core.context import TaskLoss
 from fedsplice.core.split import ParamInfo
-from fedsplice.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedsplice.config import ExperimentConfig
@@ -189,12 +191,66 @@ class Algorithm:
     # one line; None (register_algorithm, a `module:build` reference): not checked.
     full_ok: bool | None = False  # peft.type = "full": every backbone weight trains, no PEFT parts
     # (cfg) -> the method's name in results; None: `algorithm`, "+<optimizer>" when the server
-    # optimizer is not FedAvg (registry.display_name adds the +la / +grab switches)
+    # optimizer is not FedAvg (registry.display_name adds the switches' labels: +la, +grab)
     label: Label | None = None
     # (params) -> PromptParts: the modules, class side and scorer a prompt method adds to the model
     prompt_parts: PromptPartsOf | None = None
     # (params) -> LoraParts: the LoRA adapters a method adds beside the shared one
     lora_parts: LoraPartsOf | None = None
+
+
+class Wrap(Protocol):
+    """Link.wrap: the task loss a switch makes of the one it is given (the next switch's, or
+    cross-entropy)."""
+
+    def __call__(self, inner: TaskLoss, /) -> TaskLoss: ...
+
+
+class StartSwitch(Protocol):
+    """Switch.start, on the client, before its local training: (its [switch.NAME] dataclass, the
+    client, what the client kept of the switch ({} at first), the GLOBAL tensors received) -> Link."""
+
+    def __call__(self, params: Any, ops: ClientOps, kept: Tensors, received: Tensors, /) -> Link: ...
+
+
+class CheckRecipe(Protocol):
+    """Switch.check_recipe: raise a one-line ConfigError for a method the switch cannot compose with."""
+
+    def __call__(self, params: Any, cfg: ExperimentConfig, recipe: Recipe, /) -> None: ...
+
+
+class MoveSettings(Protocol):
+    """Switch.moved: rewrite, in place, a raw config table that holds the switch's settings where
+    an earlier version kept them (a user's old file, a saved run's config.toml)."""
+
+    def __call__(self, table: dict[str, Any], /) -> None: ...
+
+
+@dataclass(frozen=True)
+class Link:
+    """A switch's part in one client's local training: `wrap` makes the task loss objectives
+    call (TrainContext.task_loss) from the one it is given; `state` is what the client keeps of
+    the switch for its next round (PRIVATE, never sent; {} for a switch without state)."""
+
+    wrap: Wrap
+    state: Callable[[], dict[str, torch.Tensor]] = dict
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A setting that composes onto any method through the task loss (logit adjustment,
+    Fed-GraB): declared once, in its own file, and registered by name (`[switch.NAME]` in a
+    config turns it on; fedsplice.algorithms.switches). The one training loop chains the active
+    switches' links; no objective names them."""
+
+    params: type  # the dataclass of its [switch.NAME] table; an optional `check()` validates it
+    start: StartSwitch  # (params, ops, kept, received) -> Link, on the client before each local training
+    description: str
+    paper: str
+    label: str  # added to the run's name in results ("+grab")
+    check_config: CheckConfig | None = None  # (params, cfg): the rest of the config it refuses
+    check_recipe: CheckRecipe | None = None  # (params, cfg, recipe): the methods it cannot compose with
+    moved: MoveSettings | None = None  # reads an earlier version's layout of its settings
 
 
 class PhasesOf(Protocol):
@@ -228,14 +284,6 @@ def no_server_step(cfg: ExperimentConfig) -> str:
     """The label of a method without a server step (local, zero-shot, the references): its name,
     whatever server.optimizer says."""
     return cfg.algorithm
-
-
-def refuse_grab(cfg: ExperimentConfig, objective: str) -> None:
-    """Fed-GraB (grab.enabled) re-weights the plain cross-entropy; a method that trains on an
-    `objective` of its own cannot take it. The one place this rule is worded."""
-    if cfg.grab.enabled:
-        raise ConfigError(f"grab.enabled re-weights the plain task loss, and algorithm {cfg.algorithm!r} trains "
-                          f"on {objective}; set grab.enabled = false")
 
 
 def clone(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

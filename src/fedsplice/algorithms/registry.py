@@ -42,6 +42,8 @@ from fedsplice.algorithms.recipe import (
     default_label,
 )
 from fedsplice.algorithms.references import REFERENCES
+from fedsplice.algorithms.switches import check_recipe as check_switches
+from fedsplice.algorithms.switches import labels as switch_labels
 from fedsplice.config import from_dict
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
@@ -242,6 +244,7 @@ def build_recipe(cfg: ExperimentConfig, spec: ModelSpec) -> Recipe:
     if not isinstance(recipe, Recipe):
         raise ConfigError(f"algorithm {cfg.algorithm!r}: build returned {type(recipe).__name__}, not a Recipe")
     S.validate(recipe.split, list(spec.infos))
+    check_switches(cfg, recipe)
     return recipe
 
 
@@ -249,4 +252,4 @@ def display_name(cfg: ExperimentConfig) -> str:
     """The label in results: fedyogi-lora, pfadapter, pfadapter+fedadam, local…"""
     algo = get_algorithm(cfg.algorithm)
     name = (algo.label or default_label)(cfg)
-    return name + ("+la" if cfg.client.logit_adjustment > 0 else "") + ("+grab" if cfg.grab.enabled else "")
+    return name + switch_labels(cfg)

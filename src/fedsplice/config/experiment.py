@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedsplice.config.generate import check_generate
 from fedsplice.config.parsing import apply_overrides, from_dict, read_toml
 from fedsplice.config.privacy import PrivacyConfig
-from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, GrabConfig, RuntimeConfig, ServerConfig
+from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, RuntimeConfig, ServerConfig
 from fedsplice.config.task import DataConfig, ModelConfig, PeftConfig, ScenarioConfig
 from fedsplice.config.tracking import TrackingConfig
 from fedsplice.errors import ConfigError
@@ -33,7 +34,9 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
-    grab: GrabConfig = field(default_factory=GrabConfig)
+    # the switches composed onto the method, [switch.NAME] each (fedsplice.algorithms.switches):
+    # a table turns its switch on, with its own settings inside, validated by the switch
+    switch: dict = field(default_factory=dict)
     server: ServerConfig = field(default_factory=ServerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -149,12 +152,14 @@ def apply_scoped(table: dict, overrides: list[str]) -> dict:
     return table
 
 
-def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+def load_config(path: Path | None = None, overrides: list[str] | None = None,
+                moves: Sequence[Callable[[dict], None]] = ()) -> ExperimentConfig:
     """Parse + intra-config checks only; `fedsplice.federation.validate.load_config` adds the
-    cross-checks against the zoo, the data sets, the algorithms and the server optimizers."""
+    cross-checks against the zoo, the data sets, the algorithms, the switches and the server
+    optimizers, and passes the switches' `moves` (their settings' earlier places)."""
     table = read_toml(path or DEFAULT_CONFIG)
     apply_overrides(table, overrides or [])
-    moved_settings(table)
+    moved_settings(table, moves)
     apply_scoped(table, overrides or [])
     cfg = from_dict(ExperimentConfig, table)
     cfg.check()
@@ -169,17 +174,15 @@ MOVED = {("peft", "ot_gamma"): ("method", "gamma", "fedotp", 0.0),
          ("peft", "ot_iters"): ("method", "iters", "fedotp", 100),
          ("peft", "prompt_lowrank"): ("method", "rank", "fedpgp", 0),
          ("peft", "portfolio"): ("method", "theta", "promptfolio", 0.0),
-         ("peft", "private_r"): ("method", "private_r", "pfedlora", 0),
-         ("client", "grab"): ("grab", "enabled", None, False),
-         **{("client", f"grab_{k}"): ("grab", k, None, None) for k in ("kp", "ki", "kd", "pos_scale", "neg_scale",
-                                                                        "out_limit", "prior", "tail_ratio", "loss")}}
+         ("peft", "private_r"): ("method", "private_r", "pfedlora", 0)}
 
 
-def moved_settings(table: dict) -> dict:
+def moved_settings(table: dict, moves: Sequence[Callable[[dict], None]] = ()) -> dict:
     """A config written before a setting moved (a user's file, a saved run's config.toml) reads
     with it in its new place: into the method's [method] table when the config runs that method,
     dropped where it held its old "off" value; set for another method, it is refused in one line
-    naming where it went."""
+    naming where it went. `moves`: the layers above's own readers (each switch's `moved`,
+    fedsplice.algorithms.switches.moves), run after these."""
     for (section, key), (new_section, new, algo, off) in MOVED.items():
         sub = table.get(section)
         if not isinstance(sub, dict) or key not in sub:
@@ -194,6 +197,8 @@ def moved_settings(table: dict) -> dict:
             raise ConfigError(f"{section}.{key} = {shown} is now `{new}` in the [method] table of algorithm "
                               f"{algo!r}, and this config runs algorithm {running!r}: remove it, "
                               f"or set algorithm = {algo!r} and [method] {new} = {shown}")
+    for move in moves:
+        move(table)
     return table
 
 
@@ -201,8 +206,8 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def saved_as_current(table: dict) -> dict:
+def saved_as_current(table: dict, moves: Sequence[Callable[[dict], None]] = ()) -> dict:
     """A config an earlier version saved (a run's config.toml), as this version reads it: settings
-    added since take their defaults, settings that moved move (moved_settings);
+    added since take their defaults, settings that moved move (moved_settings, with `moves`);
     a setting no longer known is a ConfigError."""
-    return to_dict(from_dict(ExperimentConfig, moved_settings(copy.deepcopy(table))))
+    return to_dict(from_dict(ExperimentConfig, moved_settings(copy.deepcopy(table), moves)))

@@ -57,8 +57,6 @@ def check_generate(cfg) -> None:  # an ExperimentConfig (which calls this: no im
     refusals = (
         (cfg.peft.type not in ("lora", "full"), f"peft.type = {cfg.peft.type!r}: {why}prompts, adapters and heads "
                                                 "score a class set; use peft.type = 'lora'"),
-        (cfg.grab.enabled, f"grab.enabled: {why}Fed-GraB balances classes; set grab.enabled = false"),
-        (cfg.client.logit_adjustment > 0, f"client.logit_adjustment: {why}it shifts class logits; set it to 0"),
         (cfg.eval.cold_start_epochs > 0, "eval.cold_start_epochs: cold-start curves are accuracy curves, not yet "
                                          "measured for generated answers; set eval.cold_start_epochs = 0"),
         (cfg.privacy.local == "dpsgd", "privacy.local = 'dpsgd' does not run model.task = 'generate' yet (per-example "

@@ -1,4 +1,4 @@
-"""The sections that say how the rounds run: client, grab, server, eval, runtime, faults.
+"""The sections that say how the rounds run: client, server, eval, runtime, faults.
 
 Each section is a dataclass whose `check()` validates its own fields. Whether the server
 optimizer accepts its hyperparameters is checked where the optimizers live
@@ -33,14 +33,14 @@ class ClientConfig:
     cosine_at: Literal["round_start", "round_end"] = "round_start"
     # The optimizer's state (SGD momentum, Adam moments) between a client's rounds. fresh: a new
     # optimizer every client-round for every tensor, GLOBAL, PRIVATE and the residual branch alike
-    # (FedSA-LoRA's, Fed-GraB's and FedPuReL's branch code); keep_private: PRIVATE tensors keep
-    # theirs across the client's rounds (GLOBAL ones still start fresh: they arrive new each round)
+    # (the official code of FedSA-LoRA, of FedPuReL's branch and of the gradient-balancing switch);
+    # keep_private: PRIVATE tensors keep theirs across the client's rounds (GLOBAL ones still start
+    # fresh: they arrive new each round)
     optimizer_state: Literal["fresh", "keep_private"] = "fresh"
     # per loss term (PFAdapter's orthogonality), ‖∇term‖ / ‖∇task‖ on the GLOBAL and PRIVATE tensors
     # on each client-round's last step, in metrics.jsonl: 1 + (terms) extra backward passes a
     # client-round; false skips them (training is the same either way)
     diagnostics: bool = True
-    logit_adjustment: float = 0.0  # τ of logit-adjusted training (Menon et al. 2021); 0 = off
     # Upload codec of the GLOBAL tensors: fp32 sends the tensors; fp16 / int8 send the round's
     # update (trained - received) compressed, int8 with error feedback kept on the client.
     upload: Literal["fp32", "fp16", "int8"] = "fp32"
@@ -49,8 +49,6 @@ class ClientConfig:
     max_grad_norm: float = 0.0
 
     def check(self) -> None:
-        if self.logit_adjustment < 0:
-            raise ConfigError(f"client.logit_adjustment must be >= 0 (0 = off), got {self.logit_adjustment}")
         if self.optimizer_state not in ("fresh", "keep_private"):
             raise ConfigError(f"client.optimizer_state must be 'fresh' (a new optimizer every client-round) or "
                               f"'keep_private' (PRIVATE tensors keep theirs), got {self.optimizer_state!r}")
@@ -89,49 +87,6 @@ class ClientConfig:
             return self.lr
         s = min(max(rnd, 1), rounds) - (1 if self.cosine_at == "round_start" else 0)
         return self.lr_min + (self.lr - self.lr_min) * 0.5 * (1.0 + math.cos(math.pi * s / rounds))
-
-
-@dataclass
-class GrabConfig:
-    """Fed-GraB (Xiao et al. 2023; fedsplice.core.grab), a switch that composes with any method
-    training on the plain cross-entropy: per-class PID-steered re-weighting of the positive /
-    negative logit gradients, on the classes the global model's prior calls tail. Its controllers'
-    state is PRIVATE client state."""
-
-    enabled: bool = False
-    kp: float = 10.0  # PID gains (the official code's defaults)
-    ki: float = 0.0
-    kd: float = 0.0
-    # PID error = -(pos_scale * G+ - neg_scale * G-), set point 0; 0 = the loss's default:
-    # sigmoid 50 / 0.5 (the official code), softmax 1 / 1 (G+ = G-, the balance CE keeps on average)
-    pos_scale: float = 0.0
-    neg_scale: float = 0.0
-    out_limit: float = 100.0  # |PID output| bound
-    # which classes the controllers steer: all (the official code, which never runs its prior
-    # analyzer), or those whose prior, estimated from the global model's response to a
-    # content-free input, is below tail_ratio / num_classes (our reading of the paper's DPA)
-    prior: Literal["all", "content-free"] = "all"
-    tail_ratio: float = 1.0  # tail: estimated global prior < tail_ratio / num_classes
-    # softmax: re-weight the method's own CE; sigmoid: the official code's one-vs-all BCE (saturates
-    # on CLIP-style scaled cosine logits: every sigmoid near 1, no positive gradient)
-    loss: Literal["softmax", "sigmoid"] = "softmax"
-
-    def check(self) -> None:
-        """Every field, whether or not grab.enabled is on; none set while it is off."""
-        if not self.enabled:
-            refuse_inert("grab", self, ("kp", "ki", "kd", "pos_scale", "neg_scale", "out_limit", "prior",
-                                        "tail_ratio", "loss"),
-                         "grab.enabled = false", "set grab.enabled = true for it to take effect")
-        for name, lo, strict in (("kp", 0, False), ("ki", 0, False), ("kd", 0, False), ("pos_scale", 0, False),
-                                 ("neg_scale", 0, False), ("out_limit", 0, True), ("tail_ratio", 0, False)):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and (v > lo if strict else v >= lo)):
-                raise ConfigError(f"grab.{name} must be a finite number {'>' if strict else '>='} {lo}, got {v}")
-        if self.loss not in ("sigmoid", "softmax"):
-            raise ConfigError(f"grab.loss must be 'sigmoid' or 'softmax', got {self.loss!r}")
-        if self.prior not in ("all", "content-free"):
-            raise ConfigError(f"grab.prior must be 'all' (every class tail, the official code) or "
-                              f"'content-free' (the estimated prior), got {self.prior!r}")
 
 
 @dataclass

@@ -46,6 +46,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from fedsplice.algorithms.switches import moves
 from fedsplice.config import ExperimentConfig, saved_as_current, to_dict
 from fedsplice.core.server import Params
 from fedsplice.data.assets import dumps, share_mode
@@ -300,7 +301,7 @@ def _written_before_new_settings(path: Path, digest: str, cfg: ExperimentConfig)
     try:
         saved = tomllib.loads((path.parent.parent / "config.toml").read_text())
         return (hashlib.sha256(json.dumps(saved, sort_keys=True).encode()).hexdigest() == digest
-                and saved_as_current(saved) == to_dict(cfg))
+                and saved_as_current(saved, moves()) == to_dict(cfg))
     except (OSError, ValueError, TypeError, ConfigError):
         return False
 

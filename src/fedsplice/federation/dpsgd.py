@@ -9,8 +9,9 @@ cost. Each client's ε comes from Opacus' accountant over its own steps (sample 
 batch_size / its examples), counted in its state across rounds.
 
 What Opacus cannot clip per example is refused at build time with one line (`check`): a method's
-own objective or gradient rule, Fed-GraB, a class side that trains (its tensors see every class at
+own objective or gradient rule, a class side that trains (its tensors see every class at
 once), and trainable tensors in modules Opacus has no per-example rule for (CoOp prompts, ...).
+A switch that couples a batch's examples refuses DP-SGD in its own check (the gradient balancer's).
 """
 
 from __future__ import annotations
@@ -61,9 +62,6 @@ def check(cfg: ExperimentConfig, recipe: Recipe, model: TaskModel) -> None:
     if stage is not None and (stage.fit is not None or stage.after is not None):
         raise ConfigError(f"{WHERE}: algorithm {cfg.algorithm!r} trains a personal stage of its own outside "
                           f"the local steps: {off} or use another algorithm")
-    if cfg.grab.enabled:
-        raise ConfigError(f"{WHERE}: Fed-GraB re-weights the gradients of a whole batch; set grab.enabled = "
-                          f"false or {off}")
     if getattr(model, "class_side_trains", False):
         raise ConfigError(f"{WHERE}: peft.type = {cfg.peft.type!r} trains the class side, whose tensors see "
                           f"every class at once rather than one example; train only the input side (CLIP: "

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from fedsplice.algorithms import Recipe, clone
+from fedsplice.algorithms.switches import switch_params
 from fedsplice.config import SITES, ExperimentConfig
 from fedsplice.core.server import ServerOptimizer, make_server_optimizer
 from fedsplice.core.streams import LOCAL_TEST, LONG_TAIL, PARTITION, SAMPLING, SCENARIO, VALIDATION, rng
@@ -50,6 +51,7 @@ class Experiment:
     server_opt: ServerOptimizer
     sampling: list[list[int]]  # pre-generated: round r trains clients sampling[r]
     caches: dict[str, Any] = field(default_factory=dict)  # frozen work: e.g. "zero_shot" train logits
+    switches: dict[str, Any] = field(default_factory=dict)  # the config's switches' typed tables, in chain order
     scenario: dict[str, Any] = field(default_factory=dict)  # realised scenario statistics (JSON); {}: none
     privacy: Plan | None = None  # [privacy] resolved (noise multiplier chosen); None: off
     # where this process's side writes the ledger of uploads (federation.ledger); None: no ledger
@@ -236,6 +238,7 @@ def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experim
                      planned.private_names, clone(model.trainable()), server_opt, sampling_stream(cfg, train_ids),
                      scenario=scenario)
     exp.privacy = privacy_plan(cfg, len(train_ids))
+    exp.switches = switch_params(cfg)
     if planned.recipe.pooled or planned.recipe.prior:  # the reference rows: centralized's pooled client; checks
         prepare_reference(exp)
     exp.caches.update(zero_shot_caches(exp))

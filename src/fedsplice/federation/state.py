@@ -2,7 +2,7 @@
 
 A `Store` holds it as one name-keyed tensor dict (the store, checkpoint and SuperNode format),
 each slot's tensors under its prefix: "param/<name>", "opt/<name>/<slot>", "ef/<name>",
-"grab/<key>", "branch/<name>". Only this module reads or writes the prefixes.
+"switch/<switch>/<key>", "branch/<name>", "dp/<key>". Only this module reads or writes the prefixes.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ class ClientState:
     params: Tensors = field(default_factory=dict)  # PRIVATE tensors
     opt: Tensors = field(default_factory=dict)  # their optimizer state ("<name>/<slot>"), if kept
     ef: Tensors = field(default_factory=dict)  # the int8 upload's error-feedback residual (never sent)
-    grab: Tensors = field(default_factory=dict)  # Fed-GraB's balancer state ([grab])
+    switch: Tensors = field(default_factory=dict)  # the switches' state ("<switch>/<key>": a balancer's sums)
     branch: Tensors = field(default_factory=dict)  # the method's `Personal` slot (FedPuReL: its branch)
     dp: Tensors = field(default_factory=dict)  # DP-SGD's steps so far (federation.dpsgd), never sent
 
     # slot -> prefix in the store's tensor dict, in the order they are written
-    PREFIXES = {"params": "param/", "opt": "opt/", "ef": "ef/", "grab": "grab/", "branch": "branch/", "dp": "dp/"}
+    PREFIXES = {"params": "param/", "opt": "opt/", "ef": "ef/", "switch": "switch/", "branch": "branch/", "dp": "dp/"}
 
     @classmethod
     def from_store(cls, tensors: Tensors | None) -> ClientState | None:
@@ -42,3 +42,12 @@ class ClientState:
 
     def to_store(self) -> Tensors:
         return {f"{p}{k}": t for slot, p in self.PREFIXES.items() for k, t in getattr(self, slot).items()}
+
+    def kept_by(self, switch: str) -> Tensors:
+        """What the client kept of one switch ({} if nothing)."""
+        return {k[len(switch) + 1:]: t for k, t in self.switch.items() if k.startswith(switch + "/")}
+
+
+def switch_state(kept: dict[str, Tensors]) -> Tensors:
+    """{switch: its state} as the `switch` slot."""
+    return {f"{name}/{k}": t for name, state in kept.items() for k, t in state.items()}

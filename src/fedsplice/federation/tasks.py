@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import numpy as np
 import torch
 
-from fedsplice.algorithms import Personal, Phase, clone, refuse_grab
-from fedsplice.core import grab as G
+from fedsplice.algorithms import Personal, Phase, clone
+from fedsplice.algorithms.switches import SWITCHES, chain
 from fedsplice.core import streams, wire
 from fedsplice.core.context import TrainContext
 from fedsplice.federation.dpsgd import session as dpsgd_session
@@ -41,11 +41,11 @@ from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.metrics import classification_metrics
 from fedsplice.federation.pooled import pooled_budget
 from fedsplice.federation.privacy import client_release
-from fedsplice.federation.state import ClientState
+from fedsplice.federation.state import ClientState, switch_state
 from fedsplice.federation.train import PLAIN, Step, local_train, planned_steps
 
 if TYPE_CHECKING:
-    from fedsplice.algorithms import Recipe
+    from fedsplice.algorithms import Link, Recipe
     from fedsplice.algorithms.hooks import After, Objective, Scores
     from fedsplice.config import ClientConfig, ExperimentConfig
     from fedsplice.core.server import Params
@@ -77,39 +77,22 @@ class Training(Protocol):
     caches: dict[str, Any]
 
 
-def train_context(exp: Training, cid: int, received: Mapping[str, torch.Tensor], **extra: Any) -> TrainContext:
+def train_context(exp: Training, cid: int, received: Mapping[str, torch.Tensor],
+                  links: Iterable[Link] = (), **extra: Any) -> TrainContext:
     """What the objective and loss terms may read (fedsplice.core.context): the weights received
-    this round (FedProx), the client's logit-adjustment offset, the frozen zero-shot logits, and
-    `extra` (round, grab, global_logits)."""
-    offset: torch.Tensor | float = 0.0
-    tau = exp.cfg.client.logit_adjustment
-    if tau > 0:  # Menon et al.: tau * log(local class prior), from the client's own labels
-        counts = np.bincount(exp.data.train_labels[exp.clients[cid].train_idx], minlength=len(exp.data.class_names))
-        offset = tau * torch.log(torch.as_tensor((counts + 1e-3) / counts.sum(), dtype=torch.float32))
-    return TrainContext(client=cid, global_ref=received, split=exp.recipe.split, logit_offset=offset,
+    this round (FedProx), the task loss of the switches' `links`, the frozen zero-shot logits,
+    and `extra` (round, state)."""
+    return TrainContext(client=cid, global_ref=received, split=exp.recipe.split, task_loss=chain(list(links)),
                         zero_shot=exp.caches.get("zero_shot"), **extra)
 
 
-def grab_balancer(exp: Experiment, stored: Params | None,  # stored: ClientState.grab
-                  global_params: Mapping[str, torch.Tensor]) -> G.Balancer:
-    """Fed-GraB ([grab]), PRIVATE: the PID controllers of the tail classes open: every class
-    (grab.prior = "all", the official code), or those the Direct Prior Analyzer calls tail from the
-    global model's class prior (GLOBAL + fresh PRIVATE tensors, its mean softmax on a
-    content-free input "", no data); the balancer's state (accumulated
-    gradients, errors, PID outputs) comes from the client's stored state (its `grab` slot)."""
-    cc = exp.cfg.grab
-    if exp.recipe.objective is not None:  # a user's method without its own check_config
-        refuse_grab(exp.cfg, "an objective of its own")
-    if cc.prior == "all":  # the official code: every class is tail, every controller open
-        mask = torch.ones(len(exp.data.class_names), dtype=torch.bool)
-    else:
-        exp.model.load_params({**global_params, **{n: exp.init_params[n] for n in exp.private_names}})
-        mask = G.tail_mask(G.prior_from_responses(exp.model.predict([""], 1)), cc.tail_ratio)
-    state = ({k: stored[k] for k in G.STATE_KEYS} if stored is not None and "pos" in stored
-             else G.fresh_state(len(exp.data.class_names)))
-    params = G.GrabParams(kp=cc.kp, ki=cc.ki, kd=cc.kd, pos_scale=cc.pos_scale, neg_scale=cc.neg_scale,
-                          out_limit=cc.out_limit, tail_ratio=cc.tail_ratio, loss=cc.loss)
-    return G.Balancer(params, state, mask)
+def start_switches(exp: Experiment, cid: int, stored: ClientState | None,
+                   received: Mapping[str, torch.Tensor]) -> dict[str, Link]:
+    """Each of the config's switches, started on client `cid` from what the client kept of it
+    (`stored`, None: fresh) and the GLOBAL tensors received: {name: its Link}, in chain order."""
+    ops = OnClient(exp, cid)
+    return {name: SWITCHES[name].start(params, ops, stored.kept_by(name) if stored is not None else {}, received)
+            for name, params in exp.switches.items()}
 
 
 def train_client(exp: Experiment, cid: int, *, rnd: int, torch_round: int, ctx: TrainContext, step: Step = PLAIN,
@@ -198,8 +181,7 @@ def fit(exp: Experiment, store: Store, cid: int, rnd: int, down: bytes) -> tuple
     received = wire.decode(down)
     stored = ClientState.from_store(store.get(cid))  # read once: every slot of the client's state
     priv, opt_state = split_state(exp, stored)
-    grab = ({"grab": grab_balancer(exp, stored.grab if stored is not None else None, received)}
-            if exp.cfg.grab.enabled else {})
+    links = start_switches(exp, cid, stored, received)
     r, ex = exp.recipe, exp.recipe.exchange
     slot = stored.branch if stored is not None else {}  # the method's own slot
     if r.personalize and r.personalize.fit:  # the method's own stage, before the round's training
@@ -214,7 +196,7 @@ def fit(exp: Experiment, store: Store, cid: int, rnd: int, down: bytes) -> tuple
             else exp.private_names if exp.cfg.client.optimizer_state == "keep_private" else [])
     private = dpsgd_session(exp, cid, rnd, stored.dp if stored is not None else None)  # None: no DP-SGD
     new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd,
-                                  ctx=train_context(exp, cid, start, round=rnd, state=dict(slot), **grab),
+                                  ctx=train_context(exp, cid, start, links.values(), round=rnd, state=dict(slot)),
                                   step=Step.of(r), keep_opt=keep, opt_state=opt_state,
                                   client_cfg=round_config(exp, cid, rnd), private=private)
     local_eps = None if private is None else private.epsilon()
@@ -234,7 +216,7 @@ def fit(exp: Experiment, store: Store, cid: int, rnd: int, down: bytes) -> tuple
         site_upload(exp.ledger, cid, rnd, up, exp.privacy.epsilon(rnd) if exp.privacy is not None else None,
                     local_eps, secagg=exp.cfg.privacy.secure_aggregation)
     store.put(cid, ClientState(params={n: params[n] for n in exp.private_names}, opt=new_opt, ef=residual,
-                               grab=dict(grab["grab"].state) if grab else {}, branch=slot,
+                               switch=switch_state({n: link.state() for n, link in links.items()}), branch=slot,
                                dp=private.state() if private is not None else {}).to_store())
     return up, stats
 
@@ -276,6 +258,18 @@ class OnClient:
 
     exp: Experiment
     cid: int
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.exp.data.class_names)
+
+    def labels(self) -> np.ndarray:
+        labels: np.ndarray = self.exp.data.train_labels[self.exp.clients[self.cid].train_idx]
+        return labels
+
+    def logits(self, params: Mapping[str, torch.Tensor], texts: list[str]) -> torch.Tensor:
+        self.exp.model.load_params(params)
+        return self.exp.model.predict(texts, self.exp.cfg.eval.batch_size)
 
     def fresh(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.exp.init_params.items()}
@@ -347,7 +341,7 @@ def cold_start(exp: Experiment, store: Store, cid: int, global_params: Mapping[s
     has one) and fresh PRIVATE ones; accuracy on its local test set at step 0 and after each of
     1..N local epochs (PFAdapter §V)."""
     fresh = {n: exp.init_params[n].clone() for n in exp.private_names}
-    grab = {"grab": grab_balancer(exp, None, global_params)} if exp.cfg.grab.enabled else {}
+    links = start_switches(exp, cid, None, global_params)
     ex, slot = exp.recipe.exchange, dict[str, torch.Tensor]()
     if ex and ex.receive:  # a new client receives what a training client would (HetLoRA: its rank)
         global_params, slot = ex.receive(OnClient(exp, cid), 0, global_params, slot)
@@ -360,7 +354,7 @@ def cold_start(exp: Experiment, store: Store, cid: int, global_params: Mapping[s
         if e > 0:
             opt_state, _ = train_client(
                 exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e,
-                ctx=train_context(exp, cid, global_params, state=dict(slot), **grab), private=private,
+                ctx=train_context(exp, cid, global_params, links.values(), state=dict(slot)), private=private,
                 step=Step.of(r), keep_opt=set(exp.model.trainable()), opt_state=opt_state, epochs=1)
         accs.append(classification_metrics(labels, predict_local_test(exp, cid), len(exp.data.class_names))["accuracy"])
     return {"accuracy": accs}

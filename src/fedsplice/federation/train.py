@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from fedsplice.config import ClientConfig
 from fedsplice.core.context import TrainContext
@@ -69,13 +68,8 @@ def import_opt_state(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Para
 
 def cross_entropy_objective(model: torch.nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
                             ctx: TrainContext) -> dict[str, torch.Tensor]:
-    """The plain task loss. ctx.logit_offset (logit adjustment, Menon et al.) shifts the
-    training logits by τ·log(prior) so rare classes are not crowded out; evaluation is unshifted.
-    ctx.grab (Fed-GraB's balancer, `fedsplice.core.grab`) re-weights the loss's per-class
-    positive / negative logit gradients."""
-    logits = model(texts) + ctx.logit_offset
-    grab = ctx.grab
-    return {"task": F.cross_entropy(logits, y) if grab is None else grab.loss(logits, y)}
+    """The plain task loss: ctx.task_loss (cross-entropy, wrapped by the config's switches) of the logits."""
+    return {"task": ctx.task_loss(model(texts), y)}
 
 
 def response_objective(model: torch.nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,

@@ -8,6 +8,7 @@ and then the cross-checks, with the same one-line ConfigErrors the CLI prints (e
 - `data.dataset`: a built-in data set (`fedsplice.data.datasets.DATASETS`) unless it is a user's
   `csv:PATH` / `jsonl:PATH` / `images:DIR` (whose files the leaf checks);
 - `algorithm` + `[method]`: the algorithm exists and its typed `[method]` table validates;
+- `[switch.NAME]`: each switch exists, its typed table validates, and it fits the rest;
 - `server.*`: the server optimizer accepts its hyperparameters (it is built once, then dropped).
 
 `check_data` then reads the data as a run would (no model): `fedsplice validate` runs it.
@@ -23,6 +24,7 @@ from typing import Any
 
 from fedsplice import config
 from fedsplice.algorithms import method_params
+from fedsplice.algorithms.switches import moves, switch_params
 from fedsplice.config import ExperimentConfig
 from fedsplice.core.server import make_server_optimizer
 from fedsplice.data.datasets import DATASETS
@@ -70,6 +72,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     check_zoo_model(cfg)
     check_dataset(cfg)
     method_params(cfg)  # validates `method` against the algorithm (and the algorithm's name)
+    switch_params(cfg)  # each [switch.NAME] against its switch
     check_server_optimizer(cfg)
     return cfg
 
@@ -85,4 +88,9 @@ def check_data(cfg: ExperimentConfig) -> dict[str, Any]:  # JSON: the data repor
 
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """The config at `path` (None: the embedded default) with `--set` overrides, fully validated."""
-    return validate(config.load_config(path, overrides))
+    return validate(config.load_config(path, overrides, moves()))
+
+
+def saved_as_current(table: dict[str, Any]) -> dict[str, Any]:
+    """fedsplice.config.saved_as_current with the switches' readers of their earlier settings."""
+    return config.saved_as_current(table, moves())

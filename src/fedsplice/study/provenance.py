@@ -24,9 +24,10 @@ import tomllib
 from pathlib import Path
 
 from fedsplice.app.rundir import atomic_write_json
-from fedsplice.config import saved_as_current, to_dict
+from fedsplice.config import to_dict
 from fedsplice.data.assets import atomic_write_bytes
 from fedsplice.errors import ConfigError
+from fedsplice.federation.validate import saved_as_current
 
 FILES = ("results.json", "metrics.jsonl", "config.toml", "provenance.json")
 GOLDEN = Path("tests") / "regression" / "golden"
