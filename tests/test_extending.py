@@ -216,3 +216,34 @@ def test_a_method_with_model_parts_of_its_own(mypkg, wire_names, tiny_bert_dir, 
     assert [r["round"] for r in res.records()] == [0, 1, 2]
     with pytest.raises(fedsplice.ConfigError, match="dualprompt adds a private prompt: set peft.type = 'prompt'"):
         fedsplice.load_config(None, [*sets, 'peft.type="lora"'])
+
+
+def test_the_new_switch_composes_onto_a_method(tiny_bert_dir, toy_jsonl):
+    """docs/extending.md's label-smoothing switch, as written: registered, turned on by its table,
+    named in results, its loss by hand, refused in one line out of range; a run trains with it."""
+    from conftest import make_cfg
+
+    from fedsplice.algorithms import switches
+    from fedsplice.core.context import cross_entropy
+    from fedsplice.errors import ConfigError
+    from fedsplice.federation.tasks import start_switches, train_context
+    from fedsplice.runtimes.inprocess import run_rounds
+
+    exec(compile(block("smooth.py", "python"), "smooth.py", "exec"), {"__name__": "smooth"})
+    try:
+        cfg = make_cfg(tiny_bert_dir, toy_jsonl, algorithm='"lora"', switch__smooth="{eps = 0.2}")
+        assert registry.display_name(cfg) == "fedavg-lora+ls"
+        exp = build(cfg)
+        ctx = train_context(exp, 0, {}, start_switches(exp, 0, None, {}).values())
+        z, y = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]]), torch.tensor([0, 2])
+        logp = torch.log_softmax(z, -1)
+        by_hand = -(0.8 * logp[[0, 1], [0, 2]] + 0.2 * logp.mean(-1)).mean()
+        assert float(ctx.task_loss(z, y)) == pytest.approx(float(by_hand), rel=1e-6)
+        assert float(ctx.task_loss(z, y)) != pytest.approx(float(cross_entropy(z, y)), rel=1e-3)
+        recs: list = []
+        run_rounds(exp, MemoryStore(), recs.append)
+        assert recs[-1]["round"] == 2 and all(r.get("train_loss", 0) > 0 for r in recs[1:])
+        with pytest.raises(ConfigError, match=r"^switch.smooth.eps must be in \[0, 1\), got 1.0$"):
+            make_cfg(tiny_bert_dir, toy_jsonl, algorithm='"lora"', switch__smooth="{eps = 1.0}")
+    finally:
+        del switches.SWITCHES["smooth"]
