@@ -57,7 +57,7 @@ def test_clients_train_at_their_ranks_and_the_server_weighs_by_norm(tiny_cfg, ca
     ups = []
     for _, cid, up in capture_uploads:
         u = wire.decode(up)
-        rank = int(store.get(cid)["branch/rank"])
+        rank = int(store.get(cid)["method/rank"])
         start = [1, 3, 4, 2][cid % 4]  # method.ranks, cycled by client id
         assert rank in (start, max(1, math.floor(0.99 * start)))  # pruned at most once
         for a, b in pairs.items():  # the ranks beyond the client's are exactly zero; its own trained
@@ -77,17 +77,17 @@ def test_pruning_rule(tiny_cfg, monkeypatch):
     ex = exp.recipe.exchange
     ops = tasks.OnClient(exp, exp.train_ids[0])
     received = {n: torch.randn_like(exp.init_params[n]) for n in exp.global_names}
-    start, slot = ex.receive(ops, 1, received, {"rank": torch.tensor(3)})
+    start, slot = ex.receive(ops, 1, received, H.HetLoRAState(rank=3))
     pairs = H.pairs_of(exp.model.param_infos())
-    assert float(slot["tail_before"]) == pytest.approx(float(H.tail_norm(start, pairs, 3, 0.99)))
+    assert slot.tail_before == pytest.approx(float(H.tail_norm(start, pairs, 3, 0.99)))
     shrunk = {n: t * 0.5 for n, t in start.items()}
     sent, kept, stats = ex.send(ops, 1, shrunk, slot)
-    assert int(kept["rank"]) == 2 and stats == {"rank": 2.0}
+    assert kept == H.HetLoRAState(rank=2) and stats == {"rank": 2.0}
     assert all(not sent[a][2:].any() and torch.equal(sent[a][:2], shrunk[a][:2]) for a in pairs)
     grown = {n: t * 2.0 for n, t in start.items()}
-    assert int(ex.send(ops, 1, grown, slot)[1]["rank"]) == 3
+    assert ex.send(ops, 1, grown, slot)[1].rank == 3
     fixed = build(tiny_cfg(algorithm='"hetlora"', method="{ranks = [3], prune = false}")).recipe.exchange
-    assert int(fixed.send(ops, 1, shrunk, slot)[1]["rank"]) == 3
+    assert fixed.send(ops, 1, shrunk, slot)[1].rank == 3
 
 
 @pytest.mark.parametrize("sets,match", [
@@ -117,3 +117,37 @@ def test_a_whole_run_with_a_held_out_client(tiny_cfg, tmp_path):
     trained = exp.model.trainable()
     assert all(not trained[a][rank:].any() and trained[b][:, :rank].any()
                for a, b in H.pairs_of(exp.model.param_infos()).items())
+
+
+def test_the_state_is_typed_where_used_and_flat_where_stored():
+    """HetLoRA's state (an int rank, a float) round-trips exactly through the store's flat tensors;
+    a state type fedsplice cannot store is refused by name."""
+    import dataclasses
+
+    from fedsplice.algorithms import state as ST
+
+    st = H.HetLoRAState(rank=7, tail_before=0.1 + 0.2)
+    flat = ST.pack(st)
+    assert flat["rank"].dtype == torch.int64 and flat["tail_before"].dtype == torch.float64
+    back = ST.unpack(H.HetLoRAState, flat)
+    assert back == st and type(back.rank) is int and back.tail_before == 0.1 + 0.2
+    assert ST.unpack(H.HetLoRAState, {}) == ST.fresh(H.HetLoRAState) == H.HetLoRAState()
+
+    @dataclasses.dataclass
+    class Mixed:
+        on: bool = False
+        kept: dict = dataclasses.field(default_factory=dict)
+        t: torch.Tensor | None = None
+
+    m = Mixed(True, {"a": torch.ones(2)}, torch.zeros(3))
+    assert sorted(ST.pack(m)) == ["kept/a", "on", "t"]
+    back = ST.unpack(Mixed, ST.pack(m))
+    assert back.on is True and torch.equal(back.kept["a"], m.kept["a"]) and torch.equal(back.t, m.t)
+    assert ST.unpack(dict, {"x": torch.ones(1)}).keys() == {"x"}  # a method without a state type
+
+    @dataclasses.dataclass
+    class Bad:
+        names: list = dataclasses.field(default_factory=list)
+
+    with pytest.raises(TypeError, match="method state field 'names': its default must be"):
+        ST.check(Bad)

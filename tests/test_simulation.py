@@ -406,9 +406,9 @@ def test_client_state_round_trips_the_store_format():
 
     t = {k: torch.full((2,), float(i)) for i, k in enumerate("abcdef")}
     st = ClientState(params={"lora.A": t["a"]}, opt={"lora.A/exp_avg": t["b"]}, ef={"lora.B": t["c"]},
-                     switch={"grab/pos": t["d"]}, branch={"lora.A": t["e"]})
+                     switch={"grab/pos": t["d"]}, method={"lora.A": t["e"]})
     flat = st.to_store()
-    assert list(flat) == ["param/lora.A", "opt/lora.A/exp_avg", "ef/lora.B", "switch/grab/pos", "branch/lora.A"]
+    assert list(flat) == ["param/lora.A", "opt/lora.A/exp_avg", "ef/lora.B", "switch/grab/pos", "method/lora.A"]
     back = ClientState.from_store(flat)
     assert back == st and ClientState.from_store(None) is None
     assert ClientState.from_store({}) == ClientState()

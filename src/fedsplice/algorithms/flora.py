@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedsplice.algorithms.hooks import ClientOps, Slot, Tensors
+from fedsplice.algorithms.hooks import ClientOps, Tensors
 from fedsplice.algorithms.recipe import (
     Algorithm,
     Exchange,
@@ -55,6 +55,13 @@ class FLoRAParams:
             raise ConfigError(f"method.ranks must be a non-empty list of ranks >= 1, got {self.ranks}")
         if self.local_epochs < 1:
             raise ConfigError(f"method.local_epochs must be >= 1, got {self.local_epochs}")
+
+
+@dataclass
+class FLoRAState:
+    """What a client keeps (Recipe.state)."""
+
+    rank: int = 0  # its rank this round (method.ranks by client); 0: before its first round
 
 
 def check_config(p: FLoRAParams, cfg: ExperimentConfig) -> None:
@@ -97,16 +104,17 @@ def build(p: FLoRAParams, spec: ModelSpec) -> Recipe:
             out[a][r:], out[b][:, r:] = 0, 0
         return out
 
-    def receive(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> tuple[Tensors, Slot]:
-        return {**received, **fresh(ops)}, {**slot, "rank": torch.tensor(p.ranks[ops.cid % len(p.ranks)])}
+    def receive(ops: ClientOps, rnd: int, received: Tensors, st: FLoRAState) -> tuple[Tensors, FLoRAState]:
+        return {**received, **fresh(ops)}, FLoRAState(p.ranks[ops.cid % len(p.ranks)])
 
-    def send(ops: ClientOps, rnd: int, trained: Tensors, slot: Slot) -> tuple[Tensors, Slot, dict[str, float]]:
-        return merged_upload(trained, mods, spec.scalings), slot, {"rank": float(slot["rank"])}
+    def send(ops: ClientOps, rnd: int, trained: Tensors,
+             st: FLoRAState) -> tuple[Tensors, FLoRAState, dict[str, float]]:
+        return merged_upload(trained, mods, spec.scalings), st, {"rank": float(st.rank)}
 
     split = {n: S.GLOBAL if i.kind == "lora_dense" else S.PRIVATE for n, i in spec.infos.items()}
     return Recipe(split, phases=(Phase(S.PRIVATE, p.local_epochs),),
                   personalize=Personal(predict=lambda ops, params, slot: ops.test_logits({**params, **fresh(ops)})),
-                  exchange=Exchange(receive, send))
+                  exchange=Exchange(receive, send), state=FLoRAState)
 
 
 FLORA = Algorithm(FLoRAParams, build, "a LoRA rank per client, fresh every round; the server merges the exact "

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedsplice.algorithms.hooks import ClientOps, LossTerm, Scores, Slot, Tensors
+from fedsplice.algorithms.hooks import ClientOps, LossTerm, Scores, Tensors
 from fedsplice.algorithms.recipe import Algorithm, Exchange, Infos, ModelSpec, Personal, Recipe
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
@@ -102,6 +102,14 @@ def sparsity_weights(uploads: list[dict[str, torch.Tensor]], pairs: dict[str, st
     return out
 
 
+@dataclass
+class HetLoRAState:
+    """What a client keeps (Recipe.state)."""
+
+    rank: int = 0  # its LoRA rank r_k; 0: not drawn yet
+    tail_before: float = 0.0  # this round: the tail norm of what it received, at its rank (self-pruning)
+
+
 class SelfPruning:
     """λ · tail_norm of the trained adapters at the client's rank (TrainContext.state)."""
 
@@ -109,35 +117,38 @@ class SelfPruning:
         self.pairs, self.gamma, self.weight = pairs, gamma, lam
 
     def __call__(self, params: Tensors, ctx: TrainContext) -> torch.Tensor:
-        return self.weight * tail_norm(params, self.pairs, int(ctx.state["rank"]), self.gamma)
+        state = ctx.state
+        assert isinstance(state, HetLoRAState), "HetLoRA's loss term runs with its own state"
+        return self.weight * tail_norm(params, self.pairs, state.rank, self.gamma)
 
 
 def build(p: HetLoRAParams, spec: ModelSpec) -> Recipe:
     pairs = pairs_of(spec.infos)
     r_max = spec.shapes[next(iter(pairs))][0]
 
-    def rank(ops: ClientOps, slot: Slot) -> int:
-        if "rank" in slot:
-            return int(slot["rank"])
+    def rank(ops: ClientOps, st: HetLoRAState) -> int:
+        if st.rank:
+            return st.rank
         return p.ranks[ops.cid % len(p.ranks)] if p.ranks else int(ops.rng(RANK_DRAW).integers(p.r_min, r_max + 1))
 
-    def receive(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> tuple[Tensors, Slot]:
-        r = rank(ops, slot)
+    def receive(ops: ClientOps, rnd: int, received: Tensors, st: HetLoRAState) -> tuple[Tensors, HetLoRAState]:
+        r = rank(ops, st)
         start = truncate(received, pairs, r)
-        return start, {**slot, "rank": torch.tensor(r), "tail_before": tail_norm(start, pairs, r, p.gamma)}
+        return start, HetLoRAState(r, float(tail_norm(start, pairs, r, p.gamma)))
 
-    def send(ops: ClientOps, rnd: int, trained: Tensors, slot: Slot) -> tuple[Tensors, Slot, dict[str, float]]:
-        r = int(slot["rank"])
-        if p.prune and float(tail_norm(trained, pairs, r, p.gamma)) < float(slot["tail_before"]):
+    def send(ops: ClientOps, rnd: int, trained: Tensors,
+             st: HetLoRAState) -> tuple[Tensors, HetLoRAState, dict[str, float]]:
+        r = st.rank
+        if p.prune and float(tail_norm(trained, pairs, r, p.gamma)) < st.tail_before:
             r = max(p.r_min, math.floor(p.gamma * r))
-        return truncate(trained, pairs, r), {"rank": torch.tensor(r)}, {"rank": float(r)}
+        return truncate(trained, pairs, r), HetLoRAState(r), {"rank": float(r)}
 
-    def predict(ops: ClientOps, params: Tensors, slot: Slot) -> np.ndarray | Scores:
-        return ops.test_logits(truncate(params, pairs, rank(ops, slot)))
+    def predict(ops: ClientOps, params: Tensors, st: HetLoRAState) -> np.ndarray | Scores:
+        return ops.test_logits(truncate(params, pairs, rank(ops, st)))
 
     terms: list[LossTerm] = [SelfPruning(pairs, p.gamma, p.lam)] if p.lam > 0 else []
     return Recipe(S.all_global(spec.infos), terms, personalize=Personal(predict=predict),
-                  exchange=Exchange(receive, send, lambda ups, n: sparsity_weights(ups, pairs)))
+                  exchange=Exchange(receive, send, lambda ups, n: sparsity_weights(ups, pairs)), state=HetLoRAState)
 
 
 HETLORA = Algorithm(HetLoRAParams, build, "a LoRA rank per client: truncated download, rank self-pruning, "

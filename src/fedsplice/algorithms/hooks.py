@@ -1,8 +1,8 @@
 """The signatures of a method's hooks, as Protocols that mypy checks (fedsplice.algorithms.recipe).
 
 Parameters are positional-only, so a method names its own arguments. Tensor dicts map trainable
-tensor names to tensors; a *slot* is the method's per-client dict (ClientState.branch), kept on
-the client between its tasks and never sent. Where a hook's argument is the model
+tensor names to tensors; a *slot* is the method's per-client state (Recipe.state: its own
+dataclass, or a tensor dict), kept on the client between its tasks and never sent. Where a hook's argument is the model
 (`fedsplice.model.TaskModel`, which imports this package) it is typed as an `nn.Module`.
 """
 
@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from fedsplice.config import ExperimentConfig
 
 Tensors = Mapping[str, torch.Tensor]
-# a method's client slot, kept in the client's state: tensors (a number it keeps, HetLoRA's rank: a 0-d tensor)
-Slot = dict[str, torch.Tensor]
+# a method's client state: the dataclass its Recipe.state declares (HetLoRA's rank, an int), or a
+# tensor dict; Any here so that each method's hooks annotate their own type
+Slot = Any
 Scores = dict[str, float | int | None]  # model.task = "generate": answer scores (federation.generative.scores)
 
 

@@ -64,8 +64,9 @@ class NoParams:
 @dataclass(frozen=True)
 class Personal:
     """A method's own local stage (FedPuReL phase 2), as hooks the client tasks call with a
-    `ClientOps` and the method's slot: a tensor dict the client keeps between its tasks
-    (ClientState.branch; {} before the first write). Nothing of it is communicated but metrics.
+    `ClientOps` and the method's slot: its state (Recipe.state: a dataclass, or a tensor dict),
+    kept by the client between its tasks (fresh before the first write). Nothing of it is
+    communicated but metrics.
 
     fit(ops, rnd, received, slot) -> slot: in every round the client is sampled, before its
       local training on the GLOBAL tensors `received`.
@@ -84,7 +85,7 @@ class Personal:
 @dataclass(frozen=True)
 class Exchange:
     """A method's own rules for what travels (HetLoRA), around the generic round: every hook is
-    optional and sees the method's client slot (the tensor dict `Personal` uses too).
+    optional and sees the method's client slot (the state `Personal` uses too).
 
     receive(ops, rnd, received, slot) -> (tensors, slot): on the client, the tensors it trains
       from: the GLOBAL ones (e.g. truncated to its rank) instead of those received, and any
@@ -168,6 +169,10 @@ class Recipe:
     # in proportion to their epochs, instead of each running its own epochs
     phases_share_budget: bool = False
     needs_zero_shot: bool = False  # cache zero-shot logits of the training set
+    # the method's own client state, the `slot` its Personal and Exchange hooks get and return:
+    # a dataclass (HetLoRA's rank, an int) or dict, a tensor dict (FedPuReL's branch);
+    # fedsplice.algorithms.state says which fields it can hold and how it is stored
+    state: type = dict
     # References (fedsplice.algorithms.references). pooled: one model trains alone on the union of
     # every training client's data each round (centralized); nothing is federated, no traffic.
     pooled: bool = False

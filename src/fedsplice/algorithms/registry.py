@@ -42,6 +42,7 @@ from fedsplice.algorithms.recipe import (
     default_label,
 )
 from fedsplice.algorithms.references import REFERENCES
+from fedsplice.algorithms.state import check as check_state
 from fedsplice.algorithms.switches import check_recipe as check_switches
 from fedsplice.algorithms.switches import labels as switch_labels
 from fedsplice.config import from_dict
@@ -244,6 +245,10 @@ def build_recipe(cfg: ExperimentConfig, spec: ModelSpec) -> Recipe:
     if not isinstance(recipe, Recipe):
         raise ConfigError(f"algorithm {cfg.algorithm!r}: build returned {type(recipe).__name__}, not a Recipe")
     S.validate(recipe.split, list(spec.infos))
+    try:
+        check_state(recipe.state)
+    except TypeError as e:
+        raise ConfigError(f"algorithm {cfg.algorithm!r}: {e}") from None
     check_switches(cfg, recipe)
     return recipe
 

@@ -57,7 +57,7 @@ def _state(run: Path, client: int | None):
             raise ConfigError(f"--client {client}: the run's training clients are 0..{len(exp.train_ids) - 1}")
         stored = ClientState.from_store(loaded.clients.get(client))
         if stored is not None:
-            private, slot = {**private, **stored.params}, dict(stored.branch)
+            private, slot = {**private, **stored.params}, dict(stored.method)  # packed: flat tensors
     exp.model.load_params({**loaded.state.global_params, **private})
     meta = {"run": str(run.resolve()), "client": client, "round": loaded.state.round, "algorithm": cfg.algorithm,
             "peft_type": cfg.peft.type, "base_model": cfg.model.name, "class_names": exp.data.class_names,

@@ -39,9 +39,9 @@ class TrainContext:
     # frozen zero-shot logits of the whole training set [N, C], indexed by sample id (a recipe
     # with needs_zero_shot and runtime.cache); None: compute them per step
     zero_shot: torch.Tensor | None = None
-    # the method's client slot as its Exchange.receive left it this round (HetLoRA: the client's
-    # rank), read-only: what persists is what the method's hooks return
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the method's client state (Recipe.state) as its Exchange.receive left it this round
+    # (HetLoRA: the client's rank), read-only: what persists is what the method's hooks return
+    state: object = field(default_factory=dict)
 
     def to(self, device: torch.device) -> TrainContext:
         """A copy with every tensor on `device`: the loop's context for one local update (a
@@ -51,6 +51,9 @@ class TrainContext:
                 return cast(_T, v.to(device))
             if isinstance(v, dict):
                 return cast(_T, {k: t.to(device) if torch.is_tensor(t) else t for k, t in v.items()})
+            if dataclasses.is_dataclass(v) and not isinstance(v, type):  # a method's state
+                return cast(_T, dataclasses.replace(v, **{f.name: move(getattr(v, f.name))
+                                                          for f in dataclasses.fields(v)}))
             return v
 
         return dataclasses.replace(self, **{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})

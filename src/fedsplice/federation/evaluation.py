@@ -167,7 +167,7 @@ def movement(exp: Experiment, global_params: Params, store: Store) -> dict[str, 
     whose state `store` holds; None where it holds none, as on Flower, whose clients keep theirs)."""
     out = {"global": _distance(global_params, exp.init_params, exp.global_names) if exp.global_names else None}
     states = [s for s in (ClientState.from_store(store.get(c)) for c in exp.train_ids) if s is not None]
-    for key, slot in (("private", "params"), ("branch", "branch")):
+    for key, slot in (("private", "params"), ("branch", "method")):
         # a method's slot may hold more than model tensors (HetLoRA: a rank): its model tensors only
         held = ([n for n in getattr(s, slot) if n in exp.init_params] for s in states)
         per = [_distance(getattr(s, slot), exp.init_params, names) for s, names in zip(states, held) if names]

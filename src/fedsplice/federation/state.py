@@ -2,7 +2,7 @@
 
 A `Store` holds it as one name-keyed tensor dict (the store, checkpoint and SuperNode format),
 each slot's tensors under its prefix: "param/<name>", "opt/<name>/<slot>", "ef/<name>",
-"switch/<switch>/<key>", "branch/<name>", "dp/<key>". Only this module reads or writes the prefixes.
+"switch/<switch>/<key>", "method/<name>", "dp/<key>". Only this module reads or writes the prefixes.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ class ClientState:
     opt: Tensors = field(default_factory=dict)  # their optimizer state ("<name>/<slot>"), if kept
     ef: Tensors = field(default_factory=dict)  # the int8 upload's error-feedback residual (never sent)
     switch: Tensors = field(default_factory=dict)  # the switches' state ("<switch>/<key>": a balancer's sums)
-    branch: Tensors = field(default_factory=dict)  # the method's `Personal` slot (FedPuReL: its branch)
+    # the method's own state (Recipe.state), packed (fedsplice.algorithms.state): FedPuReL's branch,
+    # HetLoRA's rank
+    method: Tensors = field(default_factory=dict)
     dp: Tensors = field(default_factory=dict)  # DP-SGD's steps so far (federation.dpsgd), never sent
 
     # slot -> prefix in the store's tensor dict, in the order they are written
-    PREFIXES = {"params": "param/", "opt": "opt/", "ef": "ef/", "switch": "switch/", "branch": "branch/", "dp": "dp/"}
+    PREFIXES = {"params": "param/", "opt": "opt/", "ef": "ef/", "switch": "switch/", "method": "method/",
+                "dp": "dp/"}
 
     @classmethod
     def from_store(cls, tensors: Tensors | None) -> ClientState | None:

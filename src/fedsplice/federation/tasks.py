@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from fedsplice.algorithms import Personal, Phase, clone
+from fedsplice.algorithms.state import fresh as fresh_state
+from fedsplice.algorithms.state import pack, unpack
 from fedsplice.algorithms.switches import SWITCHES, chain
 from fedsplice.core import streams, wire
 from fedsplice.core.context import TrainContext
@@ -93,6 +95,11 @@ def start_switches(exp: Experiment, cid: int, stored: ClientState | None,
     ops = OnClient(exp, cid)
     return {name: SWITCHES[name].start(params, ops, stored.kept_by(name) if stored is not None else {}, received)
             for name, params in exp.switches.items()}
+
+
+def method_state(exp: Experiment, stored: ClientState | None) -> object:
+    """The method's client state (Recipe.state), unpacked from what the client stored (None: fresh)."""
+    return fresh_state(exp.recipe.state) if stored is None else unpack(exp.recipe.state, stored.method)
 
 
 def train_client(exp: Experiment, cid: int, *, rnd: int, torch_round: int, ctx: TrainContext, step: Step = PLAIN,
@@ -183,7 +190,7 @@ def fit(exp: Experiment, store: Store, cid: int, rnd: int, down: bytes) -> tuple
     priv, opt_state = split_state(exp, stored)
     links = start_switches(exp, cid, stored, received)
     r, ex = exp.recipe, exp.recipe.exchange
-    slot = stored.branch if stored is not None else {}  # the method's own slot
+    slot = method_state(exp, stored)  # the method's own state
     if r.personalize and r.personalize.fit:  # the method's own stage, before the round's training
         slot = r.personalize.fit(OnClient(exp, cid), rnd, received, slot)
     start: Mapping[str, torch.Tensor] = received
@@ -196,7 +203,7 @@ def fit(exp: Experiment, store: Store, cid: int, rnd: int, down: bytes) -> tuple
             else exp.private_names if exp.cfg.client.optimizer_state == "keep_private" else [])
     private = dpsgd_session(exp, cid, rnd, stored.dp if stored is not None else None)  # None: no DP-SGD
     new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd,
-                                  ctx=train_context(exp, cid, start, links.values(), round=rnd, state=dict(slot)),
+                                  ctx=train_context(exp, cid, start, links.values(), round=rnd, state=slot),
                                   step=Step.of(r), keep_opt=keep, opt_state=opt_state,
                                   client_cfg=round_config(exp, cid, rnd), private=private)
     local_eps = None if private is None else private.epsilon()
@@ -216,7 +223,7 @@ def fit(exp: Experiment, store: Store, cid: int, rnd: int, down: bytes) -> tuple
         site_upload(exp.ledger, cid, rnd, up, exp.privacy.epsilon(rnd) if exp.privacy is not None else None,
                     local_eps, secagg=exp.cfg.privacy.secure_aggregation)
     store.put(cid, ClientState(params={n: params[n] for n in exp.private_names}, opt=new_opt, ef=residual,
-                               switch=switch_state({n: link.state() for n, link in links.items()}), branch=slot,
+                               switch=switch_state({n: link.state() for n, link in links.items()}), method=pack(slot),
                                dp=private.state() if private is not None else {}).to_store())
     return up, stats
 
@@ -233,7 +240,7 @@ def evaluate(exp: Experiment, store: Store, cid: int, global_params: Params) -> 
     priv, _ = split_state(exp, stored)
     stage = exp.recipe.personalize
     if stage and stage.predict:  # the method's own PM (on generate its test_logits are the scores)
-        out = stage.predict(OnClient(exp, cid), {**global_params, **priv}, stored.branch if stored else {})
+        out = stage.predict(OnClient(exp, cid), {**global_params, **priv}, method_state(exp, stored))
         return (cast("Scores", out) if exp.cfg.model.task == "generate"
                 else score(exp, exp.data.test_labels[idx], cast(np.ndarray, out), idx))
     exp.model.load_params({**global_params, **priv})
@@ -332,7 +339,7 @@ def personalize(exp: Experiment, store: Store, cid: int, global_params: Params) 
     c = exp.clients[cid]
     stored = ClientState.from_store(store.get(cid))
     stage = cast(Personal, exp.recipe.personalize)  # the task of a recipe with personalize.after only
-    logits = cast("After", stage.after)(OnClient(exp, cid), global_params, stored.branch if stored else {})
+    logits = cast("After", stage.after)(OnClient(exp, cid), global_params, method_state(exp, stored))
     return score(exp, exp.data.test_labels[c.test_idx], logits, c.test_idx)
 
 
@@ -342,7 +349,7 @@ def cold_start(exp: Experiment, store: Store, cid: int, global_params: Mapping[s
     1..N local epochs (PFAdapter §V)."""
     fresh = {n: exp.init_params[n].clone() for n in exp.private_names}
     links = start_switches(exp, cid, None, global_params)
-    ex, slot = exp.recipe.exchange, dict[str, torch.Tensor]()
+    ex, slot = exp.recipe.exchange, fresh_state(exp.recipe.state)
     if ex and ex.receive:  # a new client receives what a training client would (HetLoRA: its rank)
         global_params, slot = ex.receive(OnClient(exp, cid), 0, global_params, slot)
     exp.model.load_params({**global_params, **fresh})
@@ -354,7 +361,7 @@ def cold_start(exp: Experiment, store: Store, cid: int, global_params: Mapping[s
         if e > 0:
             opt_state, _ = train_client(
                 exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e,
-                ctx=train_context(exp, cid, global_params, links.values(), state=dict(slot)), private=private,
+                ctx=train_context(exp, cid, global_params, links.values(), state=slot), private=private,
                 step=Step.of(r), keep_opt=set(exp.model.trainable()), opt_state=opt_state, epochs=1)
         accs.append(classification_metrics(labels, predict_local_test(exp, cid), len(exp.data.class_names))["accuracy"])
     return {"accuracy": accs}
