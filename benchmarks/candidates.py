@@ -75,13 +75,12 @@ def compile_rows(exp: Experiment, reps: int, steps: int) -> list[dict]:
     from fedsplice.federation.train import Step
 
     cid = exp.train_ids[0]
-    received = {n: exp.init_params[n] for n in exp.global_names}
     cc = dataclasses.replace(exp.cfg.client, max_steps=steps)
 
     def step() -> float:
         exp.model.load_params(dict(exp.init_params))
         t0 = time.perf_counter()
-        _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid, received),
+        _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid),
                                    step=Step.of(exp.recipe), client_cfg=cc)
         return (time.perf_counter() - t0) / st["steps"]
 

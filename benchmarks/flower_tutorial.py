@@ -160,7 +160,7 @@ def make_client_app(cfg: ExperimentConfig) -> ClientApp:
         # lite.caches is empty, so ctx has no "zero_shot": with runtime.cache = false FedPuReL's
         # objective runs an extra frozen forward per step for the zero-shot logits.
         lite.recipe = recipe  # train_context reads the recipe's split (the term diagnostics use it)
-        ctx = train_context(lite, cid, received, round=rnd)
+        ctx = train_context(lite, cid, round=rnd)
         t1 = time.perf_counter()
         seed_torch(cfg, rnd, cid)  # as federation.tasks.fit: same dropout and data order
         new_opt, stats = local_train(

@@ -95,11 +95,10 @@ def child(job: dict) -> None:
         for prec in order:
             exp = exps[prec]
             cid = exp.train_ids[0]
-            received = {n: exp.init_params[n] for n in exp.global_names}
             exp.model.load_params(dict(exp.init_params))
             cc = dataclasses.replace(exp.cfg.client, max_steps=steps, local_epochs=max(exp.cfg.client.local_epochs, 1))
             t0, c0 = time.perf_counter(), time.process_time()
-            _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid, received),
+            _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid),
                                        step=Step.of(exp.recipe), client_cfg=cc)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if rep:

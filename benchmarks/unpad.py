@@ -79,7 +79,7 @@ def step_time(exp: Experiment, steps: int) -> float:
     cc = dataclasses.replace(exp.cfg.client, max_steps=steps, local_epochs=max(exp.cfg.client.local_epochs, 1))
     t0 = time.perf_counter()
     _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1,
-                               ctx=tasks.train_context(exp, cid, {n: exp.init_params[n] for n in exp.global_names}),
+                               ctx=tasks.train_context(exp, cid),
                                step=Step.of(exp.recipe), client_cfg=cc)
     return (time.perf_counter() - t0) / st["steps"]
 

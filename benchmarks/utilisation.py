@@ -110,7 +110,7 @@ def child(job: dict) -> None:
             exp.model.load_params(init)
             count.reset()
             t0 = time.perf_counter()
-            _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid, init),
+            _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid),
                                        step=Step.of(exp.recipe), client_cfg=cc)
             if rep:
                 train_s.append(time.perf_counter() - t0)

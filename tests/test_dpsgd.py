@@ -48,7 +48,7 @@ class Toy(nn.Module):
 def train(model, private, y=Y, lr=0.5, batch=4):
     texts = [str(i) for i in range(len(y))]
     cfg = ClientConfig(optimizer="sgd", lr=lr, momentum=0.0, weight_decay=0.0, batch_size=batch, local_epochs=1)
-    ctx = TrainContext(client=0, global_ref={}, split={})
+    ctx = TrainContext(client=0, split={})
     return local_train(model, texts, y, cfg=cfg, keep_opt=set(), opt_state={}, ctx=ctx,
                        rng=np.random.default_rng(0), private=private)
 
@@ -113,7 +113,7 @@ def test_dpsgd_without_clipping_or_noise_is_the_plain_step_with_the_orthogonalit
     cid, out = exp.train_ids[0], []
     for private in (None, local(z=0.0, clip=1e9, q=0.5)):
         exp.model.load_params(exp.init_params)
-        tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid, exp.init_params),
+        tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid),
                            step=tasks.Step.of(exp.recipe), private=private)
         out.append({n: t.detach().clone() for n, t in exp.model.trainable().items()})
     moved = max(float((out[0][n] - exp.init_params[n]).abs().max()) for n in out[0])

@@ -234,7 +234,7 @@ def test_the_new_switch_composes_onto_a_method(tiny_bert_dir, toy_jsonl):
         cfg = make_cfg(tiny_bert_dir, toy_jsonl, algorithm='"lora"', switch__smooth="{eps = 0.2}")
         assert registry.display_name(cfg) == "fedavg-lora+ls"
         exp = build(cfg)
-        ctx = train_context(exp, 0, {}, start_switches(exp, 0, None, {}).values())
+        ctx = train_context(exp, 0, start_switches(exp, 0, None, {}).values())
         z, y = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]]), torch.tensor([0, 2])
         logp = torch.log_softmax(z, -1)
         by_hand = -(0.8 * logp[[0, 1], [0, 2]] + 0.2 * logp.mean(-1)).mean()

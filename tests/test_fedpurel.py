@@ -369,7 +369,7 @@ def _client_batch(exp, cid=CID, order=None):
 def test_align_objective_one_forward_both_losses(purel_exp):
     exp, model = purel_exp, purel_exp.model
     texts, y, ids = _client_batch(exp)
-    ctx = train_context(exp, CID, {})
+    ctx = train_context(exp, CID)
     calls = []
     h = model.register_forward_hook(lambda *a: calls.append(1))
     try:
@@ -402,7 +402,7 @@ def test_local_train_steps_with_purified_gradient(purel_exp):
     assert n <= exp.cfg.client.batch_size
     # the batch in the order local_train will draw it (same float sums)
     texts, y, ids = _client_batch(exp, order=np.random.default_rng(0).permutation(n))
-    ctx = train_context(exp, CID, {})
+    ctx = train_context(exp, CID)
     params = model.trainable()
     names = sorted(params)
     before = {n: params[n].detach().clone() for n in names}
@@ -688,7 +688,7 @@ def test_the_training_loop_reads_the_device_once_a_round_not_once_a_step(purel_e
         cc = dataclasses.replace(exp.cfg.client, batch_size=8, max_steps=steps, diagnostics=False)
         init = dict(exp.init_params)
         exp.model.load_params(init)
-        _, st = tasks.train_client(exp, CID, rnd=1, torch_round=1, ctx=tasks.train_context(exp, CID, init),
+        _, st = tasks.train_client(exp, CID, rnd=1, torch_round=1, ctx=tasks.train_context(exp, CID),
                                    step=Step.of(exp.recipe), client_cfg=cc)
         assert st["steps"] == steps and 0.0 <= st["purified_tensors"] <= 1.0
         return len(reads)

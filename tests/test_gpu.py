@@ -72,7 +72,7 @@ def test_fp16_scaler_steps(cfg_factory, tiny_bert_dir, toy_jsonl):
     init = {n: t.clone() for n, t in exp.init_params.items()}
     exp.model.load_params(init)
     cc = dataclasses.replace(exp.cfg.client, max_steps=4, local_epochs=4)
-    _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid, init),
+    _, st = tasks.train_client(exp, cid, rnd=1, torch_round=1, ctx=tasks.train_context(exp, cid),
                                client_cfg=cc)
     moved = [n for n, p in exp.model.trainable().items() if not torch.equal(p.detach().cpu(), init[n].cpu())]
     assert st["steps"] == 4 and torch.isfinite(torch.tensor(st["loss"])) and moved

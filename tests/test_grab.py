@@ -151,7 +151,7 @@ def on(over=None, **kw):
 def test_off_by_default_and_the_balancer_reaches_the_objective(cfg):
     exp = build(cfg(algorithm='"lora"'))
     assert exp.switches == {} and start_switches(exp, 0, None, {}) == {}
-    assert train_context(exp, 0, {}).task_loss is cross_entropy
+    assert train_context(exp, 0).task_loss is cross_entropy
     exp = build(cfg(algorithm='"lora"', switch__grab='{loss = "softmax"}'))
     received = {n: exp.init_params[n].clone() for n in exp.global_names}
     link = start_switches(exp, 0, None, received)["grab"]
@@ -160,7 +160,7 @@ def test_off_by_default_and_the_balancer_reaches_the_objective(cfg):
     y = torch.as_tensor(exp.data.train_labels[c.train_idx[:8]])
     exp.model.eval()
     ce = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], TrainContext())["task"]
-    gr = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], train_context(exp, 0, received, [link]))["task"]
+    gr = cross_entropy_objective(exp.model, x, y, c.train_idx[:8], train_context(exp, 0, [link]))["task"]
     assert float(gr.detach()) == pytest.approx(float(ce.detach()), abs=1e-5)  # the value is the plain CE
     st = link.state()
     assert set(st) == set(G.STATE_KEYS) and float(st["pos"].sum()) > 0 and float(st["neg"].sum()) > 0

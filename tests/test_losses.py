@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from fedsplice.algorithms.baselines import FedProxState, Proximal
 from fedsplice.core.context import TrainContext
-from fedsplice.core.losses import Orthogonality, Proximal, ortho_column, ortho_naive, ortho_row
+from fedsplice.core.losses import Orthogonality, ortho_column, ortho_naive, ortho_row, proximal
 from fedsplice.core.split import ParamInfo
 from fedsplice.errors import ConfigError
 
@@ -242,12 +243,14 @@ def test_proximal_by_hand():
     params = {"x": torch.tensor([1.0, 2.0]), "y": torch.tensor([[3.0]]), "priv": torch.tensor([100.0])}
     ref = {"x": torch.tensor([0.0, 0.0]), "y": torch.tensor([[1.0]]), "priv": torch.tensor([0.0])}
     # ‖x - x0‖² = 1 + 4 = 5, ‖y - y0‖² = 4 -> 9; μ/2 · 9 with μ = 0.5 -> 2.25; PRIVATE not counted
-    assert float(Proximal(["x", "y"], 0.5)(params, TrainContext(global_ref=ref))) == pytest.approx(2.25)
-    assert float(Proximal(["x", "y"], 0.5)(ref, TrainContext(global_ref=ref))) == 0.0
+    at = TrainContext(state=FedProxState(ref))
+    assert float(Proximal(["x", "y"], 0.5)(params, at)) == pytest.approx(2.25)
+    assert float(Proximal(["x", "y"], 0.5)(ref, at)) == 0.0
+    assert float(proximal(params, ref, ["x", "y"], 0.5)) == pytest.approx(2.25)
 
 
 def test_proximal_gradient_is_mu_times_difference():
     x = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
     ref = torch.tensor([0.5, 0.0, 0.5])
-    Proximal(["x"], 0.2)({"x": x}, TrainContext(global_ref={"x": ref})).backward()
+    Proximal(["x"], 0.2)({"x": x}, TrainContext(state=FedProxState({"x": ref}))).backward()
     assert torch.allclose(x.grad, 0.2 * (x.detach() - ref))

@@ -246,7 +246,7 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
     cid = 1
     c = exp.clients[cid]
     counts = np.bincount(exp.data.train_labels[c.train_idx], minlength=3)
-    ctx = train_context(exp, cid, {}, start_switches(exp, cid, None, {}).values())
+    ctx = train_context(exp, cid, start_switches(exp, cid, None, {}).values())
     offset = torch.log(torch.tensor((counts + 1e-3) / counts.sum(), dtype=torch.float32))
     assert torch.allclose(LA.offset(1.0, exp.data.train_labels[c.train_idx], 3), offset)  # τ = 1, the default
     assert float(offset.max() - offset.min()) > 0.1  # a skewed client: a visible shift
@@ -270,7 +270,7 @@ def test_logit_adjustment_shifts_the_training_loss(cfg):
     assert stats["task_loss"] == pytest.approx(float(by_hand), rel=1e-5)
     # off: plain cross-entropy
     exp0 = build(cfg(algorithm='"lora"'))
-    assert train_context(exp0, cid, {}, start_switches(exp0, cid, None, {}).values()).task_loss is cross_entropy
+    assert train_context(exp0, cid, start_switches(exp0, cid, None, {}).values()).task_loss is cross_entropy
 
 
 @pytest.mark.parametrize("sets,match", [

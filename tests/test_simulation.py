@@ -414,3 +414,22 @@ def test_client_state_round_trips_the_store_format():
     assert ClientState.from_store({}) == ClientState()
     with pytest.raises(ValueError, match="'momentum/x' is in no slot"):
         ClientState.from_store({**flat, "momentum/x": t["f"]})
+
+
+def test_fedprox_keeps_its_reference_in_its_own_state_and_stores_none(cfg):
+    """FedProx's θ⁰ is its state during the update (Exchange.receive), not a TrainContext field;
+    nothing of it is stored after the round (send clears it)."""
+    from fedsplice.algorithms.baselines import FedProxState
+    from fedsplice.federation.tasks import OnClient
+
+    exp = build(cfg(algorithm="fedprox", method__mu="1.0", server__rounds=1))
+    ex, ops = exp.recipe.exchange, OnClient(exp, 0)
+    received = {n: exp.init_params[n] + 1 for n in exp.global_names}
+    start, st = ex.receive(ops, 1, received, FedProxState())
+    assert start is received and st.ref == received and exp.recipe.state is FedProxState
+    up, st2, stats = ex.send(ops, 1, received, st)
+    assert up is received and st2 == FedProxState() and stats == {}
+    store = MemoryStore()
+    simulation.fit_client(exp, store, 0, 1, wire.encode(received))
+    assert not [k for k in store.get(0) if k.startswith("method/")]
+    assert build(cfg(algorithm="fedprox", method__mu="0.0")).recipe.exchange is None  # μ = 0: FedAvg

@@ -6,18 +6,22 @@ FedYogi-LoRA. `full-ft` has no PEFT at all (peft.type = "full"): the cost refere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fedsplice.algorithms.hooks import CheckConfig
+import torch
+
+from fedsplice.algorithms.hooks import CheckConfig, ClientOps, Tensors
 from fedsplice.algorithms.promptfolio import PROMPTFOLIO
-from fedsplice.algorithms.recipe import Algorithm, ModelSpec, NoParams, Recipe, no_server_step
+from fedsplice.algorithms.recipe import Algorithm, Exchange, ModelSpec, NoParams, Recipe, no_server_step
 from fedsplice.core import split as S
-from fedsplice.core.losses import Proximal
+from fedsplice.core.losses import proximal
 from fedsplice.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedsplice.config import ExperimentConfig
+    from fedsplice.core.context import TrainContext
 
 
 @dataclass
@@ -29,9 +33,42 @@ class FedProxParams:
             raise ConfigError(f"method.mu must be >= 0, got {self.mu}")
 
 
+@dataclass
+class FedProxState:
+    """What FedProx keeps during a local update (Recipe.state): the GLOBAL tensors it received."""
+
+    ref: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Proximal:
+    """FedProx: μ/2·‖θ_g − θ_g⁰‖² over GLOBAL tensors, θ_g⁰ the weights received this round
+    (ctx.state.ref, kept by the method's Exchange.receive)."""
+
+    def __init__(self, global_names: list[str], mu: float):
+        self.names = list(global_names)
+        self.mu = mu
+
+    def __call__(self, params: Mapping[str, torch.Tensor], ctx: TrainContext) -> torch.Tensor:
+        state = ctx.state
+        assert isinstance(state, FedProxState), "FedProx's loss term runs with its own state"
+        return proximal(params, state.ref, self.names, self.mu)
+
+
+def keep_received(ops: ClientOps, rnd: int, received: Tensors, st: FedProxState) -> tuple[Tensors, FedProxState]:
+    return received, FedProxState(dict(received))
+
+
+def drop_received(ops: ClientOps, rnd: int, trained: Tensors,
+                  st: FedProxState) -> tuple[Tensors, FedProxState, dict[str, float]]:
+    return trained, FedProxState(), {}  # the reference is the next round's download: not stored
+
+
 def fedprox(p: FedProxParams, spec: ModelSpec) -> Recipe:
     split = S.all_global(spec.infos)
-    return Recipe(split, [Proximal(S.names_in(split, S.GLOBAL), p.mu)] if p.mu > 0 else [])
+    if p.mu == 0:  # FedAvg
+        return Recipe(split)
+    return Recipe(split, [Proximal(S.names_in(split, S.GLOBAL), p.mu)], exchange=Exchange(keep_received, drop_received),
+                  state=FedProxState)
 
 
 def all_global(p: NoParams, spec: ModelSpec) -> Recipe:

@@ -117,11 +117,11 @@ def residual_objective(lam: float, global_logits: torch.Tensor) -> Objective:
 PHASE2_OPTIMIZER = {"momentum": 0.0, "weight_decay": 0.0, "schedule": "constant"}
 
 
-def train_branch(ops: ClientOps, lam: float, received: Tensors, branch: Tensors, rounds: range,
+def train_branch(ops: ClientOps, lam: float, branch: Tensors, rounds: range,
                  l_g: torch.Tensor) -> dict[str, torch.Tensor]:
     """The residual branch l_P: `branch` trained on `objective` for one local budget per round
     key in `rounds` (one optimizer across them), l_G the frozen global logits on the training data."""
-    return ops.train(branch, residual_objective(lam, l_g), rounds, received=received, client=PHASE2_OPTIMIZER)
+    return ops.train(branch, residual_objective(lam, l_g), rounds, client=PHASE2_OPTIMIZER)
 
 
 def phase2(p: FedPuReLParams) -> Personal:
@@ -129,7 +129,7 @@ def phase2(p: FedPuReLParams) -> Personal:
     PEFT of the same type ({} until first trained: a fresh one)."""
     # one round's budget, from where it stopped
     def fit(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> Slot:
-        return train_branch(ops, p.lam, received, slot or ops.fresh(), range(rnd, rnd + 1),
+        return train_branch(ops, p.lam, slot or ops.fresh(), range(rnd, rnd + 1),
                             ops.train_logits(received))
 
     # test_logits are class logits here: FedPuReL is refused with model.task = "generate" (its check_recipe)
@@ -143,7 +143,7 @@ def phase2(p: FedPuReLParams) -> Personal:
             return predict(ops, global_params, slot)
         l_g = ops.train_logits(global_params)  # Algorithm 1: a fresh branch, T_p rounds (0: it stays at init)
         l_g_test = cast("np.ndarray", ops.test_logits(global_params))
-        branch = train_branch(ops, p.lam, global_params, ops.fresh(), range(p.personal_rounds), l_g)
+        branch = train_branch(ops, p.lam, ops.fresh(), range(p.personal_rounds), l_g)
         pm: np.ndarray = l_g_test + cast("np.ndarray", ops.test_logits(branch))
         return pm
 

@@ -79,13 +79,12 @@ class ClientOps(Protocol):
         ...
 
     def train(self, params: Mapping[str, torch.Tensor], objective: Objective, rounds: range, *,
-              received: Mapping[str, torch.Tensor], client: Mapping[str, Any],
-              **ctx: Any) -> dict[str, torch.Tensor]:
+              client: Mapping[str, Any], **ctx: Any) -> dict[str, torch.Tensor]:
         """`params` loaded and trained on `objective` ((model, texts, y, ids, ctx) -> {name:
         loss}) for one local budget per round key in `rounds` (each its own data order; one
         optimizer across them), with the client config changed by `client` (e.g. momentum=0.0);
-        `received` is ctx.global_ref and `ctx` sets the TrainContext's other fields (e.g.
-        round); the task loss is plain cross-entropy (the config's switches train the rounds).
+        `ctx` sets the TrainContext's other fields (e.g. round, state); the task loss is
+        plain cross-entropy (the config's switches train the rounds).
         Returns the trained tensors (CPU copies)."""
         ...
 

@@ -5,7 +5,6 @@ once per client-round; its tensors move to the model's device with `to`."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, cast
 
@@ -29,8 +28,6 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor, /) -> torch.Tensor:
 class TrainContext:
     client: int = 0
     round: int = 0  # 1-based; 0 outside the rounds (cold start, phase 2 after the rounds)
-    # the GLOBAL tensors received this round (FedProx's reference), by name
-    global_ref: Mapping[str, torch.Tensor] = field(default_factory=dict)
     split: dict[str, str] = field(default_factory=dict)  # trainable name -> GLOBAL / PRIVATE
     # the classification loss an objective applies to its logits: cross-entropy, wrapped by the
     # config's switches (logit adjustment shifts the logits, a gradient balancer re-weights them;

@@ -140,17 +140,11 @@ class Orthogonality:
         return prod.diagonal(dim1=1, dim2=2).sum(-1)
 
 
-class Proximal:
-    """FedProx: μ/2·‖θ_g − θ_g⁰‖² over GLOBAL tensors, θ_g⁰ the weights received this round."""
-
-    def __init__(self, global_names: list[str], mu: float):
-        self.names = list(global_names)
-        self.mu = mu
-
-    def __call__(self, params: Mapping[str, torch.Tensor], ctx: TrainContext) -> torch.Tensor:
-        ref = ctx.global_ref
-        sq = sum(((params[n] - ref[n]) ** 2).sum() for n in self.names)
-        return torch.as_tensor(0.5 * self.mu * sq)  # the same tensor (a float 0 without GLOBAL tensors)
+def proximal(params: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], names: list[str],
+             mu: float) -> torch.Tensor:
+    """FedProx: μ/2·‖θ − θ⁰‖² over the tensors `names`, θ⁰ = `ref` (the weights received)."""
+    sq = sum(((params[n] - ref[n]) ** 2).sum() for n in names)
+    return torch.as_tensor(0.5 * mu * sq)  # the same tensor (a float 0 without names)
 
 
 def prompt_contrastive(z_template: torch.Tensor, z_global: torch.Tensor, z_personal: torch.Tensor,

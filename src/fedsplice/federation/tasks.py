@@ -79,12 +79,10 @@ class Training(Protocol):
     caches: dict[str, Any]
 
 
-def train_context(exp: Training, cid: int, received: Mapping[str, torch.Tensor],
-                  links: Iterable[Link] = (), **extra: Any) -> TrainContext:
-    """What the objective and loss terms may read (fedsplice.core.context): the weights received
-    this round (FedProx), the task loss of the switches' `links`, the frozen zero-shot logits,
-    and `extra` (round, state)."""
-    return TrainContext(client=cid, global_ref=received, split=exp.recipe.split, task_loss=chain(list(links)),
+def train_context(exp: Training, cid: int, links: Iterable[Link] = (), **extra: Any) -> TrainContext:
+    """What the objective and loss terms may read (fedsplice.core.context): the task loss of the
+    switches' `links`, the frozen zero-shot logits, and `extra` (round, the method's state)."""
+    return TrainContext(client=cid, split=exp.recipe.split, task_loss=chain(list(links)),
                         zero_shot=exp.caches.get("zero_shot"), **extra)
 
 
@@ -203,7 +201,7 @@ def fit(exp: Experiment, store: Store, cid: int, rnd: int, down: bytes) -> tuple
             else exp.private_names if exp.cfg.client.optimizer_state == "keep_private" else [])
     private = dpsgd_session(exp, cid, rnd, stored.dp if stored is not None else None)  # None: no DP-SGD
     new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd,
-                                  ctx=train_context(exp, cid, start, links.values(), round=rnd, state=slot),
+                                  ctx=train_context(exp, cid, links.values(), round=rnd, state=slot),
                                   step=Step.of(r), keep_opt=keep, opt_state=opt_state,
                                   client_cfg=round_config(exp, cid, rnd), private=private)
     local_eps = None if private is None else private.epsilon()
@@ -320,7 +318,7 @@ class OnClient:
         return table
 
     def train(self, params: Mapping[str, torch.Tensor], objective: Objective, rounds: range, *,
-              received: Mapping[str, torch.Tensor], client: Mapping[str, Any], **ctx: Any) -> dict[str, torch.Tensor]:
+              client: Mapping[str, Any], **ctx: Any) -> dict[str, torch.Tensor]:
         exp, cid = self.exp, self.cid
         exp.model.load_params(params)
         ccfg = dataclasses.replace(exp.cfg.client, **client)
@@ -328,7 +326,7 @@ class OnClient:
         for r in rounds:  # a stage's own stream keys: never those of the rounds' training
             opt, _ = train_client(exp, cid, rnd=streams.PERSONALIZE_ROUND + r,
                                   torch_round=streams.PERSONALIZE_TORCH_ROUND - r,
-                                  ctx=train_context(exp, cid, received, **ctx), client_cfg=ccfg,
+                                  ctx=train_context(exp, cid, **ctx), client_cfg=ccfg,
                                   step=Step(objective), keep_opt=set(params), opt_state=opt)
         return clone(exp.model.trainable())
 
@@ -361,7 +359,7 @@ def cold_start(exp: Experiment, store: Store, cid: int, global_params: Mapping[s
         if e > 0:
             opt_state, _ = train_client(
                 exp, cid, rnd=streams.COLD_START_ROUND + e, torch_round=-e,
-                ctx=train_context(exp, cid, global_params, links.values(), state=slot), private=private,
+                ctx=train_context(exp, cid, links.values(), state=slot), private=private,
                 step=Step.of(r), keep_opt=set(exp.model.trainable()), opt_state=opt_state, epochs=1)
         accs.append(classification_metrics(labels, predict_local_test(exp, cid), len(exp.data.class_names))["accuracy"])
     return {"accuracy": accs}
