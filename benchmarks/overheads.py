@@ -37,7 +37,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from fedsplice.algorithms.fedpurel import align_objective
+    from fedsplice.algorithms.fedpurel import ZERO_SHOT, ZERO_SHOT_IDS, align_objective
     from fedsplice.core import losses
     from fedsplice.core.context import TrainContext
     from fedsplice.core.losses import Orthogonality
@@ -55,9 +55,8 @@ def main() -> None:
     cl = exp.clients[0]
     texts = [exp.data.train_texts[i] for i in cl.train_idx]
     labels = exp.data.train_labels[cl.train_idx]
-    with m.zero_shot():  # FedPuReL's cached zero-shot logits of this client's data
-        zs = torch.zeros(len(exp.data.train_texts), len(exp.data.class_names))
-        zs[torch.as_tensor(cl.train_idx)] = m.predict(texts, 64)
+    with m.zero_shot():  # FedPuReL's zero-shot logits of this client's data, kept in its slot
+        zs = {ZERO_SHOT: m.predict(texts, 64), ZERO_SHOT_IDS: torch.as_tensor(cl.train_idx)}
     g = torch.Generator().manual_seed(0)  # LoRA B = 0 would make the ortho loss trivially 0
     m.load_params({n: torch.randn(p.shape, generator=g) * 0.02 for n, p in params.items()})
 
@@ -81,7 +80,7 @@ def main() -> None:
         for name, step in variants.items():
             t0 = time.perf_counter()
             local_train(m, texts, labels, cfg=exp.cfg.client, keep_opt=set(), opt_state={},
-                        rng=np.random.default_rng(rep), ctx=TrainContext(zero_shot=zs), ids=cl.train_idx, step=step)
+                        rng=np.random.default_rng(rep), ctx=TrainContext(state=zs), ids=cl.train_idx, step=step)
             if rep:
                 times[name].append((time.perf_counter() - t0) / steps)
     ref = statistics.median(times["plain LoRA"])

@@ -366,10 +366,19 @@ def _client_batch(exp, cid=CID, order=None):
     return texts, y, idx
 
 
+def _zs_ctx(exp, cid=CID):
+    """The training context as fit builds it: the method's slot holds the client's zero-shot logits."""
+    from fedsplice.federation.tasks import OnClient
+
+    _, slot = fp.keep_zero_shot(OnClient(exp, cid), 1, {}, {})
+    assert torch.equal(slot[fp.ZERO_SHOT_IDS], torch.as_tensor(exp.clients[cid].train_idx))
+    return train_context(exp, cid, state=slot)
+
+
 def test_align_objective_one_forward_both_losses(purel_exp):
     exp, model = purel_exp, purel_exp.model
     texts, y, ids = _client_batch(exp)
-    ctx = train_context(exp, CID)
+    ctx = _zs_ctx(exp)
     calls = []
     h = model.register_forward_hook(lambda *a: calls.append(1))
     try:
@@ -381,7 +390,7 @@ def test_align_objective_one_forward_both_losses(purel_exp):
     finally:
         h.remove()
     assert set(out) == {"task", "align"}
-    z = exp.caches["zero_shot"][torch.as_tensor(ids)]
+    z = ctx.state[fp.ZERO_SHOT]  # the client's rows, in its order (= ids)
     assert float(out["task"].detach()) == pytest.approx(float(F.cross_entropy(f, y)), rel=1e-5)
     assert float(out["align"].detach()) == pytest.approx(float(T.tkl(f, z).mean()), rel=1e-4, abs=1e-8)
     assert float(out["align"].detach()) > 1e-3  # the perturbed LoRA moved away from zero-shot
@@ -402,7 +411,7 @@ def test_local_train_steps_with_purified_gradient(purel_exp):
     assert n <= exp.cfg.client.batch_size
     # the batch in the order local_train will draw it (same float sums)
     texts, y, ids = _client_batch(exp, order=np.random.default_rng(0).permutation(n))
-    ctx = train_context(exp, CID)
+    ctx = _zs_ctx(exp)
     params = model.trainable()
     names = sorted(params)
     before = {n: params[n].detach().clone() for n in names}
@@ -688,7 +697,7 @@ def test_the_training_loop_reads_the_device_once_a_round_not_once_a_step(purel_e
         cc = dataclasses.replace(exp.cfg.client, batch_size=8, max_steps=steps, diagnostics=False)
         init = dict(exp.init_params)
         exp.model.load_params(init)
-        _, st = tasks.train_client(exp, CID, rnd=1, torch_round=1, ctx=tasks.train_context(exp, CID),
+        _, st = tasks.train_client(exp, CID, rnd=1, torch_round=1, ctx=_zs_ctx(exp),
                                    step=Step.of(exp.recipe), client_cfg=cc)
         assert st["steps"] == steps and 0.0 <= st["purified_tensors"] <= 1.0
         return len(reads)

@@ -81,9 +81,9 @@ def test_persistent_branch_persists_across_rounds(cfg, monkeypatch):
     starts = []
     orig = fedpurel.train_branch
 
-    def spy(ops, objective, g, branch, rounds, l_g):
+    def spy(ops, lam, branch, rounds, l_g):
         starts.append((ops.cid, {n: t.clone() for n, t in branch.items()}))
-        return orig(ops, objective, g, branch, rounds, l_g)
+        return orig(ops, lam, branch, rounds, l_g)
 
     monkeypatch.setattr(fedpurel, "train_branch", spy)
     c = cfg(algorithm='"fedpurel"', method='{phase2 = "persistent"}', server__rounds=3, server__clients_per_round=3,
@@ -96,10 +96,11 @@ def test_persistent_branch_persists_across_rounds(cfg, monkeypatch):
         mine = [b for k, b in starts if k == cid]
         assert all(torch.equal(mine[0][n], exp.init_params[n]) for n in mine[0])  # fresh at first
         stored = {k[len("method/"):]: v for k, v in store.get(cid).items() if k.startswith("method/")}
-        assert set(stored) == set(exp.init_params)
+        # the branch, and phase 1's zero-shot logits of the client's samples (computed once)
+        assert set(stored) == {*exp.init_params, fedpurel.ZERO_SHOT, fedpurel.ZERO_SHOT_IDS}
         # round 2 starts where round 1 stopped: not the fresh init
         assert any(not torch.equal(mine[1][n], exp.init_params[n]) for n in mine[1])
-        assert all(not torch.equal(stored[n], mine[2][n]) for n in stored if ".lora_B." in n)
+        assert all(not torch.equal(stored[n], mine[2][n]) for n in exp.init_params if ".lora_B." in n)
     steps = []
     monkeypatch.setattr(tasks, "train_client", lambda *a, **k: steps.append(1))
     g = {n: t.clone() for n, t in exp.model.trainable().items()}

@@ -24,6 +24,7 @@ from torch import nn
 from fedsplice.algorithms.hooks import ClientOps, Objective, Slot, Tensors
 from fedsplice.algorithms.recipe import (
     Algorithm,
+    Exchange,
     ModelSpec,
     Personal,
     Recipe,
@@ -84,14 +85,35 @@ def zero_shot_logits(model: nn.Module, texts: list[str]) -> torch.Tensor:
     return z
 
 
+# the slot's keys of the client's frozen zero-shot logits [n, C] and the sample ids of their rows
+ZERO_SHOT, ZERO_SHOT_IDS = "zero_shot", "zero_shot_ids"
+
+
+def keep_zero_shot(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> tuple[Tensors, Slot]:
+    """Exchange.receive: the client's zero-shot logits, computed once (its first round) and kept
+    in its slot; none with runtime.cache = false (the objective computes them every step)."""
+    if ZERO_SHOT not in slot:
+        z = ops.zero_shot_logits()
+        if z is not None:
+            slot = {**slot, ZERO_SHOT: z, ZERO_SHOT_IDS: torch.as_tensor(ops.sample_ids(), dtype=torch.int64)}
+    return received, slot
+
+
+def branch_of(slot: Slot) -> dict[str, torch.Tensor]:
+    """Phase 2's branch: the slot's PEFT tensors (without phase 1's zero-shot logits)."""
+    return {k: v for k, v in slot.items() if k not in (ZERO_SHOT, ZERO_SHOT_IDS)}
+
+
 def align_objective(aligned: bool = True) -> Objective:
     """Phase 1: from ONE forward, the task CE and the alignment loss toward zero-shot logits."""
 
     def objective(model: nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
                   ctx: TrainContext) -> dict[str, torch.Tensor]:
         f = model(texts)
-        if ctx.zero_shot is not None:  # frozen work, cached once per run
-            z = ctx.zero_shot[torch.as_tensor(ids)]
+        slot = ctx.state if isinstance(ctx.state, dict) else {}
+        if ZERO_SHOT in slot:  # frozen work, computed once (keep_zero_shot): the rows of this batch's ids
+            rows = (slot[ZERO_SHOT_IDS].unsqueeze(0) == torch.as_tensor(ids, device=f.device).unsqueeze(1)).int()
+            z = slot[ZERO_SHOT][rows.argmax(1)]
         else:  # runtime.cache = false: an extra frozen forward every step, as the caches' reference
             z = zero_shot_logits(model, texts)
         return {"task": ctx.task_loss(f, y),
@@ -129,13 +151,13 @@ def phase2(p: FedPuReLParams) -> Personal:
     PEFT of the same type ({} until first trained: a fresh one)."""
     # one round's budget, from where it stopped
     def fit(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> Slot:
-        return train_branch(ops, p.lam, slot or ops.fresh(), range(rnd, rnd + 1),
-                            ops.train_logits(received))
+        return {**slot, **train_branch(ops, p.lam, branch_of(slot) or ops.fresh(), range(rnd, rnd + 1),
+                                       ops.train_logits(received))}
 
     # test_logits are class logits here: FedPuReL is refused with model.task = "generate" (its check_recipe)
     def predict(ops: ClientOps, params: Tensors, slot: Slot) -> np.ndarray:  # PM = l_G + the stored branch
         pm: np.ndarray = (cast("np.ndarray", ops.test_logits(params))
-                          + cast("np.ndarray", ops.test_logits(slot or ops.fresh())))
+                          + cast("np.ndarray", ops.test_logits(branch_of(slot) or ops.fresh())))
         return pm
 
     def after(ops: ClientOps, global_params: Tensors, slot: Slot) -> np.ndarray:
@@ -156,7 +178,7 @@ def build(p: FedPuReLParams, spec: ModelSpec) -> Recipe:
     return Recipe(S.all_global(spec.infos),
                   objective=align_objective(p.align == "tkl") if p.purify else None,
                   grad_transform=purification(p.granularity, p.tie_tol) if p.purify else None,
-                  needs_zero_shot=p.purify,
+                  exchange=Exchange(receive=keep_zero_shot) if p.purify else None,
                   personalize=phase2(p))
 
 

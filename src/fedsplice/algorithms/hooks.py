@@ -73,6 +73,15 @@ class ClientOps(Protocol):
         """`params` loaded: the model's logits [len(texts), C] on `texts` (eval mode)."""
         ...
 
+    def sample_ids(self) -> np.ndarray:
+        """The ids of the client's training samples, in their order (an objective's `ids`)."""
+        ...
+
+    def zero_shot_logits(self) -> torch.Tensor | None:
+        """The frozen zero-shot model's logits [n, C] on the client's training samples, in their
+        order (None with runtime.cache = false: a method computes them where it needs them)."""
+        ...
+
     def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """`params` loaded: the model's logits on the client's training data, in a table
         [N, C] indexed by training sample id (as an objective looks them up by `ids`)."""

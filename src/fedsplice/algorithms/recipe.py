@@ -168,7 +168,6 @@ class Recipe:
     # phases_share_budget: the phases split one local budget (client.local_epochs or max_steps)
     # in proportion to their epochs, instead of each running its own epochs
     phases_share_budget: bool = False
-    needs_zero_shot: bool = False  # cache zero-shot logits of the training set
     # the method's own client state, the `slot` its Personal and Exchange hooks get and return:
     # a dataclass (HetLoRA's rank, an int) or dict, a tensor dict (FedPuReL's branch);
     # fedsplice.algorithms.state says which fields it can hold and how it is stored

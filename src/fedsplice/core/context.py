@@ -33,9 +33,6 @@ class TrainContext:
     # config's switches (logit adjustment shifts the logits, a gradient balancer re-weights them;
     # fedsplice.algorithms.switches), so no objective has to know them
     task_loss: TaskLoss = cross_entropy
-    # frozen zero-shot logits of the whole training set [N, C], indexed by sample id (a recipe
-    # with needs_zero_shot and runtime.cache); None: compute them per step
-    zero_shot: torch.Tensor | None = None
     # the method's client state (Recipe.state) as its Exchange.receive left it this round
     # (HetLoRA: the client's rank), read-only: what persists is what the method's hooks return
     state: object = field(default_factory=dict)

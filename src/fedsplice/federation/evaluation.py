@@ -6,7 +6,7 @@ the client tasks, where the client's data is (`fedsplice.federation.tasks`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -173,3 +173,12 @@ def movement(exp: Experiment, global_params: Params, store: Store) -> dict[str, 
         per = [_distance(getattr(s, slot), exp.init_params, names) for s, names in zip(states, held) if names]
         out[key] = sum(per) / len(per) if per else None
     return out
+
+
+def factor_groups(adapters: Mapping[str, float | Sequence[float] | np.ndarray],
+                  n: int) -> list[tuple[dict[str, float], np.ndarray]]:
+    """{adapter: factor, or one factor per record} over n records -> [(factors, positions)]: the
+    records of equal factors, to run as one batch under `TaskModel.adapters_scaled`."""
+    factors = np.stack([np.broadcast_to(np.asarray(f, dtype=np.float64), (n,)) for f in adapters.values()], 1)
+    rows, group = np.unique(factors, axis=0, return_inverse=True)
+    return [(dict(zip(adapters, row.tolist())), np.flatnonzero(group.reshape(-1) == g)) for g, row in enumerate(rows)]

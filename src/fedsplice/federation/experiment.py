@@ -246,16 +246,13 @@ def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experim
 
 
 def zero_shot_caches(exp: Experiment) -> dict[str, Any]:
-    """Frozen work computed once: zero-shot logits of the test set (for TKL and head bias) and,
-    when the recipe aligns to them (FedPuReL), of the training set. None for a prior recipe
+    """Frozen work computed once: zero-shot logits of the test set (for TKL and head bias). None for a prior recipe
     (majority, local-prior): it never runs the model."""
     bs = exp.cfg.eval.batch_size
     out: dict[str, Any] = {}
     if not exp.recipe.prior and exp.cfg.model.task != "generate":  # generate: no class logits
         with exp.model.zero_shot():
             out["zero_shot_test"] = exp.model.predict(exp.data.test_texts, bs) if exp.data.test_texts else None
-            if exp.recipe.needs_zero_shot and exp.cfg.runtime.cache:
-                out["zero_shot"] = exp.model.predict(exp.data.train_texts, bs)
     if out.get("zero_shot_test") is None:
         out.pop("zero_shot_test", None)
     # per-site data: the server never sees a label, so no class counts (no many/medium/few)

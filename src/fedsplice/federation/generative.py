@@ -44,13 +44,12 @@ class Scoring(Protocol):
 
 def check_recipe(cfg: ExperimentConfig, recipe: Recipe) -> None:
     """A method that needs class logits (an objective of its own, a local stage of its own, the
-    zero-shot logits, a prior reference) is refused with model.task = "generate", in one line. A
+    a prior reference) is refused with model.task = "generate", in one line. A
     method's PM (`Personal.predict`: FedDPA, HetLoRA, FLoRA) runs: its test_logits are scores here."""
     stage = recipe.personalize
     needs = [what for what, on in (("an objective of its own", recipe.objective is not None),
                                    ("a local stage on class logits", stage is not None and (
                                        stage.fit is not None or stage.after is not None)),
-                                   ("zero-shot class logits", recipe.needs_zero_shot),
                                    ("a class prior (a reference row)", bool(recipe.prior))) if on]
     if needs:
         raise ConfigError(f"algorithm {cfg.algorithm!r} needs {'; '.join(needs)}, which model.task = 'generate' "

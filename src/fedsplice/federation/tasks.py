@@ -37,7 +37,7 @@ from fedsplice.algorithms.switches import SWITCHES, chain
 from fedsplice.core import streams, wire
 from fedsplice.core.context import TrainContext
 from fedsplice.federation.dpsgd import session as dpsgd_session
-from fedsplice.federation.evaluation import prior_logits, score
+from fedsplice.federation.evaluation import factor_groups, prior_logits, score
 from fedsplice.federation.generative import scores as answer_scores
 from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.metrics import classification_metrics
@@ -81,9 +81,8 @@ class Training(Protocol):
 
 def train_context(exp: Training, cid: int, links: Iterable[Link] = (), **extra: Any) -> TrainContext:
     """What the objective and loss terms may read (fedsplice.core.context): the task loss of the
-    switches' `links`, the frozen zero-shot logits, and `extra` (round, the method's state)."""
-    return TrainContext(client=cid, split=exp.recipe.split, task_loss=chain(list(links)),
-                        zero_shot=exp.caches.get("zero_shot"), **extra)
+    switches' `links`, and `extra` (round, the method's state)."""
+    return TrainContext(client=cid, split=exp.recipe.split, task_loss=chain(list(links)), **extra)
 
 
 def start_switches(exp: Experiment, cid: int, stored: ClientState | None,
@@ -247,15 +246,6 @@ def evaluate(exp: Experiment, store: Store, cid: int, global_params: Params) -> 
     return score(exp, exp.data.test_labels[idx], predict_local_test(exp, cid), idx)
 
 
-def factor_groups(adapters: Mapping[str, float | Sequence[float] | np.ndarray],
-                  n: int) -> list[tuple[dict[str, float], np.ndarray]]:
-    """{adapter: factor, or one factor per record} over n records -> [(factors, positions)]: the
-    records of equal factors, to run as one batch under `TaskModel.adapters_scaled`."""
-    factors = np.stack([np.broadcast_to(np.asarray(f, dtype=np.float64), (n,)) for f in adapters.values()], 1)
-    rows, group = np.unique(factors, axis=0, return_inverse=True)
-    return [(dict(zip(adapters, row.tolist())), np.flatnonzero(group.reshape(-1) == g)) for g, row in enumerate(rows)]
-
-
 @dataclass
 class OnClient:
     """`ClientOps` (fedsplice.algorithms.recipe) on client `cid`: what a method's Personal hooks
@@ -308,6 +298,17 @@ class OnClient:
 
     def rng(self, key: int) -> np.random.Generator:
         return streams.rng(self.exp.cfg, streams.METHOD, self.cid, key)
+
+    def sample_ids(self) -> np.ndarray:
+        ids: np.ndarray = self.exp.clients[self.cid].train_idx
+        return ids
+
+    def zero_shot_logits(self) -> torch.Tensor | None:
+        exp, d = self.exp, self.exp.data
+        if not exp.cfg.runtime.cache:
+            return None
+        with exp.model.zero_shot():
+            return exp.model.predict([d.train_texts[i] for i in self.sample_ids()], exp.cfg.eval.batch_size)
 
     def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         exp, d, c = self.exp, self.exp.data, self.exp.clients[self.cid]
