@@ -104,6 +104,10 @@ def test_list_algorithms(capsys):
     otp = lines[names.index("fedotp") + 1].split()
     assert " ".join(otp) == "[method] gamma = 0.8, eps = 0.1, iters = 100"
     assert "[method] theta = 0.2" in out and 'phase2 = "persistent"' in out and "private_r = 8" in out
+    # the switches, each with its table's settings and defaults
+    assert "switch grab: Fed-GraB" in out and "[switch.logit_adjustment] tau = 1.0" in out
+    assert ('[switch.grab] kp = 10.0, ki = 0.0, kd = 0.0, pos_scale = 0.0, neg_scale = 0.0, out_limit = 100.0, '
+            'prior = "all"') in out
 
 
 def test_run_tiny_end_to_end(capsys, tmp_path, tiny_bert_dir, toy_jsonl):

@@ -109,6 +109,14 @@ def cmd_list(args) -> None:
                     shown = [f.name for f in dataclasses.fields(a.params)]
                 print(f"{'':12s} [method] " + ", ".join(shown))
         print("server optimizers: fedavg, fedavgm, fedadam, fedyogi, fedadagrad ([server] optimizer)")
+        from fedsplice.algorithms.switches import SWITCHES
+
+        for name, sw in SWITCHES.items():  # composed onto any method: [switch.NAME] turns one on
+            try:
+                shown = [f"{k} = {_toml(v)}" for k, v in dataclasses.asdict(sw.params()).items()]
+            except TypeError:  # a user's dataclass with required fields: their names
+                shown = [f.name for f in dataclasses.fields(sw.params)]
+            print(f"switch {name}: {sw.description}  [{sw.paper}]\n{'':12s} [switch.{name}] " + ", ".join(shown))
     elif args.what == "datasets":
         from fedsplice.data.datasets import describe_datasets
 
