@@ -157,8 +157,8 @@ def make_client_app(cfg: ExperimentConfig) -> ClientApp:
         priv, opt_state = load_private(context)
         model.load_params({**received, **priv})
         texts = [d.train_texts[i] for i in c.train_idx]
-        # lite.caches is empty, so ctx has no "zero_shot": with runtime.cache = false FedPuReL's
-        # objective runs an extra frozen forward per step for the zero-shot logits.
+        # runtime.cache = false (above): no method state, so an objective that needs frozen work
+        # (FedPuReL's zero-shot logits) runs an extra frozen forward per step.
         lite.recipe = recipe  # train_context reads the recipe's split (the term diagnostics use it)
         ctx = train_context(lite, cid, round=rnd)
         t1 = time.perf_counter()
@@ -306,7 +306,10 @@ def run_tutorial_style(cfg_path: str, overrides: list[str], rounds: int) -> dict
     if cfg.server.optimizer != "fedavg" or cfg.server.aggregation != "mean" or cfg.client.upload != "fp32":
         raise ValueError("flower_tutorial: needs server.optimizer = fedavg, server.aggregation = mean and "
                          "client.upload = fp32 (what stock FedAvg does)")
-    exp = build(cfg)  # the server's copy: partition, sampling stream, names, init, GM model
+    exp = build(cfg)
+    if cfg.switch or exp.recipe.state is not dict:  # the tutorial's client keeps only tensors, no hooks
+        raise ValueError("flower_tutorial: needs a method without a state type of its own (FedProx, HetLoRA, "
+                         "FLoRA have one) and no [switch.*]: the tutorial loop runs neither")  # the server's copy: partition, sampling stream, names, init, GM model
     t_built = time.perf_counter()
     log: Log = {"gm": {}, "pm": {}, "round_s": [], "round_wall_s": [], "up_bytes": [], "train_loss": [],
                 "client_setup_s": [], "client_train_s": [], "eval_s": 0.0, "errors": [], "worker_rss_mb": 0.0,

@@ -4,6 +4,7 @@ hyperparameters as one-line errors."""
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -254,6 +255,26 @@ def test_the_earlier_settings_read_as_the_switch():
     assert saved_as_current(saved)["switch"] == {}
     with pytest.raises(ConfigError, match=r"^grab.kp = 2.0 does nothing while grab.enabled = false: write \[switch"):
         load_config(overrides=["grab.kp=2.0"])
+
+
+def test_a_switch_turns_off_and_on_from_the_command_line_and_old_forms_never_fight_the_new():
+    """`--set switch.NAME=false` removes a switch a file turns on, `=true` turns one on with its
+    defaults; an earlier form set beside the new table is refused in one line, not ignored."""
+    grab, la = "configs/cliplora-grab-fortunes.toml", "configs/cliplora-la-fortunes.toml"
+    assert load_config(grab).switch == {"grab": {}}
+    assert load_config(grab, ["switch.grab=false"]).switch == {}
+    assert load_config(None, ["switch.grab=true"]).switch == {"grab": {}}
+    assert load_config(la, ["switch.logit_adjustment=false"]).switch == {}
+    for path, sets, says in ((grab, ["grab.enabled=false"], "grab.enabled = false and [switch.grab] are both set"),
+                             (grab, ["client.grab=true"], "grab.enabled = true and [switch.grab] are both set"),
+                             (la, ["client.logit_adjustment=0"], "client.logit_adjustment = 0 is now "
+                                                                 "[switch.logit_adjustment] tau, which this config")):
+        with pytest.raises(ConfigError, match="^" + re.escape(says)):
+            load_config(path, sets)
+    with pytest.raises(ConfigError, match=r"^client.logit_adjustment must be >= 0 \(0 = off\), got -1"):
+        load_config(None, ["client.logit_adjustment=-1"])
+    with pytest.raises(ConfigError, match="^grab: expected a table"):
+        load_config(None, ["grab=true", "client.grab=true"])
 
 
 def test_an_algorithm_with_its_own_objective_refuses_the_switch(cfg):

@@ -151,3 +151,8 @@ def test_the_state_is_typed_where_used_and_flat_where_stored():
 
     with pytest.raises(TypeError, match="method state field 'names': its default must be"):
         ST.check(Bad)
+    import numpy as np
+
+    assert ST.pack(H.HetLoRAState(rank=np.int64(4)))["rank"].dtype == torch.int64  # a numpy integer is an int
+    with pytest.raises(TypeError, match="method state field 'rank' holds str"):
+        ST.pack(H.HetLoRAState(rank="4"))

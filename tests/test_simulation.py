@@ -414,6 +414,9 @@ def test_client_state_round_trips_the_store_format():
     assert ClientState.from_store({}) == ClientState()
     with pytest.raises(ValueError, match="'momentum/x' is in no slot"):
         ClientState.from_store({**flat, "momentum/x": t["f"]})
+    # a checkpoint of an earlier version: the method's slot was "branch/", a switch's state "<switch>/"
+    old = ClientState.from_store({"param/lora.A": t["a"], "grab/pos": t["d"], "branch/rank": t["e"]})
+    assert old == ClientState(params={"lora.A": t["a"]}, switch={"grab/pos": t["d"]}, method={"rank": t["e"]})
 
 
 def test_fedprox_keeps_its_reference_in_its_own_state_and_stores_none(cfg):

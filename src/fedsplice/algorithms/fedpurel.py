@@ -90,13 +90,19 @@ ZERO_SHOT, ZERO_SHOT_IDS = "zero_shot", "zero_shot_ids"
 
 
 def keep_zero_shot(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> tuple[Tensors, Slot]:
-    """Exchange.receive: the client's zero-shot logits, computed once (its first round) and kept
-    in its slot; none with runtime.cache = false (the objective computes them every step)."""
-    if ZERO_SHOT not in slot:
-        z = ops.zero_shot_logits()
-        if z is not None:
-            slot = {**slot, ZERO_SHOT: z, ZERO_SHOT_IDS: torch.as_tensor(ops.sample_ids(), dtype=torch.int64)}
+    """Exchange.receive: the client's zero-shot logits (frozen work, computed once per process)
+    in its slot for the round's training; none with runtime.cache = false (the objective
+    computes them every step)."""
+    z = ops.zero_shot_logits()
+    if z is not None:
+        slot = {**slot, ZERO_SHOT: z, ZERO_SHOT_IDS: torch.as_tensor(ops.sample_ids(), dtype=torch.int64)}
     return received, slot
+
+
+def drop_zero_shot(ops: ClientOps, rnd: int, trained: Tensors, slot: Slot) -> tuple[Tensors, Slot, dict[str, float]]:
+    """Exchange.send: the upload as trained; the zero-shot rows are not kept in the client's
+    state (nor in a checkpoint or an export), only the branch."""
+    return trained, branch_of(slot), {}
 
 
 def branch_of(slot: Slot) -> dict[str, torch.Tensor]:
@@ -112,8 +118,9 @@ def align_objective(aligned: bool = True) -> Objective:
         f = model(texts)
         slot = ctx.state if isinstance(ctx.state, dict) else {}
         if ZERO_SHOT in slot:  # frozen work, computed once (keep_zero_shot): the rows of this batch's ids
-            rows = (slot[ZERO_SHOT_IDS].unsqueeze(0) == torch.as_tensor(ids, device=f.device).unsqueeze(1)).int()
-            z = slot[ZERO_SHOT][rows.argmax(1)]
+            # every id is one of the client's own (the loop draws from them); no check: a host sync a step
+            hit = slot[ZERO_SHOT_IDS].unsqueeze(0) == torch.as_tensor(ids, device=f.device).unsqueeze(1)
+            z = slot[ZERO_SHOT][hit.int().argmax(1)]
         else:  # runtime.cache = false: an extra frozen forward every step, as the caches' reference
             z = zero_shot_logits(model, texts)
         return {"task": ctx.task_loss(f, y),
@@ -178,7 +185,7 @@ def build(p: FedPuReLParams, spec: ModelSpec) -> Recipe:
     return Recipe(S.all_global(spec.infos),
                   objective=align_objective(p.align == "tkl") if p.purify else None,
                   grad_transform=purification(p.granularity, p.tie_tol) if p.purify else None,
-                  exchange=Exchange(receive=keep_zero_shot) if p.purify else None,
+                  exchange=Exchange(keep_zero_shot, drop_zero_shot) if p.purify else None,
                   personalize=phase2(p))
 
 

@@ -214,15 +214,14 @@ def moved(table: dict[str, Any]) -> None:
     as [switch.grab]; a setting at its old default is dropped (a saved run's config.toml wrote
     every default), one set while enabled was false is refused as before."""
     old = table.pop("grab", None)
-    client = table.get("client")
-    if isinstance(client, dict):
-        legacy = {("enabled" if k == "grab" else k[5:]): client.pop(k) for k in list(client)
-                  if k == "grab" or k.startswith("grab_")}
-        old = {**legacy, **old} if isinstance(old, dict) else (legacy or old)
-    if old is None:
-        return
-    if not isinstance(old, dict):
+    if old is not None and not isinstance(old, dict):
         raise ConfigError("grab: expected a table; Fed-GraB is now [switch.grab] (its presence turns it on)")
+    client = table.get("client")
+    legacy = {("enabled" if k == "grab" else k[5:]): client.pop(k) for k in list(client)
+              if k == "grab" or k.startswith("grab_")} if isinstance(client, dict) else {}
+    if old is None and not legacy:
+        return
+    old = {**legacy, **(old or {})}
     enabled = old.pop("enabled", False)
     if not isinstance(enabled, bool):
         raise ConfigError(f"grab.enabled must be true or false, got {enabled!r}")
@@ -231,13 +230,12 @@ def moved(table: dict[str, Any]) -> None:
         shown = ", ".join(f"grab.{k} = {v!r}" for k, v in changed.items())
         raise ConfigError(f"{shown} does nothing while grab.enabled = false: write [switch.grab] to turn Fed-GraB "
                           f"on, or remove it")
-    if enabled:
-        switches = table.setdefault("switch", {})
-        if isinstance(switches, dict):
-            mine = switches.setdefault("grab", {})
-            for k, v in changed.items():
-                if isinstance(mine, dict):
-                    mine.setdefault(k, v)
+    switches = table.setdefault("switch", {})
+    if isinstance(switches, dict) and "grab" in switches:  # a saved config never has both
+        raise ConfigError(f"grab.enabled = {str(enabled).lower()} and [switch.grab] are both set: Fed-GraB is now "
+                          f"[switch.grab] alone (switch.grab = false turns it off)")
+    if enabled and isinstance(switches, dict):
+        switches["grab"] = changed
 
 
 GRAB = Switch(GrabParams, start, "Fed-GraB: PID-steered per-class re-weighting of the logit gradients",

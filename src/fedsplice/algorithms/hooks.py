@@ -79,7 +79,8 @@ class ClientOps(Protocol):
 
     def zero_shot_logits(self) -> torch.Tensor | None:
         """The frozen zero-shot model's logits [n, C] on the client's training samples, in their
-        order (None with runtime.cache = false: a method computes them where it needs them)."""
+        order, from a table of the whole training set computed once per process (None with
+        runtime.cache = false: a method computes them where it needs them)."""
         ...
 
     def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -62,11 +62,16 @@ def moved(table: dict[str, Any]) -> None:
     if not isinstance(client, dict) or "logit_adjustment" not in client:
         return
     tau = client.pop("logit_adjustment")
-    if tau == 0:
-        return
     switches = table.setdefault("switch", {})
-    if isinstance(switches, dict) and isinstance(switches.setdefault("logit_adjustment", {}), dict):
-        switches["logit_adjustment"].setdefault("tau", tau)
+    if isinstance(switches, dict) and "logit_adjustment" in switches:  # a saved config never has both
+        raise ConfigError(f"client.logit_adjustment = {tau} is now [switch.logit_adjustment] tau, which this config "
+                          f"sets too: write switch.logit_adjustment.tau = {tau} (or switch.logit_adjustment = false "
+                          f"to turn it off)")
+    if not isinstance(tau, (int, float)) or tau < 0:
+        raise ConfigError(f"client.logit_adjustment must be >= 0 (0 = off), got {tau!r}; it is now "
+                          f"[switch.logit_adjustment] tau")
+    if tau > 0 and isinstance(switches, dict):
+        switches["logit_adjustment"] = {"tau": tau}
 
 
 LOGIT_ADJUSTMENT = Switch(LogitAdjustmentParams, start, "logit-adjusted training: logits + τ·log(local prior)",

@@ -12,8 +12,10 @@ keeps a plain tensor dict (Recipe.state = dict).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
+import numpy as np
 import torch
 
 Tensors = dict[str, torch.Tensor]
@@ -52,16 +54,19 @@ def pack(state: object) -> Tensors:
     out: Tensors = {}
     for f in dataclasses.fields(state):  # type: ignore[arg-type]  # a dataclass instance (check)
         v = getattr(state, f.name)
-        if isinstance(v, dict):
+        if isinstance(v, dict) and all(torch.is_tensor(t) for t in v.values()):
             out.update({f"{f.name}/{k}": t for k, t in v.items()})
-        elif isinstance(v, bool):
-            out[f.name] = torch.tensor(v)
-        elif isinstance(v, int):
-            out[f.name] = torch.tensor(v, dtype=torch.int64)
-        elif isinstance(v, float):
-            out[f.name] = torch.tensor(v, dtype=torch.float64)
-        elif v is not None:
+        elif isinstance(v, (bool, np.bool_)):
+            out[f.name] = torch.tensor(bool(v))
+        elif isinstance(v, numbers.Integral):
+            out[f.name] = torch.tensor(int(v), dtype=torch.int64)
+        elif isinstance(v, numbers.Real):
+            out[f.name] = torch.tensor(float(v), dtype=torch.float64)
+        elif torch.is_tensor(v):
             out[f.name] = v
+        elif v is not None:
+            raise TypeError(f"method state field {f.name!r} holds {type(v).__name__}; a state stores ints, floats, "
+                            f"bools, tensors and dicts of tensors")
     return out
 
 

@@ -199,6 +199,9 @@ def moved_settings(table: dict, moves: Sequence[Callable[[dict], None]] = ()) ->
                               f"or set algorithm = {algo!r} and [method] {new} = {shown}")
     for move in moves:
         move(table)
+    switches = table.get("switch")
+    if isinstance(switches, dict):  # `--set switch.NAME=true` turns one on with its defaults, `=false` off
+        table["switch"] = {k: {} if v is True else v for k, v in switches.items() if v is not False}
     return table
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from fedsplice.algorithms.switches import SWITCHES
+
 Tensors = dict[str, torch.Tensor]
 
 
@@ -36,6 +38,7 @@ class ClientState:
             return None
         slots: dict[str, Tensors] = {f.name: {} for f in fields(cls)}
         for key, t in tensors.items():
+            key = legacy(key)
             slot = next((s for s, p in cls.PREFIXES.items() if key.startswith(p)), None)
             if slot is None:
                 raise ValueError(f"client state key {key!r} is in no slot ({', '.join(cls.PREFIXES.values())}); "
@@ -49,6 +52,15 @@ class ClientState:
     def kept_by(self, switch: str) -> Tensors:
         """What the client kept of one switch ({} if nothing)."""
         return {k[len(switch) + 1:]: t for k, t in self.switch.items() if k.startswith(switch + "/")}
+
+
+def legacy(key: str) -> str:
+    """A key of a store written before the switches and the typed method state (a checkpoint of
+    an earlier version, resumed): the method's slot was "branch/", a switch's state "<switch>/"."""
+    head = key.split("/", 1)[0]
+    if head == "branch":
+        return "method/" + key[len("branch/"):]
+    return f"switch/{key}" if head in SWITCHES else key
 
 
 def switch_state(kept: dict[str, Tensors]) -> Tensors:

@@ -304,11 +304,14 @@ class OnClient:
         return ids
 
     def zero_shot_logits(self) -> torch.Tensor | None:
-        exp, d = self.exp, self.exp.data
+        exp = self.exp
         if not exp.cfg.runtime.cache:
             return None
-        with exp.model.zero_shot():
-            return exp.model.predict([d.train_texts[i] for i in self.sample_ids()], exp.cfg.eval.batch_size)
+        if "zero_shot" not in exp.caches:  # frozen work, once per process: the whole training set
+            with exp.model.zero_shot():
+                exp.caches["zero_shot"] = exp.model.predict(exp.data.train_texts, exp.cfg.eval.batch_size)
+        rows: torch.Tensor = exp.caches["zero_shot"][torch.as_tensor(self.sample_ids())]
+        return rows
 
     def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         exp, d, c = self.exp, self.exp.data, self.exp.clients[self.cid]
