@@ -8,7 +8,7 @@ runs every recipe with the same client tasks and the same round loop (docs/desig
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -230,6 +230,12 @@ class MoveSettings(Protocol):
     def __call__(self, table: dict[str, Any], /) -> None: ...
 
 
+class Kept(Protocol):
+    """Link.state: what the client keeps of a switch after its local training."""
+
+    def __call__(self) -> dict[str, torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class Link:
     """A switch's part in one client's local training: `wrap` makes the task loss objectives
@@ -237,7 +243,7 @@ class Link:
     the switch for its next round (PRIVATE, never sent; {} for a switch without state)."""
 
     wrap: Wrap
-    state: Callable[[], dict[str, torch.Tensor]] = dict
+    state: Kept = dict
 
 
 @dataclass(frozen=True)
