@@ -306,10 +306,10 @@ def run_tutorial_style(cfg_path: str, overrides: list[str], rounds: int) -> dict
     if cfg.server.optimizer != "fedavg" or cfg.server.aggregation != "mean" or cfg.client.upload != "fp32":
         raise ValueError("flower_tutorial: needs server.optimizer = fedavg, server.aggregation = mean and "
                          "client.upload = fp32 (what stock FedAvg does)")
-    exp = build(cfg)
+    exp = build(cfg)  # the server's copy: partition, sampling stream, names, init, GM model
     if cfg.switch or exp.recipe.state is not dict:  # the tutorial's client keeps only tensors, no hooks
         raise ValueError("flower_tutorial: needs a method without a state type of its own (FedProx, HetLoRA, "
-                         "FLoRA have one) and no [switch.*]: the tutorial loop runs neither")  # the server's copy: partition, sampling stream, names, init, GM model
+                         "FLoRA have one) and no [switch.*]: the tutorial loop runs neither")
     t_built = time.perf_counter()
     log: Log = {"gm": {}, "pm": {}, "round_s": [], "round_wall_s": [], "up_bytes": [], "train_loss": [],
                 "client_setup_s": [], "client_train_s": [], "eval_s": 0.0, "errors": [], "worker_rss_mb": 0.0,
