@@ -168,3 +168,12 @@ def test_a_missing_extra_is_one_line_naming_it(argv, says, monkeypatch, capsys, 
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == f"fedsplice: error: {says}"
     assert not (tmp_path / "x").exists()  # nothing was written
+
+
+@pytest.mark.integration
+def test_a_config_error_is_one_line_whatever_the_value_holds(capsys):
+    """A value with a control character (\\x1e, which str.splitlines breaks at, or a newline) is
+    shown escaped: the error stays one line (the fuzz test's contract, tests/test_config_fuzz.py)."""
+    assert main(["validate", "--no-data", "--set", 'peft.tower="a\\u001eb"']) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("fedsplice: error: ") and "a\\x1eb" in err, err

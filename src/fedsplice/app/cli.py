@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from fedsplice.errors import FedspliceError, need
+from fedsplice.errors import ConfigError, FedspliceError, need
 
 
 def cmd_run(args) -> None:
@@ -233,12 +233,20 @@ def main(argv=None) -> int:
     try:
         rc = args.fn(args)  # audit: 1 on a mismatch
     except FedspliceError as e:
-        print(f"fedsplice: error: {e}", file=sys.stderr)
+        # a config error is one line (a value's control characters escaped); a launch error may
+        # carry a process's log tail
+        print(f"fedsplice: error: {one_line(str(e)) if isinstance(e, ConfigError) else e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedsplice: interrupted", file=sys.stderr)
         return 130
     return rc or 0
+
+
+def one_line(text: str) -> str:
+    """An error as one printable line: a control character a config value brought in (a
+    newline, or \\x1e, which str.splitlines also breaks at) is shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 if __name__ == "__main__":
