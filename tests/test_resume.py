@@ -223,8 +223,8 @@ def test_setup_time_is_reported_and_a_resume_has_no_round_0(setups, tmp_path):
     evaluation's; a resumed run does not evaluate round 0 again, so it has none."""
     _, ref = setups["memory"]
     fresh = json.loads((ref / "results.json").read_text())["setup"]
-    # round 0 of the tiny model can take under 5 ms: measured (a number), not necessarily > 0.00
-    assert fresh["build_s"] > 0 and isinstance(fresh["round0_s"], float) and fresh["round0_s"] >= 0, fresh
+    # round 0 (GM and every client's PM) of the tiny model takes milliseconds: measured to 1 ms
+    assert fresh["build_s"] > 0 and fresh["round0_s"] > 0, fresh
     assert fresh["build_s"] + fresh["round0_s"] <= json.loads((ref / "results.json").read_text())["time_s"] + 0.1
     run = _truncate_to(ref, tmp_path / "run", 1)
     assert main(["resume", str(run), "--quiet"]) == 0

@@ -207,7 +207,7 @@ def _setup(t0: float, marks: dict[str, float]) -> dict[str, float | None]:
     """Wall seconds before round 1: `build_s` from the run's start to its round loop (weights,
     data, references, caches), `round0_s` the round-0 evaluation (None: a resumed run)."""
     r0 = marks.get("round0")
-    return {"build_s": round(marks["rounds"] - t0, 1), "round0_s": round(r0 - marks["rounds"], 2) if r0 else None}
+    return {"build_s": round(marks["rounds"] - t0, 1), "round0_s": round(r0 - marks["rounds"], 3) if r0 else None}
 
 
 def _clocks(t0: float, c0: float) -> dict[str, float]:
