@@ -9,6 +9,7 @@ import torch
 from fedsplice.algorithms import flora as F
 from fedsplice.core import wire
 from fedsplice.core.server import weighted_mean
+from fedsplice.errors import ConfigError
 from fedsplice.federation import tasks
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
@@ -24,7 +25,7 @@ def test_dense_base_adds_to_the_frozen_weight_exactly():
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(3, 2, bias=False))
     model = get_peft_model(base, LoraConfig(r=1, target_modules=["0"]))
-    P.add_dense(model)
+    P.add_beside(model, {"dense": F.DENSE_BASE})
     lin = model.base_model.model[0]
     with torch.no_grad():
         lin.lora_dense.copy_(torch.tensor([[1.0, 0.0, -1.0], [2.0, 1.0, 0.0]]))
@@ -35,6 +36,8 @@ def test_dense_base_adds_to_the_frozen_weight_exactly():
         assert torch.allclose(model(x), x @ w0.T, atol=1e-6)  # zero-shot: the frozen weight alone
     names = [n for n, _ in model.named_parameters() if n.endswith(".lora_dense")]
     assert P.param_infos(names, {"q": "0"})[names[0]].kind == "lora_dense"
+    with pytest.raises(ConfigError, match="LoraParts.beside names 'A'"):  # peft's own lora_A
+        P.add_beside(model, {"A": F.DENSE_BASE})
 
 
 def test_merged_upload_fedavg_is_the_stacked_product():

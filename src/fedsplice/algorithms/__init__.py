@@ -1,7 +1,7 @@
 """Algorithms: one file per method family, each a `build` over typed hyperparameters that
 composes a `Recipe` from core parts (a split, loss terms, an objective, a grad transform).
 
-- `recipe`: Recipe, Algorithm, Personal, Phase, Exchange, PromptParts, LoraParts, NoParams — what a method
+- `recipe`: Recipe, Algorithm, Personal, Phase, Exchange, PromptParts, LoraParts, Beside, NoParams — what a method
   is; ModelSpec, what its `build(params, spec)` sees of the model; Switch and Link, a setting that
   composes onto any method through the task loss.
 - `switches`: names -> switches (`[switch.NAME]`): `logit_adjustment`, `grab` (one file each);
@@ -16,6 +16,7 @@ composes a `Recipe` from core parts (a split, loss terms, an objective, a grad t
 from fedsplice.algorithms.hooks import ClientOps
 from fedsplice.algorithms.recipe import (
     Algorithm,
+    Beside,
     Exchange,
     Link,
     LoraParts,
@@ -40,6 +41,6 @@ from fedsplice.algorithms.registry import (
 )
 from fedsplice.algorithms.switches import register_switch
 
-__all__ = ["Algorithm", "ClientOps", "Exchange", "Link", "LoraParts", "ModelSpec", "NoParams", "Personal", "Phase",
-           "PromptParts", "Recipe", "Switch", "available", "build_recipe", "clone", "display_name", "get_algorithm",
-           "lora_parts", "method_params", "prompt_parts", "register_algorithm", "register_switch"]
+__all__ = ["Algorithm", "Beside", "ClientOps", "Exchange", "Link", "LoraParts", "ModelSpec", "NoParams", "Personal",
+           "Phase", "PromptParts", "Recipe", "Switch", "available", "build_recipe", "clone", "display_name",
+           "get_algorithm", "lora_parts", "method_params", "prompt_parts", "register_algorithm", "register_switch"]

@@ -24,9 +24,11 @@ Everything of the method is in this file (its registration aside); docs/fidelity
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import numpy as np
+import torch
+from torch import nn
 
 from fedsplice.algorithms.hooks import ClientOps, Scores, Slot, Tensors
 from fedsplice.algorithms.recipe import Algorithm, LoraParts, ModelSpec, Personal, Phase, PhasesOf, Recipe
@@ -92,11 +94,22 @@ def instance_alpha(test: np.ndarray, bank: np.ndarray, refs: np.ndarray, lam: fl
     return cast(np.ndarray, lam * cos.mean(1))  # numpy's stubs: Any
 
 
+class FeatureModel(Protocol):
+    """What FedDPA reads of the model: a TaskModel's input features (algorithms import no model)."""
+
+    def features(self, texts: list[str], batch_size: int, /) -> torch.Tensor: ...
+
+
+def input_features(model: nn.Module, texts: list[str], batch_size: int) -> torch.Tensor:
+    """e(x) [N, D] (ClientOps.run's fn): the model's input features, TaskModel.features."""
+    return cast(FeatureModel, model).features(texts, batch_size)
+
+
 def dynamic_mix(p: FedDPAParams) -> Personal:
     """The PM: each test instance with its own α (instance_alpha), its adapters mixed by it."""
     def predict(ops: ClientOps, params: Tensors, slot: Slot) -> np.ndarray | Scores:
         only_local = {SHARED: 0.0, LOCAL: 1.0}
-        test, bank = ops.features(params, "test", only_local), ops.features(params, "train", only_local)
+        test, bank = (ops.run(params, on, input_features, only_local).numpy() for on in ("test", "train"))
         rng, s = ops.rng(EVAL_DRAWS), min(p.instance_num, len(bank))
         refs = np.array([rng.choice(len(bank), size=s, replace=False) for _ in range(len(test))],
                         dtype=np.int64).reshape(len(test), s)

@@ -13,13 +13,13 @@ Learning", CVPR 2024, https://arxiv.org/abs/2403.00041; official code HongxiaLee
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
+from fedsplice.algorithms.hooks import EncodePrompt, InputViews
 from fedsplice.algorithms.recipe import Algorithm, ModelSpec, PromptParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.core.ot import ot_scores
@@ -52,15 +52,19 @@ def check_config(p: FedOTPParams, cfg: ExperimentConfig) -> None:
                           f"model.task = {cfg.model.task!r} has none of: set model.task = 'dual_encoder'")
 
 
-def _class_side(from_prompt: Callable[..., torch.Tensor], modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
+def _class_side(encode: EncodePrompt, modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
     """[2, C, D]: the global prompt's class features, then the local one's."""
-    return torch.stack([from_prompt(modules["prompt"]), from_prompt(modules["prompt_ot"])])
+    return torch.stack([encode(modules["prompt"]), encode(modules["prompt_ot"])])
 
 
 def prompt_parts(p: FedOTPParams) -> PromptParts:
+    def transport(inputs: InputViews, class_emb: torch.Tensor) -> torch.Tensor:
+        """The plan-weighted cosine of the input's token features and each class's prompt features."""
+        tokens, mask = inputs.tokens()
+        return ot_scores(tokens, mask, class_emb, gamma=p.gamma, eps=p.eps, iters=p.iters)
+
     return PromptParts(modules=lambda make_prompt, prompt, gen: {"prompt_ot": make_prompt()},
-                       class_embeddings=_class_side,
-                       token_scorer=partial(ot_scores, gamma=p.gamma, eps=p.eps, iters=p.iters))
+                       class_embeddings=_class_side, scorer=transport)
 
 
 def build(p: FedOTPParams, spec: ModelSpec) -> Recipe:

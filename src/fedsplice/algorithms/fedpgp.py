@@ -12,14 +12,14 @@ Learning", ICML 2024, https://arxiv.org/abs/2405.09771; official code TianyuCuiO
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
 
-from fedsplice.algorithms.hooks import Objective
+from fedsplice.algorithms.hooks import MakePrompt, Objective
 from fedsplice.algorithms.recipe import Algorithm, ModelSpec, PromptParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
@@ -67,24 +67,30 @@ class PGPModel(Protocol):
     prompt: nn.Module
     prompt_lowrank: nn.Module
 
-    def encode_prompt(self, learner: nn.Module, delta: torch.Tensor | None = None, /) -> torch.Tensor: ...
+    def encode_prompt(self, learner: nn.Module, ctx: torch.Tensor | None = None, /) -> torch.Tensor: ...
 
     def template_class_embeddings(self) -> torch.Tensor: ...
 
 
 def prompt_parts(p: FedPGPParams) -> PromptParts:
-    def modules(make_prompt: Callable[[], nn.Module], prompt: nn.Module, gen: torch.Generator) -> dict[str, nn.Module]:
+    def modules(make_prompt: MakePrompt, prompt: nn.Module, gen: torch.Generator) -> dict[str, nn.Module]:
         # prompt: a CoOp learner (n_ctx: int, ctx: [n_ctx, width])
         n_ctx, ctx = cast(int, prompt.n_ctx), cast(torch.Tensor, prompt.ctx)
         return {"prompt_lowrank": LowRankDelta(n_ctx, ctx.shape[-1], p.rank, gen)}
 
-    return PromptParts(modules=modules, class_embeddings=lambda encode, m: encode(m["prompt"], m["prompt_lowrank"]()))
+    return PromptParts(modules=modules, class_embeddings=lambda encode, m: encode(m["prompt"], personal_context(m)))
+
+
+def personal_context(m: Mapping[str, nn.Module]) -> torch.Tensor:
+    """The client's context p_G + U·V (`m`: the model's prompt modules)."""
+    return cast(torch.Tensor, m["prompt"].ctx + m["prompt_lowrank"]())
 
 
 def views(model: PGPModel) -> dict[str, torch.Tensor]:
     """The three class-feature views [C, D]: "personal" (ctx + U·V), "global" (ctx) and
     "template" (the frozen model on the class prompt's words)."""
-    return {"personal": model.encode_prompt(model.prompt, model.prompt_lowrank()),
+    personal = personal_context({"prompt": model.prompt, "prompt_lowrank": model.prompt_lowrank})
+    return {"personal": model.encode_prompt(model.prompt, personal),
             "global": model.encode_prompt(model.prompt), "template": model.template_class_embeddings()}
 
 

@@ -11,7 +11,7 @@ has its rows.
   seeded init, B = 0: `main.py` builds a new adapter on the merged model each round).
 - Stacking: A = [p_1 A_1; ...], B = [B_1, ...] gives s·B A = Σ_k p_k s B_k A_k exactly, which the
   server merges into the base weight (`merge_and_unload`). Here the merged base is a dense ΔW per
-  adapted module (LoraParts.dense: kind "lora_dense", GLOBAL, frozen in local training); a client
+  adapted module (DENSE_BASE, beside its LoRA: kind "lora_dense", GLOBAL, frozen in local training); a client
   uploads ΔW + s·B_k A_k and the server's FedAvg (weights n_k / Σ n over the round's clients, the
   code's p_k) gives ΔW + Σ_k p_k s B_k A_k: the stacked product, merged.
 - Evaluation: the merged model (GM); FLoRA has no personalization, so PM is the merged model too,
@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from fedsplice.algorithms.hooks import ClientOps, Tensors
 from fedsplice.algorithms.recipe import (
     Algorithm,
+    Beside,
     Exchange,
     Infos,
     LoraParts,
@@ -62,6 +64,11 @@ class FLoRAState:
     """What a client keeps (Recipe.state)."""
 
     rank: int = 0  # its rank this round (method.ranks by client); 0: before its first round
+
+
+# the merged base: a dense ΔW beside each adapted module's LoRA, zeros at the start; the module's
+# output becomes W0 x + ΔW x + its LoRA (the frozen weight alone in zero-shot)
+DENSE_BASE = Beside(init=lambda out_f, in_f: torch.zeros(out_f, in_f), add=lambda x, dw: F.linear(x, dw.to(x.dtype)))
 
 
 def check_config(p: FLoRAParams, cfg: ExperimentConfig) -> None:
@@ -119,4 +126,4 @@ def build(p: FLoRAParams, spec: ModelSpec) -> Recipe:
 
 FLORA = Algorithm(FLoRAParams, build, "a LoRA rank per client, fresh every round; the server merges the exact "
                   "stacked aggregate into a dense base (FLoRA)", "https://arxiv.org/abs/2409.05976",
-                  check_config, lora_parts=lambda p: LoraParts({}, dense=True))
+                  check_config, lora_parts=lambda p: LoraParts(beside={"dense": DENSE_BASE}))

@@ -8,7 +8,7 @@ dataclass, or a tensor dict), kept on the client between its tasks and never sen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -25,6 +25,12 @@ Tensors = Mapping[str, torch.Tensor]
 # tensor dict; Any here so that each method's hooks annotate their own type
 Slot = Any
 Scores = dict[str, float | int | None]  # model.task = "generate": answer scores (federation.generative.scores)
+
+
+class ModelFn(Protocol):
+    """ClientOps.run's `fn`: (the model, texts, eval batch size) -> a tensor, a row per text."""
+
+    def __call__(self, model: nn.Module, texts: list[str], batch_size: int, /) -> torch.Tensor: ...
 
 
 class ClientOps(Protocol):
@@ -53,11 +59,12 @@ class ClientOps(Protocol):
         the samples with equal factors run as one batch)."""
         ...
 
-    def features(self, params: Mapping[str, torch.Tensor], on: str,
-                 adapters: Mapping[str, float] | None = None) -> np.ndarray:
-        """`params` loaded (and `adapters` as in test_logits): the input features [N, D]
-        (TaskModel.features) of the client's local test set (`on` = "test") or of its training
-        samples in their order (`on` = "train")."""
+    def run(self, params: Mapping[str, torch.Tensor], on: str, fn: ModelFn,
+            adapters: Mapping[str, float] | None = None) -> torch.Tensor:
+        """`params` loaded (and `adapters` as in test_logits), without gradients: what `fn(model,
+        texts, batch_size)` makes of the client's local test set (`on` = "test") or of its
+        training samples in their order (`on` = "train"), eval.batch_size the batch size (e.g.
+        FedDPA's input features, `model.features(texts, batch_size)`)."""
         ...
 
     def rng(self, key: int) -> np.random.Generator:
@@ -157,24 +164,63 @@ class Weights(Protocol):
                  /) -> dict[str, list[float]]: ...
 
 
+class MakePrompt(Protocol):
+    """What PromptParts.modules gets to draw another CoOp learner like the model's own."""
+
+    def __call__(self) -> nn.Module: ...
+
+
 class PromptModules(Protocol):
     """PromptParts.modules: (make_prompt, the CoOp prompt, the model's generator) -> {name: module}."""
 
-    def __call__(self, make_prompt: Callable[[], nn.Module], prompt: nn.Module, gen: torch.Generator,
+    def __call__(self, make_prompt: MakePrompt, prompt: nn.Module, gen: torch.Generator,
                  /) -> dict[str, nn.Module]: ...
 
 
+class EncodePrompt(Protocol):
+    """What PromptParts.class_embeddings gets: (a CoOp learner, a context of its shape in place of
+    its own (None: its own)) -> normalized class embeddings [C, D]."""
+
+    def __call__(self, learner: nn.Module, ctx: torch.Tensor | None = None, /) -> torch.Tensor: ...
+
+
 class ClassEmbeddings(Protocol):
-    """PromptParts.class_embeddings: (from_prompt, modules) -> [C, D] or [K, C, D]."""
+    """PromptParts.class_embeddings: (encode, modules) -> [C, D] or [K, C, D]."""
 
-    def __call__(self, from_prompt: Callable[..., torch.Tensor], modules: Mapping[str, nn.Module],
-                 /) -> torch.Tensor: ...
+    def __call__(self, encode: EncodePrompt, modules: Mapping[str, nn.Module], /) -> torch.Tensor: ...
 
 
-class TokenScorerFn(Protocol):
-    """PromptParts.token_scorer: (tokens [B, M, D], mask [B, M], class_emb) -> scores [B, C]."""
+class InputViews(Protocol):
+    """What a method's scorer may read of a batch of inputs (PromptParts.scorer), each computed on
+    first use."""
 
-    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, class_emb: torch.Tensor, /) -> torch.Tensor: ...
+    def pooled(self) -> torch.Tensor:
+        """[B, D]: the input side's features, what the model's cosine scorer reads."""
+        ...
+
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, M, D], mask [B, M]): the frozen input tower's token features, L2-normalized per
+        token and padded (a text's last hidden states; a CLIP image's projected patch tokens)."""
+        ...
+
+
+class Scorer(Protocol):
+    """PromptParts.scorer: (the batch's input views, the class side) -> scores [B, C] before the
+    logit scale."""
+
+    def __call__(self, inputs: InputViews, class_emb: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class BesideInit(Protocol):
+    """Beside.init: (out_features, in_features) of an adapted Linear -> the tensor's start value."""
+
+    def __call__(self, out_features: int, in_features: int, /) -> torch.Tensor: ...
+
+
+class BesideAdd(Protocol):
+    """Beside.add: (the Linear's input x, the tensor) -> the term added to the Linear's output."""
+
+    def __call__(self, x: torch.Tensor, tensor: torch.Tensor, /) -> torch.Tensor: ...
 
 
 class CheckConfig(Protocol):

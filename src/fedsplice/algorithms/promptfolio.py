@@ -10,13 +10,14 @@ Analysis and Method", NeurIPS 2024, https://arxiv.org/abs/2409.19600; code PanBi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from fedsplice.algorithms.hooks import EncodePrompt
 from fedsplice.algorithms.recipe import Algorithm, ModelSpec, PromptParts, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
@@ -41,7 +42,7 @@ def check_config(p: PromptFolioParams, cfg: ExperimentConfig) -> None:
 
 
 def prompt_parts(p: PromptFolioParams) -> PromptParts:
-    def mix(encode: Callable[..., torch.Tensor], m: Mapping[str, torch.nn.Module]) -> torch.Tensor:
+    def mix(encode: EncodePrompt, m: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         return F.normalize((1 - p.theta) * encode(m["prompt"]) + p.theta * encode(m["prompt_local"]), dim=-1)
 
     return PromptParts(modules=lambda make_prompt, prompt, gen: {"prompt_local": make_prompt()}, class_embeddings=mix)

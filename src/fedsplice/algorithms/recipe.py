@@ -16,6 +16,8 @@ import torch
 
 from fedsplice.algorithms.hooks import (
     After,
+    BesideAdd,
+    BesideInit,
     CheckConfig,
     ClassEmbeddings,
     ClientOps,
@@ -27,9 +29,9 @@ from fedsplice.algorithms.hooks import (
     Predict,
     PromptModules,
     Receive,
+    Scorer,
     Send,
     Tensors,
-    TokenScorerFn,
     Weights,
 )
 from fedsplice.core.context import TaskLoss
@@ -113,30 +115,41 @@ class PromptParts:
       the model under these names after its own `prompt` (a CoOp learner: `prompt.ctx` is
       [n_ctx, width], or [C, n_ctx, width] class-specific); `make_prompt()` draws another context
       like it, `gen` is the model's seeded generator.
-    class_embeddings(from_prompt, modules) -> the class side: [C, D] for the model's cosine
-      scorer, or [K, C, D] for a `token_scorer`; `from_prompt(prompt, delta=None)` encodes a
-      context (plus a [n_ctx, width] delta) into normalized class embeddings, and `modules`
-      holds "prompt" and the method's own.
-    token_scorer(tokens [B, M, D], mask [B, M], class_emb) -> scores [B, C] (before the logit
-      scale): scoring from the frozen input tower's token features instead of its pooled one (the
-      zero-shot model still scores by cosine)."""
+    class_embeddings(encode, modules) -> the class side: [C, D] for the model's cosine scorer,
+      or what a `scorer` reads; `encode(learner, ctx=None)` encodes a CoOp learner's
+      class sequences around `ctx` (a context of its shape; None: its own) into normalized class
+      embeddings, and `modules` holds "prompt" and the method's own.
+    scorer(inputs, class_emb) -> scores [B, C] (before the logit scale): the method's own scoring
+      of a batch in place of the cosine of its pooled features, from the views `inputs` offers
+      (hooks.InputViews: the pooled features, the frozen tower's token features); None: cosine.
+      The zero-shot model still scores by cosine."""
 
     modules: PromptModules
     class_embeddings: ClassEmbeddings
-    token_scorer: TokenScorerFn | None = None
+    scorer: Scorer | None = None
+
+
+@dataclass(frozen=True)
+class Beside:
+    """A tensor a method puts beside the LoRA of every adapted Linear, and what it adds to that
+    Linear's output in the forward (nothing with the adapters off, as in zero-shot): e.g. FLoRA's
+    dense merged base ΔW (zeros, + x ΔWᵀ). `init(out_features, in_features)` -> its start value;
+    `add(x, tensor)` -> the term added to the Linear's output for input x."""
+
+    init: BesideInit
+    add: BesideAdd
 
 
 @dataclass(frozen=True)
 class LoraParts:
     """More LoRA adapters a method puts on the modules the shared one adapts (peft.type = "lora"):
     {adapter name: rank}, each with peft.alpha / dropout / rsLoRA, all active in every forward.
-    Their tensors' kind is "lora_<name>" (the shared adapter's is "lora"). `dense`: also a dense
-    ΔW per adapted module ("<module>.lora_dense", kind "lora_dense", zeros at the start), added
-    to the frozen weight in the forward (off with the adapters, as in zero-shot): a merged base
-    that a method updates in place of a low-rank one (FLoRA)."""
+    Their tensors' kind is "lora_<name>" (the shared adapter's is "lora"). `beside` ({name:
+    Beside}): a tensor of the method's own per adapted module, "<module>.lora_<name>" (kind
+    "lora_<name>"), and its term in the module's output."""
 
-    adapters: dict[str, int]
-    dense: bool = False
+    adapters: Mapping[str, int] = field(default_factory=dict)
+    beside: Mapping[str, Beside] = field(default_factory=dict)
 
 
 class Phase(NamedTuple):

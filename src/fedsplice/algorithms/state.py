@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +21,7 @@ Tensors = dict[str, torch.Tensor]
 KINDS = (bool, int, float, dict, type(None))  # bool before int: a bool is an int
 
 
-def _default(f: dataclasses.Field[Any]) -> object:
+def _default(f: dataclasses.Field[object]) -> object:
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:

@@ -79,7 +79,7 @@ def export(run: Path, out: Path, client: int | None = None, merge: bool = False)
                           f"adapters), which one merged weight cannot hold; export without --merge")
     out.mkdir(parents=True, exist_ok=True)
     infos = exp.model.param_infos()
-    in_peft = {n for n, i in infos.items() if i.kind.startswith("lora") and i.kind != "lora_dense"}  # peft saves these
+    in_peft = {n for n, i in infos.items() if i.factor is not None}  # LoRA's A and B: peft saves these
     if cfg.peft.type == "lora":
         exp.model.backbone.save_pretrained(str(out))
     parts = {n: t.detach().to("cpu").contiguous() for n, t in exp.model.trainable().items() if n not in in_peft}

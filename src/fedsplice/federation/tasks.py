@@ -48,7 +48,7 @@ from fedsplice.federation.train import PLAIN, Step, local_train, planned_steps
 
 if TYPE_CHECKING:
     from fedsplice.algorithms import Link, Recipe
-    from fedsplice.algorithms.hooks import After, Objective, Scores
+    from fedsplice.algorithms.hooks import After, ModelFn, Objective, Scores
     from fedsplice.config import ClientConfig, ExperimentConfig
     from fedsplice.core.server import Params
     from fedsplice.data.datasets import TextDataset
@@ -286,15 +286,15 @@ class OnClient:
                                                  exp.cfg.eval.batch_size).numpy()
         return out
 
-    def features(self, params: Mapping[str, torch.Tensor], on: str,
-                 adapters: Mapping[str, float] | None = None) -> np.ndarray:
+    def run(self, params: Mapping[str, torch.Tensor], on: str, fn: ModelFn,
+            adapters: Mapping[str, float] | None = None) -> torch.Tensor:
         exp, d, c = self.exp, self.exp.data, self.exp.clients[self.cid]
         if on not in ("test", "train"):
-            raise ValueError(f"features: on must be 'test' or 'train', got {on!r}")
+            raise ValueError(f"ClientOps.run: on must be 'test' or 'train', got {on!r}")
         texts = [d.test_texts[i] for i in c.test_idx] if on == "test" else [d.train_texts[i] for i in c.train_idx]
         exp.model.load_params(params)
-        with exp.model.adapters_scaled(adapters) if adapters else nullcontext():
-            return exp.model.features(texts, exp.cfg.eval.batch_size).numpy()
+        with torch.no_grad(), exp.model.adapters_scaled(adapters) if adapters else nullcontext():
+            return fn(exp.model, texts, exp.cfg.eval.batch_size)
 
     def rng(self, key: int) -> np.random.Generator:
         return streams.rng(self.exp.cfg, streams.METHOD, self.cid, key)

@@ -67,12 +67,12 @@ class PromptLearner(nn.Module):
         self.register_buffer("mask", mask, persistent=False)
 
     def inputs(self, word_embeddings: nn.Embedding,
-               delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs_embeds [C, L, d], attention_mask [C, L]) for the C class sequences; `delta`
-        (n × d, FedPGP's U·V) is added to the context."""
+               ctx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs_embeds [C, L, d], attention_mask [C, L]) for the C class sequences, around `ctx`
+        ([n_ctx, d] or [C, n_ctx, d]) in place of the learner's own context (None: its own)."""
         c = self.tail_ids.shape[0]
         head = word_embeddings(self.cls_id).expand(c, 1, -1)
-        ctx = self.ctx if delta is None else self.ctx + delta
+        ctx = self.ctx if ctx is None else ctx
         ctx = ctx if ctx.dim() == 3 else ctx.unsqueeze(0).expand(c, -1, -1)
         return torch.cat([head, ctx, word_embeddings(self.tail_ids)], dim=1), self.mask
 

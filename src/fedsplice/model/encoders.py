@@ -114,8 +114,10 @@ class ClassSide:
         # an HF model's (through peft's wrapper with LoRA), reached through nn.Module's __getattr__
         return self.text.backbone.get_input_embeddings()  # type: ignore[operator]
 
-    def from_prompt(self, learner: PromptLearner, delta: torch.Tensor | None = None) -> torch.Tensor:
-        embeds, mask = learner.inputs(self.word_embeddings(), delta)
+    def from_prompt(self, learner: nn.Module, ctx: torch.Tensor | None = None, /) -> torch.Tensor:
+        """A CoOp learner's class sequences around `ctx` (None: its own context), encoded and
+        normalized: [C, D] (PromptParts.class_embeddings's `encode`)."""
+        embeds, mask = cast(PromptLearner, learner).inputs(self.word_embeddings(), ctx)
         if self.text.is_clip:
             return F.normalize(clip_text_from_embeds(self.text.hf, embeds, mask), dim=-1)
         out = self.text.backbone(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
@@ -132,7 +134,7 @@ class InputSide:
                  features: FrozenCache | None = None, clip_inputs: ClipInputs | None = None):
         self.text, self.peft_type, self.adapter = text, peft_type, adapter
         self.features, self.clip_inputs = features, clip_inputs
-        self.token_cache: FrozenCache | None = None  # token features for a method's token scorer
+        self.token_cache: FrozenCache | None = None  # token features for a method's scorer (PromptParts.scorer)
 
     @staticmethod
     def clip(text: TextEncoder, processor, image_prefix: ClipImagePrefix | None, captions_frozen: bool,
@@ -153,7 +155,7 @@ class InputSide:
 
     @torch.no_grad()
     def tokens(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token features for a method's token scorer, L2-normalized per token and padded:
+        """Token features for a method's scorer (PromptParts.scorer), L2-normalized per token and padded:
         ([B, M, D], mask [B, M]).
         A text: the frozen encoder's last hidden state of every token its mean-pooled embedding
         averages; an image (CLIP): its projected patch tokens. Cached per input."""
@@ -165,7 +167,7 @@ class InputSide:
         if self.clip_inputs is not None:
             rows = self.clip_inputs.patch_tokens(items, self.token_cache)
         elif any(isinstance(s, Sample) for s in items):
-            raise ConfigError("algorithm: its token scorer reads an image's patch tokens from a CLIP model, and "
+            raise ConfigError("algorithm: its scorer reads an image's patch tokens from a CLIP model, and "
                               "model.name is a text encoder; use a CLIP dual encoder for images")
         else:
             rows = self.token_cache.rows(items, compute) if self.token_cache is not None else compute(items)

@@ -20,7 +20,6 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedsplice.config import PeftConfig
@@ -32,10 +31,13 @@ from fedsplice.model.loading import target_regex, without_bitsandbytes
 if TYPE_CHECKING:
     from peft import LoraModel, PeftModel
 
+    from fedsplice.algorithms import Beside, LoraParts
+
 LAYER = re.compile(r"^(.*?\.(?:layer|layers|h)\.\d+)\.")
 
 
-def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int, mtype: str, parts=None):
+def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int, mtype: str,
+                parts: LoraParts | None = None):
     """`base` wrapped by peft with LoRA on pc.roles × pc.layers × pc.tower; the method's `parts`
     (fedsplice.algorithms.LoraParts) add more adapters on the same modules, all active."""
     with without_bitsandbytes():  # heavy: imported when a LoRA model is built
@@ -56,8 +58,8 @@ def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int
             if parts is not None and parts.adapters:
                 # peft types base_model as nn.Module; under a LoraConfig it is the LoraModel
                 cast("LoraModel", model.base_model).set_adapter(["default", *parts.adapters])
-            if parts is not None and parts.dense:
-                add_dense(model)
+            if parts is not None and parts.beside:
+                add_beside(model, parts.beside)
             return model
         except ValueError as e:
             raise ConfigError(f"peft: no module of this {mtype} backbone matches roles {pc.roles}, "
@@ -65,21 +67,30 @@ def inject_lora(base: nn.Module, rmap: dict[str, str], pc: PeftConfig, seed: int
                               f"check peft.layers / peft.tower") from None
 
 
-def _plus_dense(mod: nn.Module, args, out):
-    if getattr(mod, "disable_adapters", False):  # zero-shot: the frozen weight alone
+def add_beside(model: nn.Module, beside: Mapping[str, Beside]) -> None:
+    """The method's tensor of each name beside the LoRA of every adapted Linear, as its parameter
+    "lora_<name>" (LoraParts.beside), and a forward hook adding each one's term to the output:
+    W0 x + its LoRA + Σ_name add(x, tensor); the frozen W0 x alone with the adapters off."""
+    attrs = {f"lora_{name}": part for name, part in beside.items()}
+
+    def plus(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if getattr(mod, "disable_adapters", False):  # zero-shot: the frozen weight alone
+            return out
+        for attr, part in attrs.items():
+            out = out + part.add(args[0], cast(torch.Tensor, getattr(mod, attr)))
         return out
-    return out + F.linear(args[0], cast(torch.Tensor, mod.lora_dense).to(args[0].dtype))
 
-
-def add_dense(model: nn.Module) -> None:
-    """A dense ΔW (zeros) beside the LoRA of every adapted Linear, as its parameter "lora_dense"
-    (LoraParts.dense): the module's output becomes W0 x + ΔW x + its LoRA."""
     for mod in model.modules():
         base = getattr(mod, "base_layer", None)
         if isinstance(base, nn.Linear) and hasattr(mod, "lora_A"):
-            # by the features, not weight.shape: a 4-bit base packs its weight
-            mod.lora_dense = nn.Parameter(torch.zeros(base.out_features, base.in_features, device=base.weight.device))
-            mod.register_forward_hook(_plus_dense)
+            for attr, part in attrs.items():
+                if hasattr(mod, attr):
+                    raise ConfigError(f"algorithm: its LoraParts.beside names {attr[5:]!r}, which peft's LoRA "
+                                      f"layer already has as {attr!r}; rename it")
+                # by the features, not weight.shape: a 4-bit base packs its weight
+                start = part.init(base.out_features, base.in_features)
+                setattr(mod, attr, nn.Parameter(start.to(base.weight.device)))
+            mod.register_forward_hook(plus)
 
 
 def unfreeze(base: nn.Module) -> nn.Module:
@@ -150,11 +161,11 @@ def param_infos(names, rmap: dict[str, str]) -> dict[str, ParamInfo]:
             adapter = name.split(f".lora_{factor}.")[1].split(".")[0]
             kind = "lora" if adapter == "default" else f"lora_{adapter}"  # a method's own adapter (LoraParts)
             infos[name] = ParamInfo(role, factor, m.group(1) if m else module, kind)
-        elif name.endswith(".lora_dense"):  # a method's dense ΔW on an adapted module (LoraParts.dense)
-            module = name[:-len(".lora_dense")]
+        elif name.rsplit(".", 1)[-1].startswith("lora_"):  # a method's tensor beside the LoRA (LoraParts.beside)
+            module, kind = name.rsplit(".", 1)
             role = next((r for r, s in rmap.items() if module.endswith("." + s)), None)
             m = LAYER.match(module)
-            infos[name] = ParamInfo(role, None, m.group(1) if m else module, "lora_dense")
+            infos[name] = ParamInfo(role, None, m.group(1) if m else module, kind)
         else:  # head, prompt, adapter, projector, backbone ("full"), a method's modules: named by their module
             infos[name] = ParamInfo(None, None, None, name.split(".")[0])
     return infos

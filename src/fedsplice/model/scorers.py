@@ -10,7 +10,7 @@ class logits [B, C]. Each is called as scorer(items, class_emb, zero_shot).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from fedsplice.model.cache import FrozenCache
 from fedsplice.model.encoders import ClassSide, InputSide
 from fedsplice.model.verbalizer import verbalizer_logits
 from fedsplice.model.vision import per_image, vision_tokens
+
+if TYPE_CHECKING:
+    from fedsplice.algorithms.hooks import Scorer
 
 
 def cosine_logits(scale: float, features: torch.Tensor, class_emb: torch.Tensor) -> torch.Tensor:
@@ -42,20 +45,32 @@ class DualEncoderScorer:
         return cosine_logits(self.logit_scale, self.inputs(items, zero_shot), ce)
 
 
-class TokenScorer:
-    """A method's own scorer on the input's token features (PromptParts.token_scorer: FedOTP's
-    optimal transport): s·score(tokens, mask, class side). The zero-shot model scores as the dual
+class Views:
+    """hooks.InputViews of one batch: each view computed on first use."""
+
+    def __init__(self, inputs: InputSide, items: list):
+        self.inputs, self.items = inputs, items
+
+    def pooled(self) -> torch.Tensor:
+        return self.inputs(self.items, False)
+
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs.tokens(list(self.items))
+
+
+class MethodScorer:
+    """A method's own scorer (PromptParts.scorer: FedOTP's optimal transport on the token
+    features): s·score(views of the batch, class side). The zero-shot model scores as the dual
     encoder does (pooled features, the template prompts)."""
 
-    def __init__(self, inputs: InputSide, classes: ClassSide, logit_scale: float, score: Callable):
+    def __init__(self, inputs: InputSide, classes: ClassSide, logit_scale: float, score: Scorer):
         self.inputs, self.classes, self.logit_scale, self.score = inputs, classes, logit_scale, score
 
     def __call__(self, items: list, class_emb: torch.Tensor | None, zero_shot: bool) -> torch.Tensor:
         ce = self.classes.embeddings(zero_shot) if class_emb is None else class_emb
         if zero_shot:
             return cosine_logits(self.logit_scale, self.inputs(items, zero_shot), ce)
-        tokens, mask = self.inputs.tokens(list(items))
-        return self.logit_scale * self.score(tokens, mask, ce)
+        return self.logit_scale * self.score(Views(self.inputs, items), ce)
 
 
 class EncoderHeadScorer:

@@ -160,9 +160,9 @@ class TaskModel(nn.Module):
         trains_text = self._trains_text
         self._classes = ClassSide(self._text, self.class_names, [self.class_prompt, *cfg.data.class_prompts],
                                   pc.type, trains_text, self.cache_on, self.prompt)
-        if self._parts is not None:  # the method composes the class side from its prompt modules
-            self._classes.compose = lambda: self._parts.class_embeddings(self._classes.from_prompt,
-                                                                         self._method_modules)
+        parts = self._parts
+        if parts is not None:  # the method composes the class side from its prompt modules
+            self._classes.compose = lambda: parts.class_embeddings(self._classes.from_prompt, self._method_modules)
         lm_task = self.task in ("causal_lm", "vlm", "generate")
         # prompt/adapter: the input side is frozen whole, so its pooled features are cached
         features = (FrozenCache({"kind": "features"}, 1 << 62, device=self.device)
@@ -173,7 +173,7 @@ class TaskModel(nn.Module):
         clip_inputs = (InputSide.clip(self._text, self.image_processor, self._img_prefix,
                                       self.cache_on and not trains_text, self._pixels) if self.is_clip else None)
         self._inputs = InputSide(self._text, pc.type, self.adapter, features, clip_inputs)
-        if self._token_scorer() is not None:  # the frozen input tower's token features, per input
+        if self._method_scorer() is not None:  # the frozen input tower's token features, if it reads them
             self._inputs.token_cache = (FrozenCache({"kind": "tokens"}, rc.cache_budget_mb << 20, device=self.device)
                                         if rc.cache else None)
         # vlm: the frozen vision tower's tokens, per image (keyed by its pixels: vision.image_key)
@@ -184,12 +184,12 @@ class TaskModel(nn.Module):
         self._unpad = rc.unpad
         self._set_unpad(self.training)
 
-    def _token_scorer(self):
-        return self._parts.token_scorer if self._parts is not None and self.task == "dual_encoder" else None
+    def _method_scorer(self):
+        return self._parts.scorer if self._parts is not None and self.task == "dual_encoder" else None
 
     def _build_scorer(self):
-        if self._token_scorer() is not None:
-            return scorers.TokenScorer(self._inputs, self._classes, self.mcfg.logit_scale, self._token_scorer())
+        if (score := self._method_scorer()) is not None:
+            return scorers.MethodScorer(self._inputs, self._classes, self.mcfg.logit_scale, score)
         if self.task == "dual_encoder":
             return scorers.DualEncoderScorer(self._inputs, self._classes, self.mcfg.logit_scale)
         if self.task == "encoder_head":
@@ -306,10 +306,11 @@ class TaskModel(nn.Module):
     def class_embeddings(self) -> torch.Tensor:
         return self._classes.embeddings(self._zero_shot)
 
-    def encode_prompt(self, learner: PromptLearner, delta: torch.Tensor | None = None) -> torch.Tensor:
-        """Normalized class embeddings [C, D] of a CoOp context (plus a [n_ctx, width] delta): for
-        a method's objective that scores several views of its prompts."""
-        return self._classes.from_prompt(learner, delta)
+    def encode_prompt(self, learner: PromptLearner, ctx: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalized class embeddings [C, D] of a CoOp learner's class sequences around `ctx` (a
+        context of the learner's shape; None: its own): for a method's objective that scores
+        several views of its prompts (PromptParts.class_embeddings gets the same encoder)."""
+        return self._classes.from_prompt(learner, ctx)
 
     def template_class_embeddings(self) -> torch.Tensor:
         """The frozen model's class embeddings [C, D] from the class prompt's words (zero-shot)."""

@@ -209,10 +209,10 @@ class ClipInputs:
 
     @torch.no_grad()
     def patch_tokens(self, items: list, cache=None) -> list[torch.Tensor]:
-        """A token scorer's local features: each image's patch tokens in the joint space, [P, D] per
+        """A method scorer's token view: each image's patch tokens in the joint space, [P, D] per
         sample (post-layernorm, visual projection; the class token dropped), cached by pixels."""
         if not all(isinstance(s, Sample) and s.has_image and s.text is None for s in items):
-            raise ConfigError("algorithm: its token scorer matches a CLIP image's patches to the prompts: "
+            raise ConfigError("algorithm: its scorer matches a CLIP image's patches to the prompts: "
                               "every sample needs an image and no caption")
         def compute(samples: list) -> torch.Tensor:
             vm = self.clip.vision_model
