@@ -129,6 +129,21 @@ FP32 = ["runtime.precision=fp32"]
 COMMIT = commit()  # at start: the code that ran, even if the tree changes while it runs
 
 
+# the instruction-set flags that decide a kernel's speed here (fp32 and bf16 matmuls)
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu() -> str:
+    """The CPU's model name and which of ISA_FLAGS it has ("unknown" off Linux)."""
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        return f"{platform.processor() or 'unknown'}"
+    text = info.read_text()
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+    flags = next((set(ln.split(":", 1)[1].split()) for ln in text.splitlines() if ln.startswith("flags")), set())
+    return f"{name}, flags {' '.join(f for f in ISA_FLAGS if f in flags) or 'none of ' + '/'.join(ISA_FLAGS)}"
+
+
 def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}" if abs(v) < 1000 else f"{v:,.0f}"
@@ -147,6 +162,7 @@ def report(name: str, rows: list[dict], cols: list[str], quick: bool, notes: lis
     head = [f"# benchmarks/{script}.py{' --quick' if quick else ''}",
             f"date {dt.datetime.now().isoformat(timespec='seconds')}, commit {COMMIT}, "
             f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}",
+            f"cpu: {cpu()}",
             f"command: python benchmarks/{script}.py {' '.join(sys.argv[1:])}".rstrip(), ""]
     table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     table += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
