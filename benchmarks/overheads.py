@@ -37,7 +37,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from fedsplice.algorithms.fedpurel import ZERO_SHOT, ZERO_SHOT_IDS, align_objective
+    from fedsplice.algorithms.fedpurel import FedPuReLState, align_objective
     from fedsplice.core import losses
     from fedsplice.core.context import TrainContext
     from fedsplice.core.losses import Orthogonality
@@ -56,7 +56,7 @@ def main() -> None:
     texts = [exp.data.train_texts[i] for i in cl.train_idx]
     labels = exp.data.train_labels[cl.train_idx]
     with m.zero_shot():  # FedPuReL's zero-shot logits of this client's data, kept in its slot
-        zs = {ZERO_SHOT: m.predict(texts, 64), ZERO_SHOT_IDS: torch.as_tensor(cl.train_idx)}
+        zs = FedPuReLState(zero_shot=m.predict(texts, 64), zero_shot_ids=torch.as_tensor(cl.train_idx))
     g = torch.Generator().manual_seed(0)  # LoRA B = 0 would make the ortho loss trivially 0
     m.load_params({n: torch.randn(p.shape, generator=g) * 0.02 for n, p in params.items()})
 

@@ -111,8 +111,7 @@ def test_dynamic_pm_is_the_per_instance_mix(tiny_cfg):
     priv = {n: t for n, t in tasks.split_state(exp, tasks.ClientState.from_store(store.get(cid)))[0].items()}
     ops = tasks.OnClient(exp, cid)
     params = {**glob, **priv}
-    local_only = {"default": 0.0, "local": 1.0}
-    test, bank = (ops.run(params, on, D.input_features, local_only).numpy() for on in ("test", "train"))
+    test, bank = (ops.run(params, on, D.local_features).numpy() for on in ("test", "train"))
     assert test.shape[0] == len(exp.clients[cid].test_idx) and bank.shape[0] == len(exp.clients[cid].train_idx)
     rng = ops.rng(D.EVAL_DRAWS)
     refs = np.array([rng.choice(len(bank), size=5, replace=False) for _ in test])

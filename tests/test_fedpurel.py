@@ -370,9 +370,9 @@ def _zs_ctx(exp, cid=CID):
     """The training context as fit builds it: the method's slot holds the client's zero-shot logits."""
     from fedsplice.federation.tasks import OnClient
 
-    _, slot = fp.keep_zero_shot(OnClient(exp, cid), 1, {}, {})
-    assert torch.equal(slot[fp.ZERO_SHOT_IDS], torch.as_tensor(exp.clients[cid].train_idx))
-    return train_context(exp, cid, state=slot)
+    _, st = fp.keep_zero_shot(OnClient(exp, cid), 1, {}, fp.FedPuReLState())
+    assert torch.equal(st.zero_shot_ids, torch.as_tensor(exp.clients[cid].train_idx))
+    return train_context(exp, cid, state=st)
 
 
 def test_align_objective_one_forward_both_losses(purel_exp):
@@ -390,7 +390,7 @@ def test_align_objective_one_forward_both_losses(purel_exp):
     finally:
         h.remove()
     assert set(out) == {"task", "align"}
-    z = ctx.state[fp.ZERO_SHOT]  # the client's rows, in its order (= ids)
+    z = ctx.state.zero_shot  # the client's rows, in its order (= ids)
     assert float(out["task"].detach()) == pytest.approx(float(F.cross_entropy(f, y)), rel=1e-5)
     assert float(out["align"].detach()) == pytest.approx(float(T.tkl(f, z).mean()), rel=1e-4, abs=1e-8)
     assert float(out["align"].detach()) > 1e-3  # the perturbed LoRA moved away from zero-shot

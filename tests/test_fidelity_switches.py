@@ -95,7 +95,7 @@ def test_persistent_branch_persists_across_rounds(cfg, monkeypatch):
     for cid in exp.train_ids:
         mine = [b for k, b in starts if k == cid]
         assert all(torch.equal(mine[0][n], exp.init_params[n]) for n in mine[0])  # fresh at first
-        stored = {k[len("method/"):]: v for k, v in store.get(cid).items() if k.startswith("method/")}
+        stored = {k[len("method/branch/"):]: v for k, v in store.get(cid).items() if k.startswith("method/")}
         # the branch only: phase 1's zero-shot rows are not kept (Exchange.send drops them)
         assert set(stored) == set(exp.init_params)
         # round 2 starts where round 1 stopped: not the fresh init

@@ -144,6 +144,12 @@ def test_the_state_is_typed_where_used_and_flat_where_stored():
     back = ST.unpack(Mixed, ST.pack(m))
     assert back.on is True and torch.equal(back.kept["a"], m.kept["a"]) and torch.equal(back.t, m.t)
     assert ST.unpack(dict, {"x": torch.ones(1)}).keys() == {"x"}  # a method without a state type
+    # a key of no field: the layout before typed states (FedPuReL's branch tensors at the top) where
+    # the state has one dict field, else an error naming it
+    old = ST.unpack(Mixed, {"prompt.ctx": torch.ones(2), "on": torch.tensor(True)})
+    assert old.on is True and list(old.kept) == ["prompt.ctx"]
+    with pytest.raises(ValueError, match=r"method state keys \['lost'\] are no field of HetLoRAState"):
+        ST.unpack(H.HetLoRAState, {"rank": torch.tensor(3), "lost": torch.ones(1)})
 
     @dataclasses.dataclass
     class Bad:

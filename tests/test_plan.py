@@ -28,7 +28,13 @@ REFUSED = {  # the config as written, what --set adds, what the one line says
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_validate_refuses_the_combination_before_any_weight_loads(case, tiny_cfg, tmp_path, capsys, no_weights):
+def test_validate_refuses_the_combination_before_any_weight_loads(case, tiny_cfg, tmp_path, capsys, no_weights,
+                                                                   monkeypatch):
+    """Each is a config-only combination: refused before the skeleton too (the model's code not
+    imported: under 3 s), so also where the model's config cannot be read (a hub id offline)."""
+    def no_skeleton(*a, **k):
+        raise AssertionError("the combination is refused before the plan builds the skeleton")
+    monkeypatch.setattr("fedsplice.federation.plan.TaskModel", no_skeleton)
     written, sets, says = REFUSED[case]
     write_config(tmp_path, tiny_cfg(**written))
     args = ["validate", "--no-data", str(tmp_path / "config.toml")]

@@ -173,9 +173,8 @@ def test_what_secagg_cannot_do_is_refused_in_one_line(cli_refuses, tiny_cfg, set
 def test_a_method_with_its_own_weights_is_refused(tiny_cfg):
     from fedsplice.errors import ConfigError
 
-    cfg = tiny_cfg(algorithm='"hetlora"', privacy__secure_aggregation="true")
     with pytest.raises(ConfigError, match="needs one weight per client, and algorithm 'hetlora'"):
-        build(cfg)
+        build(tiny_cfg(algorithm='"hetlora"', privacy__secure_aggregation="true"))  # its check_config: at load
 
 
 def test_flower_up_needs_one_supernode_per_training_client(tiny_cfg, tmp_path):

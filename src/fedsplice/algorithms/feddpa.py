@@ -23,6 +23,8 @@ Everything of the method is in this file (its registration aside); docs/fidelity
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, cast
 
@@ -95,21 +97,26 @@ def instance_alpha(test: np.ndarray, bank: np.ndarray, refs: np.ndarray, lam: fl
 
 
 class FeatureModel(Protocol):
-    """What FedDPA reads of the model: a TaskModel's input features (algorithms import no model)."""
+    """What FedDPA reads of the model: a TaskModel's input features under adapter factors
+    (algorithms import no model)."""
 
     def features(self, texts: list[str], batch_size: int, /) -> torch.Tensor: ...
 
+    def adapters_scaled(self, factors: Mapping[str, float], /) -> AbstractContextManager[None]: ...
 
-def input_features(model: nn.Module, texts: list[str], batch_size: int) -> torch.Tensor:
-    """e(x) [N, D] (ClientOps.run's fn): the model's input features, TaskModel.features."""
-    return cast(FeatureModel, model).features(texts, batch_size)
+
+def local_features(model: nn.Module, texts: list[str], batch_size: int) -> torch.Tensor:
+    """e(x) [N, D] (ClientOps.run's fn): the model's input features (TaskModel.features) with the
+    local adapter alone (W0 + local, the code's)."""
+    m = cast(FeatureModel, model)
+    with m.adapters_scaled({SHARED: 0.0, LOCAL: 1.0}):
+        return m.features(texts, batch_size)
 
 
 def dynamic_mix(p: FedDPAParams) -> Personal:
     """The PM: each test instance with its own α (instance_alpha), its adapters mixed by it."""
     def predict(ops: ClientOps, params: Tensors, slot: Slot) -> np.ndarray | Scores:
-        only_local = {SHARED: 0.0, LOCAL: 1.0}
-        test, bank = (ops.run(params, on, input_features, only_local).numpy() for on in ("test", "train"))
+        test, bank = (ops.run(params, on, local_features).numpy() for on in ("test", "train"))
         rng, s = ops.rng(EVAL_DRAWS), min(p.instance_num, len(bank))
         refs = np.array([rng.choice(len(bank), size=s, replace=False) for _ in range(len(test))],
                         dtype=np.int64).reshape(len(test), s)

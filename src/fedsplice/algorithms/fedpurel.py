@@ -13,15 +13,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsplice.algorithms.hooks import ClientOps, Objective, Slot, Tensors
+from fedsplice.algorithms.hooks import ClientOps, Objective, Tensors
 from fedsplice.algorithms.recipe import (
     Algorithm,
     Exchange,
@@ -30,6 +31,7 @@ from fedsplice.algorithms.recipe import (
     Recipe,
     default_label,
 )
+from fedsplice.config.privacy import OWN_RULE, OWN_STAGE, refuse_under_dpsgd
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
 from fedsplice.core.purify import TIE_TOL, purification
@@ -38,6 +40,8 @@ from fedsplice.errors import ConfigError
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from fedsplice.config import ExperimentConfig
 
 
 
@@ -85,29 +89,34 @@ def zero_shot_logits(model: nn.Module, texts: list[str]) -> torch.Tensor:
     return z
 
 
-# the slot's keys of the client's frozen zero-shot logits [n, C] and the sample ids of their rows
-ZERO_SHOT, ZERO_SHOT_IDS = "zero_shot", "zero_shot_ids"
+@dataclass
+class FedPuReLState:
+    """What a client keeps (Recipe.state)."""
+
+    # phase 2's residual branch: a PEFT of the model's type, by tensor name ({} until first trained)
+    branch: dict[str, torch.Tensor] = field(default_factory=dict)
+    # this round only (never stored: drop_zero_shot): the frozen zero-shot logits [n, C] of the
+    # client's training samples and the sample ids of their rows
+    zero_shot: torch.Tensor | None = None
+    zero_shot_ids: torch.Tensor | None = None
 
 
-def keep_zero_shot(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> tuple[Tensors, Slot]:
+def keep_zero_shot(ops: ClientOps, rnd: int, received: Tensors,
+                   st: FedPuReLState) -> tuple[Tensors, FedPuReLState]:
     """Exchange.receive: the client's zero-shot logits (frozen work, computed once per process)
-    in its slot for the round's training; none with runtime.cache = false (the objective
+    in its state for the round's training; none with runtime.cache = false (the objective
     computes them every step)."""
     z = ops.zero_shot_logits()
     if z is not None:
-        slot = {**slot, ZERO_SHOT: z, ZERO_SHOT_IDS: torch.as_tensor(ops.sample_ids(), dtype=torch.int64)}
-    return received, slot
+        st = FedPuReLState(st.branch, z, torch.as_tensor(ops.sample_ids(), dtype=torch.int64))
+    return received, st
 
 
-def drop_zero_shot(ops: ClientOps, rnd: int, trained: Tensors, slot: Slot) -> tuple[Tensors, Slot, dict[str, float]]:
+def drop_zero_shot(ops: ClientOps, rnd: int, trained: Tensors,
+                   st: FedPuReLState) -> tuple[Tensors, FedPuReLState, dict[str, float]]:
     """Exchange.send: the upload as trained; the zero-shot rows are not kept in the client's
     state (nor in a checkpoint or an export), only the branch."""
-    return trained, branch_of(slot), {}
-
-
-def branch_of(slot: Slot) -> dict[str, torch.Tensor]:
-    """Phase 2's branch: the slot's PEFT tensors (without phase 1's zero-shot logits)."""
-    return {k: v for k, v in slot.items() if k not in (ZERO_SHOT, ZERO_SHOT_IDS)}
+    return trained, FedPuReLState(st.branch), {}
 
 
 def align_objective(aligned: bool = True) -> Objective:
@@ -116,11 +125,12 @@ def align_objective(aligned: bool = True) -> Objective:
     def objective(model: nn.Module, texts: list[str], y: torch.Tensor, ids: np.ndarray,
                   ctx: TrainContext) -> dict[str, torch.Tensor]:
         f = model(texts)
-        slot = ctx.state if isinstance(ctx.state, dict) else {}
-        if ZERO_SHOT in slot:  # frozen work, computed once (keep_zero_shot): the rows of this batch's ids
-            # every id is one of the client's own (the loop draws from them); no check: a host sync a step
-            hit = slot[ZERO_SHOT_IDS].unsqueeze(0) == torch.as_tensor(ids, device=f.device).unsqueeze(1)
-            z = slot[ZERO_SHOT][hit.int().argmax(1)]
+        st = ctx.state
+        if isinstance(st, FedPuReLState) and st.zero_shot is not None and st.zero_shot_ids is not None:
+            # frozen work, computed once (keep_zero_shot): the rows of this batch's ids; every id is
+            # one of the client's own (the loop draws from them); no check: a host sync a step
+            hit = st.zero_shot_ids.unsqueeze(0) == torch.as_tensor(ids, device=f.device).unsqueeze(1)
+            z = st.zero_shot[hit.int().argmax(1)]
         else:  # runtime.cache = false: an extra frozen forward every step, as the caches' reference
             z = zero_shot_logits(model, texts)
         return {"task": ctx.task_loss(f, y),
@@ -154,22 +164,22 @@ def train_branch(ops: ClientOps, lam: float, branch: Tensors, rounds: range,
 
 
 def phase2(p: FedPuReLParams) -> Personal:
-    """Phase 2 as the client tasks' hooks (recipe.Personal); the slot is the client's branch, a
+    """Phase 2 as the client tasks' hooks (recipe.Personal) on the client's state: its branch, a
     PEFT of the same type ({} until first trained: a fresh one)."""
     # one round's budget, from where it stopped
-    def fit(ops: ClientOps, rnd: int, received: Tensors, slot: Slot) -> Slot:
-        return {**slot, **train_branch(ops, p.lam, branch_of(slot) or ops.fresh(), range(rnd, rnd + 1),
-                                       ops.train_logits(received))}
+    def fit(ops: ClientOps, rnd: int, received: Tensors, st: FedPuReLState) -> FedPuReLState:
+        branch = train_branch(ops, p.lam, st.branch or ops.fresh(), range(rnd, rnd + 1), ops.train_logits(received))
+        return dataclasses.replace(st, branch={**st.branch, **branch})
 
     # test_logits are class logits here: FedPuReL is refused with model.task = "generate" (its check_recipe)
-    def predict(ops: ClientOps, params: Tensors, slot: Slot) -> np.ndarray:  # PM = l_G + the stored branch
+    def predict(ops: ClientOps, params: Tensors, st: FedPuReLState) -> np.ndarray:  # PM = l_G + the stored branch
         pm: np.ndarray = (cast("np.ndarray", ops.test_logits(params))
-                          + cast("np.ndarray", ops.test_logits(branch_of(slot) or ops.fresh())))
+                          + cast("np.ndarray", ops.test_logits(st.branch or ops.fresh())))
         return pm
 
-    def after(ops: ClientOps, global_params: Tensors, slot: Slot) -> np.ndarray:
+    def after(ops: ClientOps, global_params: Tensors, st: FedPuReLState) -> np.ndarray:
         if p.phase2 == "persistent":  # the branch as the rounds left it
-            return predict(ops, global_params, slot)
+            return predict(ops, global_params, st)
         l_g = ops.train_logits(global_params)  # Algorithm 1: a fresh branch, T_p rounds (0: it stays at init)
         l_g_test = cast("np.ndarray", ops.test_logits(global_params))
         branch = train_branch(ops, p.lam, ops.fresh(), range(p.personal_rounds), l_g)
@@ -186,11 +196,16 @@ def build(p: FedPuReLParams, spec: ModelSpec) -> Recipe:
                   objective=align_objective(p.align == "tkl") if p.purify else None,
                   grad_transform=purification(p.granularity, p.tie_tol) if p.purify else None,
                   exchange=Exchange(keep_zero_shot, drop_zero_shot) if p.purify else None,
-                  personalize=phase2(p))
+                  personalize=phase2(p), state=FedPuReLState)
+
+
+def check_config(p: FedPuReLParams, cfg: ExperimentConfig) -> None:
+    """Per-example clipping bounds neither its purified gradient nor its phase 2 (always built)."""
+    refuse_under_dpsgd(cfg.privacy, cfg.algorithm, OWN_RULE if p.purify else OWN_STAGE)
 
 
 FEDPUREL = Algorithm(FedPuReLParams, build,
                      "gradient purification toward zero-shot (TKL) + residual personalization (FedPuReL)",
                      "Fine-Tuning Impairs the Balancedness of Foundation Models in Long-tailed Personalized "
-                     "Federated Learning (FedPuReL; github.com/shihaohou/FedPuReL)",
+                     "Federated Learning (FedPuReL; github.com/shihaohou/FedPuReL)", check_config,
                      label=lambda cfg: default_label(cfg) + f"-{cfg.peft.type}")  # fedpurel-lora, -prompt, -adapter

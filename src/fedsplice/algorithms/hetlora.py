@@ -29,6 +29,7 @@ import torch
 
 from fedsplice.algorithms.hooks import ClientOps, LossTerm, Scores, Tensors
 from fedsplice.algorithms.recipe import Algorithm, Exchange, Infos, ModelSpec, Personal, Recipe
+from fedsplice.config.privacy import refuse_own_weights
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
 from fedsplice.errors import ConfigError
@@ -68,6 +69,7 @@ def check_config(p: HetLoRAParams, cfg: ExperimentConfig) -> None:
         raise ConfigError("algorithm 'hetlora' weighs clients by their update's norm: set server.aggregation = 'mean'")
     if cfg.client.upload != "fp32":
         raise ConfigError("algorithm 'hetlora' uploads zero-padded adapters: set client.upload = 'fp32'")
+    refuse_own_weights(cfg.privacy, cfg.algorithm)  # its sparsity weights (Exchange.weights)
 
 
 def pairs_of(infos: Infos) -> dict[str, str]:

@@ -59,12 +59,11 @@ class ClientOps(Protocol):
         the samples with equal factors run as one batch)."""
         ...
 
-    def run(self, params: Mapping[str, torch.Tensor], on: str, fn: ModelFn,
-            adapters: Mapping[str, float] | None = None) -> torch.Tensor:
-        """`params` loaded (and `adapters` as in test_logits), without gradients: what `fn(model,
-        texts, batch_size)` makes of the client's local test set (`on` = "test") or of its
-        training samples in their order (`on` = "train"), eval.batch_size the batch size (e.g.
-        FedDPA's input features, `model.features(texts, batch_size)`)."""
+    def run(self, params: Mapping[str, torch.Tensor], on: str, fn: ModelFn) -> torch.Tensor:
+        """`params` loaded, without gradients: what `fn(model, texts, batch_size)` makes of the
+        client's local test set (`on` = "test") or of its training samples in their order (`on` =
+        "train"), eval.batch_size the batch size (e.g. FedDPA's input features under its local
+        adapter alone, `model.features(texts, batch_size)` in `model.adapters_scaled(...)`)."""
         ...
 
     def rng(self, key: int) -> np.random.Generator:

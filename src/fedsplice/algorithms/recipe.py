@@ -1,8 +1,8 @@
 """What an algorithm is: a `Recipe` composed from parts, built from typed hyperparameters. The
 hooks' signatures are Protocols in `fedsplice.algorithms.hooks` (ClientOps among them).
 
-No algorithm subclasses a client or a server. A method is a `build(params, infos, shapes,
-scalings) -> Recipe` function over the dataclass of its `[method]` table; the federation layer
+No algorithm subclasses a client or a server. A method is a `build(params, spec) -> Recipe`
+function over the dataclass of its `[method]` table and the model's `ModelSpec`; the federation layer
 runs every recipe with the same client tasks and the same round loop (docs/design.md §2, §9).
 """
 
@@ -182,7 +182,7 @@ class Recipe:
     # in proportion to their epochs, instead of each running its own epochs
     phases_share_budget: bool = False
     # the method's own client state, the `slot` its Personal and Exchange hooks get and return:
-    # a dataclass (HetLoRA's rank, an int) or dict, a tensor dict (FedPuReL's branch);
+    # a dataclass (HetLoRA's rank, an int; FedPuReL's branch, a dict of tensors), or dict (a tensor dict);
     # fedsplice.algorithms.state says which fields it can hold and how it is stored
     state: type = dict
     # References (fedsplice.algorithms.references). pooled: one model trains alone on the union of

@@ -26,8 +26,39 @@ model's predictions, are not reported for them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fedsplice.algorithms.recipe import Algorithm, ModelSpec, NoParams, Recipe, no_server_step
+from fedsplice.config import SITES
 from fedsplice.core import split as S
+from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsplice.config import ExperimentConfig
+
+
+def check_pooled(cfg: ExperimentConfig) -> None:
+    """A pooled recipe trains one model on data gathered in one place: refuse what only a
+    federation has (a deployment, a server step, codecs, failing or rejected clients). The plan
+    runs it for any pooled recipe (federation.pooled.check_reference); centralized declares it."""
+    s, f = cfg.server, cfg.faults
+    for wrong, need in ((cfg.runtime.kind != "simulation", "runtime.kind = 'simulation'"),
+                        (s.optimizer != "fedavg" or s.lr not in (0.0, 1.0),
+                         "server.optimizer = 'fedavg' (server.lr 0)"),
+                        (s.min_replies != 1, "server.min_replies = 1"),
+                        (s.update_norm_bound > 0, "server.update_norm_bound = 0"),
+                        (cfg.client.upload != "fp32", "client.upload = 'fp32'"),
+                        (f.dropout > 0 or f.straggler > 0, "faults.dropout = faults.straggler = 0")):
+        if wrong:
+            raise ConfigError(f"algorithm {cfg.algorithm!r} trains one model on the pooled data of all training "
+                              f"clients (nothing is federated): it needs {need}")
+
+
+def check_prior(cfg: ExperimentConfig) -> None:
+    """A prior reads the pooled training labels, which per-site data keep on the sites."""
+    if cfg.data.dataset == SITES:
+        raise ConfigError(f"algorithm {cfg.algorithm!r} predicts from the pooled training labels, which "
+                          f"data.dataset = 'sites' keeps on the sites; use a data set the server can read")
 
 
 def centralized(p: NoParams, spec: ModelSpec) -> Recipe:
@@ -47,13 +78,14 @@ REFERENCES: dict[str, Algorithm] = {
         NoParams, centralized,
         "reference: one PEFT (all tensors) trained on the pooled data of all training clients, "
         "clients_per_round x a client's local steps per round; no aggregation, no traffic",
-        full_ok=True, label=no_server_step),
+        check_config=lambda p, cfg: check_pooled(cfg), full_ok=True, label=no_server_step),
     "majority": Algorithm(
         NoParams, majority,
         "reference: predicts the pooled training data's majority class everywhere; no training, no traffic",
-        full_ok=True, label=no_server_step),
+        check_config=lambda p, cfg: check_prior(cfg), full_ok=True, label=no_server_step),
     "local-prior": Algorithm(
         NoParams, local_prior,
         "reference: PM predicts each client's own majority training class, GM the global one; "
-        "no training, no traffic", full_ok=True, label=no_server_step),
+        "no training, no traffic", check_config=lambda p, cfg: check_prior(cfg), full_ok=True,
+        label=no_server_step),
 }

@@ -70,11 +70,21 @@ def pack(state: object) -> Tensors:
 
 
 def unpack(kind: type, flat: Tensors) -> object:
-    """`pack`'s inverse: the state of type `kind` (fields absent from `flat` keep their defaults)."""
+    """`pack`'s inverse: the state of type `kind` (fields absent from `flat` keep their defaults).
+    A key of no field is an error, but where `kind` has exactly one dict field: there it is the
+    layout before method states were typed (FedPuReL's branch tensors at the top), read into it."""
     if kind is dict:
         return dict(flat)
+    fields = dataclasses.fields(kind)
+    dicts = [f.name for f in fields if isinstance(_default(f), dict)]
+    stray = [k for k in flat if k not in {f.name for f in fields} and k.split("/", 1)[0] not in dicts]
+    if stray and len(dicts) == 1:
+        flat = {(f"{dicts[0]}/{k}" if k in stray else k): t for k, t in flat.items()}
+    elif stray:
+        raise ValueError(f"method state keys {sorted(stray)[:3]} are no field of {kind.__name__}; a store written "
+                         f"by another fedsplice version?")
     values: dict[str, object] = {}
-    for f in dataclasses.fields(kind):
+    for f in fields:
         default = _default(f)
         if isinstance(default, dict):
             values[f.name] = {k[len(f.name) + 1:]: t for k, t in flat.items() if k.startswith(f.name + "/")}

@@ -116,3 +116,29 @@ class PrivacyConfig:
                               f"or {f['target_epsilon']} > 0")
         if not 0 < self.delta < 1:
             raise ConfigError(f"privacy.delta must be in (0, 1), e.g. 1e-5, got {self.delta}")
+
+
+# What a method's training does that DP-SGD's per-example clipping cannot bound (refuse_under_dpsgd)
+OWN_RULE = ("trains with a loss or gradient rule of its own, over the whole batch; Opacus clips each example's "
+            "gradient of a mean loss")
+OWN_STAGE = "trains a personal stage of its own outside the local steps"
+
+
+def refuse_under_dpsgd(privacy: PrivacyConfig, algorithm: str, what: str) -> None:
+    """One line refusing privacy.local = 'dpsgd' for `algorithm`, which `what` (OWN_RULE,
+    OWN_STAGE). The plan refuses any recipe with such parts (federation.dpsgd.check); a method that
+    always has them declares it in its check_config, so `validate` refuses it before the skeleton."""
+    if privacy.local == "dpsgd":
+        raise ConfigError(f"privacy.local = 'dpsgd': algorithm {algorithm!r} {what}: set privacy.local = 'off' "
+                          f"or use another algorithm")
+
+
+def refuse_own_weights(privacy: PrivacyConfig, algorithm: str) -> None:
+    """One line refusing DP-FedAvg and SecAgg+, which need one weight per client, for `algorithm`,
+    which weighs each tensor by its own rule (Exchange.weights: federation.privacy.check_recipe;
+    HetLoRA declares it in its check_config)."""
+    if not (privacy.enabled or privacy.secure_aggregation):
+        return
+    where = f"privacy.mode = {privacy.mode!r}" if privacy.enabled else "privacy.secure_aggregation = true"
+    raise ConfigError(f"{where} needs one weight per client, and algorithm {algorithm!r} weighs each tensor "
+                      f"by its own rule; turn it off or use another algorithm")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from fedsplice.config.privacy import OWN_RULE, OWN_STAGE, refuse_under_dpsgd
 from fedsplice.core import privacy as dp
 from fedsplice.core.streams import PRIVACY
 from fedsplice.errors import ConfigError
@@ -55,13 +56,10 @@ def check(cfg: ExperimentConfig, recipe: Recipe, model: TaskModel) -> None:
         return
     off = "set privacy.local = 'off'"
     if recipe.objective is not None or recipe.grad_transform is not None:
-        raise ConfigError(f"{WHERE}: algorithm {cfg.algorithm!r} trains with a loss or gradient rule of its own, "
-                          f"over the whole batch; Opacus clips each example's gradient of a mean loss: {off} "
-                          f"or use another algorithm")
+        refuse_under_dpsgd(cfg.privacy, cfg.algorithm, OWN_RULE)
     stage = recipe.personalize
     if stage is not None and (stage.fit is not None or stage.after is not None):
-        raise ConfigError(f"{WHERE}: algorithm {cfg.algorithm!r} trains a personal stage of its own outside "
-                          f"the local steps: {off} or use another algorithm")
+        refuse_under_dpsgd(cfg.privacy, cfg.algorithm, OWN_STAGE)
     if getattr(model, "class_side_trains", False):
         raise ConfigError(f"{WHERE}: peft.type = {cfg.peft.type!r} trains the class side, whose tensors see "
                           f"every class at once rather than one example; train only the input side (CLIP: "

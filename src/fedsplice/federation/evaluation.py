@@ -168,9 +168,11 @@ def movement(exp: Experiment, global_params: Params, store: Store) -> dict[str, 
     out = {"global": _distance(global_params, exp.init_params, exp.global_names) if exp.global_names else None}
     states = [s for s in (ClientState.from_store(store.get(c)) for c in exp.train_ids) if s is not None]
     for key, slot in (("private", "params"), ("branch", "method")):
-        # a method's slot may hold more than model tensors (HetLoRA: a rank): its model tensors only
-        held = ([n for n in getattr(s, slot) if n in exp.init_params] for s in states)
-        per = [_distance(getattr(s, slot), exp.init_params, names) for s, names in zip(states, held) if names]
+        # a method's slot may hold more than model tensors (HetLoRA: a rank): its model tensors only,
+        # at the top or in a dict field of its state ("<field>/<tensor name>": FedPuReL's branch)
+        held = [{n: t for k, t in getattr(s, slot).items() for n in (k, k.split("/", 1)[-1]) if n in exp.init_params}
+                for s in states]
+        per = [_distance(h, exp.init_params, h) for h in held if h]
         out[key] = sum(per) / len(per) if per else None
     return out
 

@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from fedsplice.config import SITES
+from fedsplice.algorithms.references import check_pooled, check_prior
 from fedsplice.data.partition import Client
-from fedsplice.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedsplice.algorithms import Recipe
@@ -32,29 +31,13 @@ class Pooling(Protocol):
     sampling: list[list[int]]
 
 
-def check_pooled(cfg: ExperimentConfig) -> None:
-    """A pooled recipe trains one model on data gathered in one place: refuse what only a
-    federation has (a deployment, a server step, codecs, failing or rejected clients)."""
-    s, f = cfg.server, cfg.faults
-    for wrong, need in ((cfg.runtime.kind != "simulation", "runtime.kind = 'simulation'"),
-                        (s.optimizer != "fedavg" or s.lr not in (0.0, 1.0),
-                         "server.optimizer = 'fedavg' (server.lr 0)"),
-                        (s.min_replies != 1, "server.min_replies = 1"),
-                        (s.update_norm_bound > 0, "server.update_norm_bound = 0"),
-                        (cfg.client.upload != "fp32", "client.upload = 'fp32'"),
-                        (f.dropout > 0 or f.straggler > 0, "faults.dropout = faults.straggler = 0")):
-        if wrong:
-            raise ConfigError(f"algorithm {cfg.algorithm!r} trains one model on the pooled data of all training "
-                              f"clients (nothing is federated): it needs {need}")
-
-
 def check_reference(cfg: ExperimentConfig, recipe: Recipe) -> None:
-    """A reference recipe's requirements (checked by the plan, before weights load: federation.plan):
-    a pooled one trains alone (`check_pooled`); a prior one needs the pooled training labels,
-    which per-site data keep on the sites."""
-    if recipe.prior and cfg.data.dataset == SITES:
-        raise ConfigError(f"algorithm {cfg.algorithm!r} predicts from the pooled training labels, which "
-                          f"data.dataset = 'sites' keeps on the sites; use a data set the server can read")
+    """A reference recipe's requirements (checked by the plan, before weights load: federation.plan),
+    for any method with such a recipe (the built-in references declare them too, so `validate`
+    refuses them before the skeleton): a pooled one trains alone (`check_pooled`); a prior one
+    needs the pooled training labels (`check_prior`)."""
+    if recipe.prior:
+        check_prior(cfg)
     if recipe.pooled:
         check_pooled(cfg)
 

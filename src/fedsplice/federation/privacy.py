@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fedsplice.config.privacy import refuse_own_weights
 from fedsplice.core import privacy as dp
 from fedsplice.core.streams import PRIVACY
 from fedsplice.errors import ConfigError
@@ -88,8 +89,7 @@ def check_recipe(cfg: ExperimentConfig, recipe: Recipe, global_names: list[str])
         raise ConfigError(f"{where}: algorithm {cfg.algorithm!r} sends nothing to a server (nothing to protect); "
                           f"turn it off")
     if recipe.exchange is not None and recipe.exchange.weights is not None:
-        raise ConfigError(f"{where} needs one weight per client, and algorithm {cfg.algorithm!r} weighs each tensor "
-                          f"by its own rule; turn it off or use another algorithm")
+        refuse_own_weights(cfg.privacy, cfg.algorithm)
 
 
 def _gen(pl: Plan, cfg: ExperimentConfig, *keys: int) -> torch.Generator:

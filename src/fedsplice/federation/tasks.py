@@ -286,14 +286,13 @@ class OnClient:
                                                  exp.cfg.eval.batch_size).numpy()
         return out
 
-    def run(self, params: Mapping[str, torch.Tensor], on: str, fn: ModelFn,
-            adapters: Mapping[str, float] | None = None) -> torch.Tensor:
+    def run(self, params: Mapping[str, torch.Tensor], on: str, fn: ModelFn) -> torch.Tensor:
         exp, d, c = self.exp, self.exp.data, self.exp.clients[self.cid]
         if on not in ("test", "train"):
             raise ValueError(f"ClientOps.run: on must be 'test' or 'train', got {on!r}")
         texts = [d.test_texts[i] for i in c.test_idx] if on == "test" else [d.train_texts[i] for i in c.train_idx]
         exp.model.load_params(params)
-        with torch.no_grad(), exp.model.adapters_scaled(adapters) if adapters else nullcontext():
+        with torch.no_grad():
             return fn(exp.model, texts, exp.cfg.eval.batch_size)
 
     def rng(self, key: int) -> np.random.Generator:
