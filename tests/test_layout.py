@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,56 @@ def test_mypy_is_clean_on_src():
 
     checked = int(re.search(r"in (\d+) source files", r.stdout).group(1))
     assert checked >= len(list(SRC.rglob("*.py"))), r.stdout  # no file left out
+
+
+STATE_PROBE = """
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedsplice.algorithms import ClientOps, Exchange, ModelSpec, Personal, Recipe
+from fedsplice.algorithms.hooks import Tensors
+
+
+@dataclass
+class Mine:
+    rank: int = 0
+
+
+@dataclass
+class Other:
+    name: str = ""
+
+
+def receive(ops: ClientOps, rnd: int, received: Tensors, st: Mine) -> tuple[Tensors, Mine]:
+    return received, st
+
+
+def predict(ops: ClientOps, params: Tensors, st: {state}) -> np.ndarray:
+    return np.zeros(1)
+
+
+def build(p: object, spec: ModelSpec) -> Recipe[Mine]:
+    return Recipe({{}}, personalize=Personal(predict=predict), exchange=Exchange(receive), state=Mine)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_mypy_checks_a_methods_hooks_against_its_state(tmp_path):
+    """Issue 49: a build annotated `-> Recipe[Mine]` whose predict hook reads another state type is
+    a mypy error; the same method with hooks that agree passes."""
+    mypy = Path(sys.executable).parent / "mypy"
+    out = {}
+    for state in ("Other", "Mine"):
+        (tmp_path / "probe.py").write_text(STATE_PROBE.format(state=state))
+        r = subprocess.run([str(mypy), "--cache-dir", str(tmp_path / "cache"), "--ignore-missing-imports",
+                            "probe.py"], cwd=tmp_path, capture_output=True, text=True, timeout=500,
+                           env={**os.environ, "MYPYPATH": str(ROOT / "src")})
+        out[state] = r
+    bad = out["Other"].stdout
+    assert out["Other"].returncode == 1 and 'expected "Predict[Mine] | None"' in bad, bad
+    assert out["Mine"].returncode == 0, out["Mine"].stdout
 
 
 def _sizes():

@@ -63,7 +63,7 @@ def drop_received(ops: ClientOps, rnd: int, trained: Tensors,
     return trained, FedProxState(), {}  # the reference is the next round's download: not stored
 
 
-def fedprox(p: FedProxParams, spec: ModelSpec) -> Recipe:
+def fedprox(p: FedProxParams, spec: ModelSpec) -> Recipe[FedProxState]:
     split = S.all_global(spec.infos)
     if p.mu == 0:  # FedAvg
         return Recipe(split)

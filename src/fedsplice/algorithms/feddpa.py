@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsplice.algorithms.hooks import ClientOps, Scores, Slot, Tensors
+from fedsplice.algorithms.hooks import ClientOps, Scores, Tensors
 from fedsplice.algorithms.recipe import Algorithm, LoraParts, ModelSpec, Personal, Phase, PhasesOf, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
@@ -115,7 +115,7 @@ def local_features(model: nn.Module, texts: list[str], batch_size: int) -> torch
 
 def dynamic_mix(p: FedDPAParams) -> Personal:
     """The PM: each test instance with its own α (instance_alpha), its adapters mixed by it."""
-    def predict(ops: ClientOps, params: Tensors, slot: Slot) -> np.ndarray | Scores:
+    def predict(ops: ClientOps, params: Tensors, slot: object) -> np.ndarray | Scores:  # it keeps no state
         test, bank = (ops.run(params, on, local_features).numpy() for on in ("test", "train"))
         rng, s = ops.rng(EVAL_DRAWS), min(p.instance_num, len(bank))
         refs = np.array([rng.choice(len(bank), size=s, replace=False) for _ in range(len(test))],

@@ -191,7 +191,7 @@ def phase2(p: FedPuReLParams) -> Personal:
     return Personal(after=after, after_rounds=p.personal_rounds)
 
 
-def build(p: FedPuReLParams, spec: ModelSpec) -> Recipe:
+def build(p: FedPuReLParams, spec: ModelSpec) -> Recipe[FedPuReLState]:
     return Recipe(S.all_global(spec.infos),
                   objective=align_objective(p.align == "tkl") if p.purify else None,
                   grad_transform=purification(p.granularity, p.tie_tol) if p.purify else None,

@@ -99,7 +99,7 @@ def merged_upload(params: Tensors, mods: Mapping[str, tuple[str, str, str]],
             for a, b, d in mods.values()}
 
 
-def build(p: FLoRAParams, spec: ModelSpec) -> Recipe:
+def build(p: FLoRAParams, spec: ModelSpec) -> Recipe[FLoRAState]:
     mods = modules_of(spec.infos)
     lora = [n for a, b, _ in mods.values() for n in (a, b)]
 

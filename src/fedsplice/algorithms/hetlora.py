@@ -124,7 +124,7 @@ class SelfPruning:
         return self.weight * tail_norm(params, self.pairs, state.rank, self.gamma)
 
 
-def build(p: HetLoRAParams, spec: ModelSpec) -> Recipe:
+def build(p: HetLoRAParams, spec: ModelSpec) -> Recipe[HetLoRAState]:
     pairs = pairs_of(spec.infos)
     r_max = spec.shapes[next(iter(pairs))][0]
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 from torch import nn
+from typing_extensions import TypeVar
 
 from fedsplice.core.context import TrainContext
 
@@ -21,9 +22,11 @@ if TYPE_CHECKING:
     from fedsplice.config import ExperimentConfig
 
 Tensors = Mapping[str, torch.Tensor]
-# a method's client state: the dataclass its Recipe.state declares (HetLoRA's rank, an int), or a
-# tensor dict; Any here so that each method's hooks annotate their own type
-Slot = Any
+# A method's client state (its *slot*): the dataclass its Recipe.state declares (HetLoRA's rank, an
+# int), or a tensor dict. The hooks, Personal, Exchange and Recipe are generic in it: a build
+# annotated `-> Recipe[MyState]` has every hook checked against MyState (a bare Recipe: any state).
+S = TypeVar("S", default=Any)
+S_in = TypeVar("S_in", contravariant=True, default=Any)  # a hook that only reads the state
 Scores = dict[str, float | int | None]  # model.task = "generate": answer scores (federation.generative.scores)
 
 
@@ -125,35 +128,35 @@ class GradTransform(Protocol):
                  /) -> tuple[list[torch.Tensor], Mapping[str, torch.Tensor | float]]: ...
 
 
-class Fit(Protocol):
+class Fit(Protocol[S]):
     """Personal.fit: before the round's local training, on the GLOBAL tensors received."""
 
-    def __call__(self, ops: ClientOps, rnd: int, received: Tensors, slot: Slot, /) -> Slot: ...
+    def __call__(self, ops: ClientOps, rnd: int, received: Tensors, slot: S, /) -> S: ...
 
 
-class Predict(Protocol):
+class Predict(Protocol[S_in]):
     """Personal.predict: the PM's test logits [n_test, C] (on generate: the scores dict)."""
 
-    def __call__(self, ops: ClientOps, params: Tensors, slot: Slot, /) -> np.ndarray | Scores: ...
+    def __call__(self, ops: ClientOps, params: Tensors, slot: S_in, /) -> np.ndarray | Scores: ...
 
 
-class After(Protocol):
+class After(Protocol[S_in]):
     """Personal.after: the local stage after the rounds; its test logits."""
 
-    def __call__(self, ops: ClientOps, global_params: Tensors, slot: Slot, /) -> np.ndarray: ...
+    def __call__(self, ops: ClientOps, global_params: Tensors, slot: S_in, /) -> np.ndarray: ...
 
 
-class Receive(Protocol):
+class Receive(Protocol[S]):
     """Exchange.receive: (the tensors the client trains from, its slot)."""
 
-    def __call__(self, ops: ClientOps, rnd: int, received: Tensors, slot: Slot, /) -> tuple[Tensors, Slot]: ...
+    def __call__(self, ops: ClientOps, rnd: int, received: Tensors, slot: S, /) -> tuple[Tensors, S]: ...
 
 
-class Send(Protocol):
+class Send(Protocol[S]):
     """Exchange.send: (the GLOBAL upload, the slot, scalar statistics)."""
 
-    def __call__(self, ops: ClientOps, rnd: int, trained: Tensors, slot: Slot,
-                 /) -> tuple[Tensors, Slot, dict[str, float]]: ...
+    def __call__(self, ops: ClientOps, rnd: int, trained: Tensors, slot: S,
+                 /) -> tuple[Tensors, S, dict[str, float]]: ...
 
 
 class Weights(Protocol):

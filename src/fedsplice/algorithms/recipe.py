@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol
 
 import torch
 
@@ -29,6 +29,7 @@ from fedsplice.algorithms.hooks import (
     Predict,
     PromptModules,
     Receive,
+    S,
     Scorer,
     Send,
     Tensors,
@@ -64,7 +65,7 @@ class NoParams:
 
 
 @dataclass(frozen=True)
-class Personal:
+class Personal(Generic[S]):
     """A method's own local stage (FedPuReL phase 2), as hooks the client tasks call with a
     `ClientOps` and the method's slot: its state (Recipe.state: a dataclass, or a tensor dict),
     kept by the client between its tasks (fresh before the first write). Nothing of it is
@@ -78,14 +79,14 @@ class Personal:
       rounds, the PM reported last (None: no such task).
     after_rounds: how many rounds of the local budget `after` trains (the progress estimate)."""
 
-    fit: Fit | None = None
-    predict: Predict | None = None
-    after: After | None = None
+    fit: Fit[S] | None = None
+    predict: Predict[S] | None = None
+    after: After[S] | None = None
     after_rounds: int = 0
 
 
 @dataclass(frozen=True)
-class Exchange:
+class Exchange(Generic[S]):
     """A method's own rules for what travels (HetLoRA), around the generic round: every hook is
     optional and sees the method's client slot (the state `Personal` uses too).
 
@@ -100,8 +101,8 @@ class Exchange:
       aggregation weights of each GLOBAL tensor (normalized there; names left out keep the
       sample-size weights), instead of FedAvg's n_k (server.aggregation = "mean" only)."""
 
-    receive: Receive | None = None
-    send: Send | None = None
+    receive: Receive[S] | None = None
+    send: Send[S] | None = None
     weights: Weights | None = None
 
 
@@ -164,7 +165,11 @@ class Phase(NamedTuple):
 
 
 @dataclass
-class Recipe:
+class Recipe(Generic[S]):
+    """A method's parts (docs/extending.md's table). Generic in the method's client state `S`
+    (`state`): a build annotated `-> Recipe[MyState]` has its Personal and Exchange hooks checked
+    against MyState by mypy; a bare `Recipe` takes any."""
+
     split: dict[str, str]  # trainable name -> GLOBAL or PRIVATE (fedsplice.core.split)
     # (params, ctx: TrainContext) -> scalar, added to the task loss
     loss_terms: list[LossTerm] = field(default_factory=list)
@@ -172,8 +177,8 @@ class Recipe:
     objective: Objective | None = None
     grad_transform: GradTransform | None = None  # combines per-loss gradients (FedPuReL purification)
     trains: bool = True  # False: evaluation only (zero-shot)
-    personalize: Personal | None = None  # the method's own local stage (FedPuReL phase 2)
-    exchange: Exchange | None = None  # the method's own download, upload and aggregation weights (HetLoRA)
+    personalize: Personal[S] | None = None  # the method's own local stage (FedPuReL phase 2)
+    exchange: Exchange[S] | None = None  # the method's own download, upload and aggregation weights (HetLoRA)
     # Alternating local training (pFedLoRA, FedDPA): Phase(group, epochs[, adapters]) tuples, in
     # order; each phase trains only that group's tensors, with its own optimizer. Or a function
     # round -> those phases (FedDPA: round 0 has no local phase). Empty: one phase, all tensors.
@@ -184,7 +189,7 @@ class Recipe:
     # the method's own client state, the `slot` its Personal and Exchange hooks get and return:
     # a dataclass (HetLoRA's rank, an int; FedPuReL's branch, a dict of tensors), or dict (a tensor dict);
     # fedsplice.algorithms.state says which fields it can hold and how it is stored
-    state: type = dict
+    state: type[S] = dict  # type: ignore[assignment]  # S's default: a tensor dict
     # References (fedsplice.algorithms.references). pooled: one model trains alone on the union of
     # every training client's data each round (centralized); nothing is federated, no traffic.
     pooled: bool = False
