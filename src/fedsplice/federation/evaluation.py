@@ -138,6 +138,41 @@ def pooled_gm(exp: Experiment, per_client: list[Metrics]) -> Metrics:
     return with_longtail(exp, m, correct, total, zs_correct)
 
 
+def zero_shot_cached(exp: Experiment, params: Params, idx: np.ndarray) -> np.ndarray | None:
+    """The build's cached zero-shot logits of test samples `idx` (`zero_shot_test`) where the
+    model on `params` (GM's or a client's PM tensors) provably is that zero-shot model, so that
+    scoring it needs no forward (round 0, issue 50); None where it may not be. Provably: LoRA whose
+    every B is zero (ΔW = B·A = 0: the LoRA branch adds exact zeros) and nothing else trainable
+    but a head, every tensor at the values the cache was computed with (no warm start, no
+    PRIVATE state yet), no PM rule of the method's own, class logits, frozen work cached
+    (runtime.cache). The logits then differ from a forward only by the batches' rounding."""
+    c, r = exp.cfg, exp.recipe
+    if (c.peft.type != "lora" or not c.runtime.cache or r.prior or "zero_shot_test" not in exp.caches
+            or c.model.task not in ("dual_encoder", "encoder_head")
+            or (r.personalize is not None and r.personalize.predict is not None)
+            or params.keys() != exp.init_params.keys()):
+        return None
+    infos = exp.model.param_infos()
+    if any(i.factor is None and i.kind != "head" for i in infos.values()):  # a method's tensor beside LoRA
+        return None
+    if not all(torch.equal(t, exp.init_params[n]) and (infos[n].factor != "B" or not t.any())
+               for n, t in params.items()):
+        return None
+    cached: np.ndarray = exp.caches["zero_shot_test"][torch.as_tensor(idx)].numpy()
+    return cached
+
+
+def test_logits(exp: Experiment, params: Params, idx: np.ndarray) -> np.ndarray:
+    """The model on `params`: its logits on test samples `idx` (the cached zero-shot ones where it
+    provably is the zero-shot model: zero_shot_cached)."""
+    cached = zero_shot_cached(exp, params, idx)
+    if cached is not None:
+        return cached
+    exp.model.load_params(params)
+    logits: np.ndarray = exp.model.predict([exp.data.test_texts[i] for i in idx], exp.cfg.eval.batch_size).numpy()
+    return logits
+
+
 def evaluate_global(exp: Experiment, global_params: Params) -> Metrics:
     """GM: GLOBAL tensors + fresh PRIVATE ones on the balanced global test set (the first
     global_test_size test samples; a scenario's transformed local test copies follow it)."""
@@ -150,8 +185,7 @@ def evaluate_global(exp: Experiment, global_params: Params) -> Metrics:
         logits = prior_logits(exp, exp.train_ids, size)
     else:
         fresh = {n: exp.init_params[n] for n in exp.private_names}
-        exp.model.load_params({**global_params, **fresh})
-        logits = exp.model.predict(d.test_texts[:size], exp.cfg.eval.batch_size).numpy()
+        logits = test_logits(exp, {**global_params, **fresh}, np.arange(size))
     m = score(exp, d.test_labels[:size], logits, np.arange(size))
     return with_longtail(exp, m, m["class_correct"], m["class_total"], m["zs_class_correct"])
 

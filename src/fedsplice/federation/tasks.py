@@ -37,7 +37,7 @@ from fedsplice.algorithms.switches import SWITCHES, chain
 from fedsplice.core import streams, wire
 from fedsplice.core.context import TrainContext
 from fedsplice.federation.dpsgd import session as dpsgd_session
-from fedsplice.federation.evaluation import factor_groups, prior_logits, score
+from fedsplice.federation.evaluation import factor_groups, prior_logits, score, test_logits
 from fedsplice.federation.generative import scores as answer_scores
 from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.metrics import classification_metrics
@@ -240,10 +240,10 @@ def evaluate(exp: Experiment, store: Store, cid: int, global_params: Params) -> 
         out = stage.predict(OnClient(exp, cid), {**global_params, **priv}, method_state(exp, stored))
         return (cast("Scores", out) if exp.cfg.model.task == "generate"
                 else score(exp, exp.data.test_labels[idx], cast(np.ndarray, out), idx))
-    exp.model.load_params({**global_params, **priv})
     if exp.cfg.model.task == "generate":  # free-text answers (fedsplice.federation.generative)
+        exp.model.load_params({**global_params, **priv})
         return answer_scores(exp, [exp.data.test_texts[i] for i in idx])
-    return score(exp, exp.data.test_labels[idx], predict_local_test(exp, cid), idx)
+    return score(exp, exp.data.test_labels[idx], test_logits(exp, {**global_params, **priv}, idx), idx)
 
 
 @dataclass
