@@ -85,6 +85,21 @@ def chosen(args, workloads: dict, tmp: Path, quick_set: list[str], tiny: dict):
         yield name, w, sets
 
 
+def workload_children(script: str, args, workloads: dict, quick_set: list[str], tiny: dict, **job):
+    """(name, workload, its child's result) of each workload the command line chose (`chosen`),
+    each measured by `script --child` in a fresh process on the shipped config (job: "config",
+    "set", "reps", "threads", and `job`'s own keys, a value callable on the workload for a
+    per-workload one)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, w, sets in chosen(args, workloads, Path(tmp), quick_set, tiny):
+            extra = {k: v(w) if callable(v) else v for k, v in job.items()}
+            r, _ = run_script_child(script, {"config": str(ROOT / "configs" / w["config"]), "set": sets,
+                                             "reps": args.reps, "threads": args.threads, **extra})
+            yield name, w, r
+
+
 # --quick: a smoke run of a script (tests/test_benchmarks.py runs every one in `make test`): the
 # shipped config's model is swapped for the test suite's tiny random model of its kind, and the
 # budget cut to one round of 2 steps on a few test items. Its times and accuracies mean nothing.

@@ -18,13 +18,12 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import child_or_main, interleaved_args, run_script_child  # noqa: E402
+from benchmarks._common import child_or_main, interleaved_args  # noqa: E402
 
 WORKLOADS = {"minilm": {"config": "pfadapter-minilm.toml", "set": ["server.rounds=1"]}}
 CLIENTS = (1, 2, 4, 8)
@@ -90,22 +89,19 @@ def child(job: dict) -> None:
 
 
 def main() -> None:
-    from benchmarks._common import ROOT, chosen, report
+    from benchmarks._common import report, workload_children
     from fedsplice.data import zoo
 
     args = interleaved_args(__doc__, WORKLOADS, "size")
     out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, w, sets in chosen(args, WORKLOADS, Path(tmp), QUICK_SET, {"minilm": zoo.tiny_bert}):
-            r, _ = run_script_child(__file__, {"config": str(ROOT / "configs" / w["config"]), "set": sets,
-                                               "reps": args.reps, "threads": args.threads})
-            one = {x["precision"]: x["step_s"] for x in r["rows"] if x["clients"] == 1}
-            for x in r["rows"]:
-                per_client = x["step_s"] / x["clients"]
-                out.append({"backbone": name + (" (tiny)" if args.quick else ""), **x,
-                            "step_s_per_client": per_client, "train_bound": one[x["precision"]] / per_client,
-                            "eval_bound": x["eval_apart_s"] / x["eval_union_s"], "threads": r["threads"],
-                            "batch": r["batch"]})
+    for name, _, r in workload_children(__file__, args, WORKLOADS, QUICK_SET, {"minilm": zoo.tiny_bert}):
+        one = {x["precision"]: x["step_s"] for x in r["rows"] if x["clients"] == 1}
+        for x in r["rows"]:
+            per_client = x["step_s"] / x["clients"]
+            out.append({"backbone": name + (" (tiny)" if args.quick else ""), **x,
+                        "step_s_per_client": per_client, "train_bound": one[x["precision"]] / per_client,
+                        "eval_bound": x["eval_apart_s"] / x["eval_union_s"], "threads": r["threads"],
+                        "batch": r["batch"]})
     notes = [f"{os.cpu_count()} cpus, torch threads {out[0]['threads'] if out else '?'}; runtime.unpad at its "
              f"default; B = {out[0]['batch'] if out else '?'} rows a client's step.",
              "step_s: one step over `rows` = clients x B rows (median of the reps after a warm-up); "

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import FP32, child_or_main, interleaved_args, run_script_child  # noqa: E402
+from benchmarks._common import FP32, child_or_main, interleaved_args  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -125,32 +125,28 @@ def child(job: dict) -> None:
 
 
 def main() -> None:
-    from benchmarks._common import ROOT, chosen, report
+    from benchmarks._common import report, workload_children
     from fedsplice.data import zoo
 
     args = interleaved_args(__doc__, WORKLOADS, "setting")
-    reps = args.reps
     rows, sweeps, load0 = [], [], os.getloadavg()[0]
     tiny = {"minilm": zoo.tiny_bert, "minilm-bf16": zoo.tiny_bert, "clip": zoo.tiny_clip, "smollm2": zoo.tiny_llama}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, w, sets in chosen(args, WORKLOADS, Path(tmp), QUICK_SET, tiny):
-            r, _ = run_script_child(__file__, {"config": str(ROOT / "configs" / w["config"]), "set": sets,
-                                               "steps": w["steps"], "reps": reps, "threads": args.threads,
-                                               "sweep": w.get("sweep", [])})
-            off = r["off"]
-            for s in SETTINGS:
-                x = r[s]
-                rows.append({"backbone": name + (" (tiny)" if args.quick else ""), "unpad": s,
-                             "rows_per_token": r["rows_per_token"][SETTINGS.index(s)],
-                             "step_s": x["step_s"], "step_speedup": off["step_s"] / x["step_s"],
-                             "predict_s_per_100": x["predict_s_per_100"],
-                             "predict_speedup": off["predict_s_per_100"] / x["predict_s_per_100"],
-                             "gm_accuracy": x["gm"], "pm_accuracy": x["pm"], "threads": r["threads"]})
-            sweeps += [f"{name}: CPU_OVERHEAD {ov} -> {s:.3f} s/step" for ov, s in r["sweep"].items()]
+    for name, _, r in workload_children(__file__, args, WORKLOADS, QUICK_SET, tiny, steps=lambda w: w["steps"],
+                                        sweep=lambda w: w.get("sweep", [])):
+        off = r["off"]
+        for s in SETTINGS:
+            x = r[s]
+            rows.append({"backbone": name + (" (tiny)" if args.quick else ""), "unpad": s,
+                         "rows_per_token": r["rows_per_token"][SETTINGS.index(s)],
+                         "step_s": x["step_s"], "step_speedup": off["step_s"] / x["step_s"],
+                         "predict_s_per_100": x["predict_s_per_100"],
+                         "predict_speedup": off["predict_s_per_100"] / x["predict_s_per_100"],
+                         "gm_accuracy": x["gm"], "pm_accuracy": x["pm"], "threads": r["threads"]})
+        sweeps += [f"{name}: CPU_OVERHEAD {ov} -> {s:.3f} s/step" for ov, s in r["sweep"].items()]
     notes = [f"{os.cpu_count()} cpus; load average (1 min) {load0:.1f} at start, {os.getloadavg()[0]:.1f} at the "
              "end (compare the rows of one backbone, measured interleaved in one process).",
              "rows_per_token: token rows through every layer per real token (1.0: no padding); step_s: median "
-             f"seconds per local step over {reps} interleaved calls; predict_s_per_100: TaskModel.predict on the "
+             f"seconds per local step over {args.reps} interleaved calls; predict_s_per_100: TaskModel.predict on the "
              "global test set (it already scores shortest first), seconds per 100 inputs. Accuracy after 2 rounds "
              "(smollm2: 1 round of 2 clients x 2 steps of 8).",
              "clip: CLIP-LoRA (configs/cliplora-fortunes.toml) trains with LoRA dropout "

@@ -23,13 +23,12 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import child_or_main, interleaved_args, run_script_child  # noqa: E402
+from benchmarks._common import child_or_main, interleaved_args  # noqa: E402
 
 WORKLOADS = {"minilm": {"config": "pfadapter-minilm.toml", "set": ["server.rounds=1"], "steps": 4}}
 SETTINGS = [("fp32", "off"), ("fp32", "on"), ("bf16", "off"), ("bf16", "on")]
@@ -128,25 +127,23 @@ def child(job: dict) -> None:
 
 
 def main() -> None:
-    from benchmarks._common import ROOT, chosen, report
+    from benchmarks._common import report, workload_children
     from fedsplice.data import zoo
 
     args = interleaved_args(__doc__, WORKLOADS, "setting")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, w, sets in chosen(args, WORKLOADS, Path(tmp), QUICK_SET, {"minilm": zoo.tiny_bert}):
-            r, _ = run_script_child(__file__, {"config": str(ROOT / "configs" / w["config"]), "set": sets,
-                                               "steps": w["steps"], "reps": args.reps, "threads": args.threads})
-            for x in r["rows"]:
-                for phase in ("train", "eval"):
-                    p = x[phase]
-                    rate = p["flops"] / p["s"]
-                    rows.append({"backbone": name + (" (tiny)" if args.quick else ""), "phase": phase,
-                                 "precision": x["precision"], "unpad": x["unpad"],
-                                 "rows_per_token": p["rows"] / p["real"],
-                                 "useful_gflops": rate / 1e9, "peak_gflops": r["peak"][x["precision"]] / 1e9,
-                                 "utilisation": rate / r["peak"][x["precision"]], "seconds": p["s"],
-                                 "threads": r["threads"]})
+    for name, _, r in workload_children(__file__, args, WORKLOADS, QUICK_SET, {"minilm": zoo.tiny_bert},
+                                        steps=lambda w: w["steps"]):
+        for x in r["rows"]:
+            for phase in ("train", "eval"):
+                p = x[phase]
+                rate = p["flops"] / p["s"]
+                rows.append({"backbone": name + (" (tiny)" if args.quick else ""), "phase": phase,
+                             "precision": x["precision"], "unpad": x["unpad"],
+                             "rows_per_token": p["rows"] / p["real"],
+                             "useful_gflops": rate / 1e9, "peak_gflops": r["peak"][x["precision"]] / 1e9,
+                             "utilisation": rate / r["peak"][x["precision"]], "seconds": p["s"],
+                             "threads": r["threads"]})
     notes = [f"{os.cpu_count()} cpus, torch threads {rows[0]['threads'] if rows else '?'}; peak: a 2048^3 matmul "
              "at that precision (median of 5).",
              "train: the seconds of one client's local training (the config's batch, a few steps), median over "

@@ -150,19 +150,18 @@ def zero_shot_cached(exp: Experiment, params: Params, idx: np.ndarray) -> np.nda
     if (c.peft.type != "lora" or not c.runtime.cache or r.prior or "zero_shot_test" not in exp.caches
             or c.model.task not in ("dual_encoder", "encoder_head")
             or (r.personalize is not None and r.personalize.predict is not None)
-            or params.keys() != exp.init_params.keys()):
+            or params.keys() != exp.init_params.keys()
+            or not all(torch.equal(t, exp.init_params[n]) for n, t in params.items())):  # after round 0: fails fast
         return None
     infos = exp.model.param_infos()
-    if any(i.factor is None and i.kind != "head" for i in infos.values()):  # a method's tensor beside LoRA
-        return None
-    if not all(torch.equal(t, exp.init_params[n]) and (infos[n].factor != "B" or not t.any())
-               for n, t in params.items()):
+    if any((i.factor is None and i.kind != "head") or (i.factor == "B" and params[n].any())  # beside LoRA; ΔW != 0
+           for n, i in infos.items()):
         return None
     cached: np.ndarray = exp.caches["zero_shot_test"][torch.as_tensor(idx)].numpy()
     return cached
 
 
-def test_logits(exp: Experiment, params: Params, idx: np.ndarray) -> np.ndarray:
+def logits_on(exp: Experiment, params: Params, idx: np.ndarray) -> np.ndarray:
     """The model on `params`: its logits on test samples `idx` (the cached zero-shot ones where it
     provably is the zero-shot model: zero_shot_cached)."""
     cached = zero_shot_cached(exp, params, idx)
@@ -185,7 +184,7 @@ def evaluate_global(exp: Experiment, global_params: Params) -> Metrics:
         logits = prior_logits(exp, exp.train_ids, size)
     else:
         fresh = {n: exp.init_params[n] for n in exp.private_names}
-        logits = test_logits(exp, {**global_params, **fresh}, np.arange(size))
+        logits = logits_on(exp, {**global_params, **fresh}, np.arange(size))
     m = score(exp, d.test_labels[:size], logits, np.arange(size))
     return with_longtail(exp, m, m["class_correct"], m["class_total"], m["zs_class_correct"])
 

@@ -37,7 +37,7 @@ from fedsplice.algorithms.switches import SWITCHES, chain
 from fedsplice.core import streams, wire
 from fedsplice.core.context import TrainContext
 from fedsplice.federation.dpsgd import session as dpsgd_session
-from fedsplice.federation.evaluation import factor_groups, prior_logits, score, test_logits
+from fedsplice.federation.evaluation import factor_groups, logits_on, prior_logits, score
 from fedsplice.federation.generative import scores as answer_scores
 from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.metrics import classification_metrics
@@ -243,7 +243,7 @@ def evaluate(exp: Experiment, store: Store, cid: int, global_params: Params) -> 
     if exp.cfg.model.task == "generate":  # free-text answers (fedsplice.federation.generative)
         exp.model.load_params({**global_params, **priv})
         return answer_scores(exp, [exp.data.test_texts[i] for i in idx])
-    return score(exp, exp.data.test_labels[idx], test_logits(exp, {**global_params, **priv}, idx), idx)
+    return score(exp, exp.data.test_labels[idx], logits_on(exp, {**global_params, **priv}, idx), idx)
 
 
 @dataclass
