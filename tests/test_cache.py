@@ -166,7 +166,7 @@ def test_a_run_with_caches_equals_a_run_without(tiny_cfg, kw):
 
 
 def test_cached_zero_shot_logits_equal_a_frozen_forward(tiny_cfg):
-    from fedsplice.algorithms.fedpurel import zero_shot_logits
+    from fedsplice.algorithms.fedpurel import zero_shot_logits, zero_shot_table
     from fedsplice.federation.tasks import OnClient
 
     exp = build(tiny_cfg(algorithm="fedpurel", peft__layers=[1]))
@@ -176,8 +176,11 @@ def test_cached_zero_shot_logits_equal_a_frozen_forward(tiny_cfg):
     n = len(texts)
     fresh = torch.cat([zero_shot_logits(exp.model, texts[i:i + 8]) for i in range(0, n, 8)])
     # measured ~2e-7 relative (another padded length per batch of 8 than the cache's batches)
-    assert _rel(fresh, ops.zero_shot_logits()) < CACHE_RTOL
-    assert OnClient(build(tiny_cfg(algorithm="fedpurel", runtime__cache=False)), 0).zero_shot_logits() is None
+    assert _rel(fresh, ops.cached("zero_shot", zero_shot_table)) < CACHE_RTOL
+    assert "method/zero_shot" in exp.caches  # computed once per process, for every client
+    assert _rel(fresh, ops.cached("zero_shot", lambda *a: 1 / 0)) < CACHE_RTOL  # and not again
+    off = build(tiny_cfg(algorithm="fedpurel", runtime__cache=False))
+    assert OnClient(off, 0).cached("zero_shot", zero_shot_table) is None
 
 
 def test_cached_rows_reach_another_device_in_one_copy_with_their_shapes():

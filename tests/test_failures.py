@@ -341,3 +341,4 @@ def test_check_update_reasons():
     assert robust.check_weight(np.int64(3)) is None
     assert robust.check_stats({"loss": float("nan")}) and robust.check_stats({"loss": "x"})
     assert robust.check_stats({"loss": 1.0, "steps": 2}) is None
+    assert "negative" in robust.check_stats({"weight/x": -1.0}) and robust.check_stats({"weight/x": 0.0}) is None

@@ -10,6 +10,7 @@ import torch
 
 from fedsplice.algorithms import hetlora as H
 from fedsplice.core import wire
+from fedsplice.core.server import own_weights
 from fedsplice.federation import tasks
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
@@ -37,13 +38,18 @@ def test_truncate_and_tail_norm_by_hand():
 
 
 def test_sparsity_weights_by_hand():
+    """Each client reports ‖B_k A_k‖_F for its A and B ("weight/<tensor>" statistics); the server
+    normalizes them over the round (core.server.own_weights)."""
     u1 = _adapter()
     u2 = {k: 2 * v for k, v in u1.items()}  # B A four times as large
     u0 = {k: torch.zeros_like(v) for k, v in u1.items()}
-    w = H.sparsity_weights([u1, u2, u0], PAIRS)
+    ba = torch.tensor([[9.0, 2.0], [4.0, 3.0]])  # B A of _adapter by hand
+    assert H.sparsity_weights(u1, PAIRS) == {"weight/m.lora_A.default.weight": pytest.approx(float(ba.norm())),
+                                             "weight/m.lora_B.default.weight": pytest.approx(float(ba.norm()))}
+    w = own_weights([H.sparsity_weights(u, PAIRS) for u in (u1, u2, u0)])
     assert w["m.lora_A.default.weight"] == w["m.lora_B.default.weight"] == pytest.approx([0.2, 0.8, 0.0])
     assert "head.weight" not in w  # left to the sample-size weights
-    assert H.sparsity_weights([u0, u0], PAIRS)["m.lora_A.default.weight"] == [0.5, 0.5]  # all zero: uniform
+    assert own_weights([H.sparsity_weights(u0, PAIRS)] * 2)["m.lora_A.default.weight"] == [0.5, 0.5]  # all zero
 
 
 def test_clients_train_at_their_ranks_and_the_server_weighs_by_norm(tiny_cfg, capture_uploads):
@@ -64,7 +70,7 @@ def test_clients_train_at_their_ranks_and_the_server_weighs_by_norm(tiny_cfg, ca
             assert not u[a][rank:].any() and not u[b][:, rank:].any()
             assert not torch.equal(u[b][:, :rank], g0[b][:, :rank])
         ups.append(u)
-    w = H.sparsity_weights(ups, pairs)
+    w = own_weights([H.sparsity_weights(u, pairs) for u in ups])
     for name in exp.global_names:
         want = sum(wk * u[name].double() for wk, u in zip(w[name], ups))
         assert torch.allclose(state["global_params"][name].double(), want, atol=1e-6), name
@@ -82,7 +88,7 @@ def test_pruning_rule(tiny_cfg, monkeypatch):
     assert slot.tail_before == pytest.approx(float(H.tail_norm(start, pairs, 3, 0.99)))
     shrunk = {n: t * 0.5 for n, t in start.items()}
     sent, kept, stats = ex.send(ops, 1, shrunk, slot)
-    assert kept == H.HetLoRAState(rank=2) and stats == {"rank": 2.0}
+    assert kept == H.HetLoRAState(rank=2) and stats == {"rank": 2.0, **H.sparsity_weights(sent, pairs)}
     assert all(not sent[a][2:].any() and torch.equal(sent[a][:2], shrunk[a][:2]) for a in pairs)
     grown = {n: t * 2.0 for n, t in start.items()}
     assert ex.send(ops, 1, grown, slot)[1].rank == 3
@@ -162,3 +168,26 @@ def test_the_state_is_typed_where_used_and_flat_where_stored():
     assert ST.pack(H.HetLoRAState(rank=np.int64(4)))["rank"].dtype == torch.int64  # a numpy integer is an int
     with pytest.raises(TypeError, match="method state field 'rank' holds str"):
         ST.pack(H.HetLoRAState(rank="4"))
+
+
+def test_own_weights_stay_out_of_the_round_record_and_are_refused_where_unusable(tiny_cfg, tmp_path):
+    """The sparsity weights travel as statistics but are not statistics: the round record keeps
+    the rank, not them. A method that reports weights where the server cannot use them (DP-FedAvg,
+    SecAgg+, a robust mean) meets one line at the round, should its check_config let it through."""
+    import json
+    from types import SimpleNamespace
+
+    import fedsplice
+    from fedsplice.errors import ConfigError
+    from fedsplice.federation.rounds import weights_of
+
+    fedsplice.run(tiny_cfg(**HET, server__rounds=1), tmp_path / "run")
+    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert "rank" in rec and not [k for k in rec if k.startswith("weight/")]
+    up = (SimpleNamespace(stats={"weight/a": 1.0}), {})
+    for privacy, aggregation in (({"enabled": True}, "mean"), ({"secure_aggregation": True}, "mean"), ({}, "median")):
+        p = SimpleNamespace(**{"enabled": False, "secure_aggregation": False, **privacy})
+        exp = SimpleNamespace(cfg=SimpleNamespace(privacy=p, server=SimpleNamespace(aggregation=aggregation),
+                                                  algorithm="mine"))
+        with pytest.raises(ConfigError, match="algorithm 'mine' weighs its uploads itself"):
+            weights_of(exp, [up])

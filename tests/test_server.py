@@ -14,6 +14,7 @@ from fedsplice.core.server import (
     fedavgm,
     fedyogi,
     make_server_optimizer,
+    own_weights,
     weighted_mean,
 )
 from fedsplice.errors import ConfigError
@@ -214,6 +215,17 @@ def test_weighted_mean_weights():
     want = (a["x"].double() + 3 * b["x"].double()) / 4  # kept in float64 for the optimizer
     got = weighted_mean([a, b], [1, 3])["x"]
     assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+def test_own_weights_are_normalized_per_tensor_over_the_round():
+    """A client's "weight/<tensor>" statistics (a method's Exchange.send): normalized per tensor,
+    equal where all are 0; other statistics are ignored; a tensor weighed by some uploads only is
+    an error naming it."""
+    stats = [{"loss": 1.0, "weight/a": 1.0, "weight/b": 0.0}, {"loss": 2.0, "weight/a": 3.0, "weight/b": 0.0}]
+    assert own_weights(stats) == {"a": [0.25, 0.75], "b": [0.5, 0.5]}
+    assert own_weights([{"loss": 1.0}, {"loss": 2.0}]) == {}
+    with pytest.raises(ValueError, match="'weight/a'.*some uploads"):
+        own_weights([{"weight/a": 1.0}, {"loss": 2.0}])
 
 
 def test_weighted_mean_mismatch_raises_naming_key():

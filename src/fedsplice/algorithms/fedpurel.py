@@ -74,9 +74,12 @@ class FedPuReLParams:
 
 
 class ZeroShot(Protocol):
-    """The model's zero-shot switch (TaskModel.zero_shot; algorithms import no model)."""
+    """The model's zero-shot switch and its batched logits (TaskModel's; algorithms import no
+    model)."""
 
     def zero_shot(self) -> AbstractContextManager[None]: ...
+
+    def predict(self, texts: list[str], batch_size: int, /) -> torch.Tensor: ...
 
 
 @torch.no_grad()
@@ -87,6 +90,13 @@ def zero_shot_logits(model: nn.Module, texts: list[str]) -> torch.Tensor:
         z: torch.Tensor = model(texts)
     model.train(was)
     return z
+
+
+def zero_shot_table(model: nn.Module, texts: list[str], batch_size: int) -> torch.Tensor:
+    """ClientOps.cached's fn: the zero-shot logits [N, C] of `texts` (frozen: no PEFT tensor)."""
+    m = cast(ZeroShot, model)
+    with m.zero_shot():
+        return m.predict(texts, batch_size)
 
 
 @dataclass
@@ -103,10 +113,10 @@ class FedPuReLState:
 
 def keep_zero_shot(ops: ClientOps, rnd: int, received: Tensors,
                    st: FedPuReLState) -> tuple[Tensors, FedPuReLState]:
-    """Exchange.receive: the client's zero-shot logits (frozen work, computed once per process)
-    in its state for the round's training; none with runtime.cache = false (the objective
+    """Exchange.receive: the client's zero-shot logits (frozen work, computed once per process:
+    ClientOps.cached) in its state for the round's training; none with runtime.cache = false (the objective
     computes them every step)."""
-    z = ops.zero_shot_logits()
+    z = ops.cached("zero_shot", zero_shot_table)
     if z is not None:
         st = FedPuReLState(st.branch, z, torch.as_tensor(ops.sample_ids(), dtype=torch.int64))
     return received, st

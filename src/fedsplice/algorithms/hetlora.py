@@ -32,6 +32,7 @@ from fedsplice.algorithms.recipe import Algorithm, Exchange, Infos, ModelSpec, P
 from fedsplice.config.privacy import refuse_own_weights
 from fedsplice.core import split as S
 from fedsplice.core.context import TrainContext
+from fedsplice.core.server import OWN_WEIGHT
 from fedsplice.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def check_config(p: HetLoRAParams, cfg: ExperimentConfig) -> None:
         raise ConfigError("algorithm 'hetlora' weighs clients by their update's norm: set server.aggregation = 'mean'")
     if cfg.client.upload != "fp32":
         raise ConfigError("algorithm 'hetlora' uploads zero-padded adapters: set client.upload = 'fp32'")
-    refuse_own_weights(cfg.privacy, cfg.algorithm)  # its sparsity weights (Exchange.weights)
+    refuse_own_weights(cfg.privacy, cfg.algorithm)  # its sparsity weights (sparsity_weights)
 
 
 def pairs_of(infos: Infos) -> dict[str, str]:
@@ -94,13 +95,14 @@ def tail_norm(tensors: Tensors, pairs: dict[str, str], r: int, gamma: float) -> 
                 for a, b in pairs.items()), torch.zeros(()))
 
 
-def sparsity_weights(uploads: list[dict[str, torch.Tensor]], pairs: dict[str, str]) -> dict[str, list[float]]:
-    """Per module, w_k = ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F (uniform if all are 0), for A and B."""
+def sparsity_weights(upload: Tensors, pairs: dict[str, str]) -> dict[str, float]:
+    """A client's own aggregation weights (Exchange.send's "weight/<tensor>" statistics, which the
+    server normalizes: w_k = ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F, uniform if all are 0), per module,
+    for its A and B."""
     out = {}
     for a, b in pairs.items():
-        norms = [float(torch.linalg.norm(u[b].double() @ u[a].double())) for u in uploads]
-        z = sum(norms)
-        out[a] = out[b] = [x / z for x in norms] if z > 0 else [1.0 / len(uploads)] * len(uploads)
+        norm = float(torch.linalg.norm(upload[b].double() @ upload[a].double()))
+        out[OWN_WEIGHT + a] = out[OWN_WEIGHT + b] = norm
     return out
 
 
@@ -143,14 +145,15 @@ def build(p: HetLoRAParams, spec: ModelSpec) -> Recipe[HetLoRAState]:
         r = st.rank
         if p.prune and float(tail_norm(trained, pairs, r, p.gamma)) < st.tail_before:
             r = max(p.r_min, math.floor(p.gamma * r))
-        return truncate(trained, pairs, r), HetLoRAState(r), {"rank": float(r)}
+        up = truncate(trained, pairs, r)
+        return up, HetLoRAState(r), {"rank": float(r), **sparsity_weights(up, pairs)}
 
     def predict(ops: ClientOps, params: Tensors, st: HetLoRAState) -> np.ndarray | Scores:
         return ops.test_logits(truncate(params, pairs, rank(ops, st)))
 
     terms: list[LossTerm] = [SelfPruning(pairs, p.gamma, p.lam)] if p.lam > 0 else []
     return Recipe(S.all_global(spec.infos), terms, personalize=Personal(predict=predict),
-                  exchange=Exchange(receive, send, lambda ups, n: sparsity_weights(ups, pairs)), state=HetLoRAState)
+                  exchange=Exchange(receive, send), state=HetLoRAState)
 
 
 HETLORA = Algorithm(HetLoRAParams, build, "a LoRA rank per client: truncated download, rank self-pruning, "

@@ -31,7 +31,8 @@ Scores = dict[str, float | int | None]  # model.task = "generate": answer scores
 
 
 class ModelFn(Protocol):
-    """ClientOps.run's `fn`: (the model, texts, eval batch size) -> a tensor, a row per text."""
+    """ClientOps.run's and .cached's `fn`: (the model, texts, eval batch size) -> a tensor, a row
+    per text."""
 
     def __call__(self, model: nn.Module, texts: list[str], batch_size: int, /) -> torch.Tensor: ...
 
@@ -86,10 +87,12 @@ class ClientOps(Protocol):
         """The ids of the client's training samples, in their order (an objective's `ids`)."""
         ...
 
-    def zero_shot_logits(self) -> torch.Tensor | None:
-        """The frozen zero-shot model's logits [n, C] on the client's training samples, in their
-        order, from a table of the whole training set computed once per process (None with
-        runtime.cache = false: a method computes them where it needs them)."""
+    def cached(self, key: str, fn: ModelFn) -> torch.Tensor | None:
+        """Frozen work, computed once per process: `fn(model, texts, batch_size)` over the whole
+        training set (eval mode, without gradients; `fn` must not depend on any trainable tensor,
+        e.g. FedPuReL's zero-shot logits under the model's zero-shot switch), kept under `key`;
+        returns this client's rows, in the order of its training samples. None with runtime.cache
+        = false: the method computes what it needs where it needs it."""
         ...
 
     def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -153,17 +156,12 @@ class Receive(Protocol[S]):
 
 
 class Send(Protocol[S]):
-    """Exchange.send: (the GLOBAL upload, the slot, scalar statistics)."""
+    """Exchange.send: (the GLOBAL upload, the slot, scalar statistics; a statistic
+    "weight/<GLOBAL tensor>", core.server.OWN_WEIGHT, is the client's own aggregation weight of
+    that tensor instead of its sample count)."""
 
     def __call__(self, ops: ClientOps, rnd: int, trained: Tensors, slot: S,
                  /) -> tuple[Tensors, S, dict[str, float]]: ...
-
-
-class Weights(Protocol):
-    """Exchange.weights: {GLOBAL tensor name: [weight per upload]} on the server."""
-
-    def __call__(self, uploads: list[dict[str, torch.Tensor]], num_examples: list[int],
-                 /) -> dict[str, list[float]]: ...
 
 
 class MakePrompt(Protocol):

@@ -33,7 +33,6 @@ from fedsplice.algorithms.hooks import (
     Scorer,
     Send,
     Tensors,
-    Weights,
 )
 from fedsplice.core.context import TaskLoss
 from fedsplice.core.split import ParamInfo
@@ -96,14 +95,14 @@ class Exchange(Generic[S]):
       the round's training.
     send(ops, rnd, trained, slot) -> (upload, slot, stats): on the client, from every trainable
       tensor as trained, the GLOBAL tensors it uploads (same names and shapes as received), and
-      scalar statistics for the round record.
-    weights(uploads, num_examples) -> {tensor name: [weight per upload]}: on the server, the
-      aggregation weights of each GLOBAL tensor (normalized there; names left out keep the
-      sample-size weights), instead of FedAvg's n_k (server.aggregation = "mean" only)."""
+      scalar statistics for the round record. A statistic "weight/<GLOBAL tensor>"
+      (core.server.OWN_WEIGHT) is the client's own aggregation weight of that tensor instead of
+      its sample count, as a Flower client reports num_examples (HetLoRA's sparsity weights): the
+      server normalizes each tensor's weights over the round (server.aggregation = "mean" only;
+      the method's check_config refuses DP-FedAvg and SecAgg+: config.privacy.refuse_own_weights)."""
 
     receive: Receive[S] | None = None
     send: Send[S] | None = None
-    weights: Weights | None = None
 
 
 @dataclass(frozen=True)
@@ -178,7 +177,7 @@ class Recipe(Generic[S]):
     grad_transform: GradTransform | None = None  # combines per-loss gradients (FedPuReL purification)
     trains: bool = True  # False: evaluation only (zero-shot)
     personalize: Personal[S] | None = None  # the method's own local stage (FedPuReL phase 2)
-    exchange: Exchange[S] | None = None  # the method's own download, upload and aggregation weights (HetLoRA)
+    exchange: Exchange[S] | None = None  # the method's own download and upload (HetLoRA, FLoRA, FedPuReL)
     # Alternating local training (pFedLoRA, FedDPA): Phase(group, epochs[, adapters]) tuples, in
     # order; each phase trains only that group's tensors, with its own optimizer. Or a function
     # round -> those phases (FedDPA: round 0 has no local phase). Empty: one phase, all tensors.

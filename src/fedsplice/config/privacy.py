@@ -135,8 +135,8 @@ def refuse_under_dpsgd(privacy: PrivacyConfig, algorithm: str, what: str) -> Non
 
 def refuse_own_weights(privacy: PrivacyConfig, algorithm: str) -> None:
     """One line refusing DP-FedAvg and SecAgg+, which need one weight per client, for `algorithm`,
-    which weighs each tensor by its own rule (Exchange.weights: federation.privacy.check_recipe;
-    HetLoRA declares it in its check_config)."""
+    which weighs each tensor by its own rule (core.server.OWN_WEIGHT statistics: a method calls it
+    from its check_config, as HetLoRA does; the round loop refuses such weights too)."""
     if not (privacy.enabled or privacy.secure_aggregation):
         return
     where = f"privacy.mode = {privacy.mode!r}" if privacy.enabled else "privacy.secure_aggregation = true"

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedsplice.core.server import Params, weighted_mean
+from fedsplice.core.server import OWN_WEIGHT, Params, weighted_mean
 
 AGGREGATIONS = ("mean", "median", "trimmed_mean")
 
@@ -78,6 +78,8 @@ def check_stats(stats: object) -> str | None:
             return f"training statistic {k!r} is not a number"
         if not math.isfinite(v):
             return f"training statistic {k!r} is not finite ({v})"
+        if k.startswith(OWN_WEIGHT) and v < 0:
+            return f"aggregation weight {k!r} is negative ({v})"
     return None
 
 

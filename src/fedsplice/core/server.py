@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import NamedTuple
 
@@ -49,6 +49,28 @@ def _check_same_layout(ref: Params, other: Params, what: str) -> None:
                 f"{what}: tensor {name!r} has shape {tuple(other[name].shape)}, "
                 f"expected {tuple(t.shape)}"
             )
+
+
+# A client's own aggregation weight of a GLOBAL tensor, in the statistics it uploads (as Flower
+# clients report num_examples and more in their fit metrics): "weight/<tensor name>" replaces its
+# sample count for that tensor (a method's Exchange.send, e.g. HetLoRA's sparsity weights).
+OWN_WEIGHT = "weight/"
+
+
+def own_weights(stats: Sequence[Mapping[str, float]]) -> dict[str, list[float]]:
+    """{tensor name: [weight per upload]} from the uploads' "weight/<name>" statistics, each
+    normalized over the round (equal weights where all are 0). A tensor weighed by some uploads
+    and not by others is an error: its mean would mix weights with sample counts."""
+    keys = sorted({k for s in stats for k in s if k.startswith(OWN_WEIGHT)})
+    out = {}
+    for k in keys:
+        if not all(k in s for s in stats):
+            raise ValueError(f"statistic {k!r}: some uploads of the round weigh this tensor, others do not "
+                             f"(a method's Exchange.send must report it in every upload)")
+        w = [float(s[k]) for s in stats]
+        z = sum(w)
+        out[k[len(OWN_WEIGHT):]] = [x / z for x in w] if z > 0 else [1.0 / len(w)] * len(w)
+    return out
 
 
 def weighted_mean(updates: list[Params], weights: Sequence[float]) -> Params:

@@ -50,7 +50,7 @@ class Experiment:
     init_params: dict[str, torch.Tensor]  # the fresh state of every trainable tensor
     server_opt: ServerOptimizer
     sampling: list[list[int]]  # pre-generated: round r trains clients sampling[r]
-    caches: dict[str, Any] = field(default_factory=dict)  # frozen work: e.g. "zero_shot" train logits
+    caches: dict[str, Any] = field(default_factory=dict)  # frozen work; a method's: "method/<key>" (ClientOps.cached)
     switches: dict[str, Any] = field(default_factory=dict)  # the config's switches' typed tables, in chain order
     scenario: dict[str, Any] = field(default_factory=dict)  # realised scenario statistics (JSON); {}: none
     privacy: Plan | None = None  # [privacy] resolved (noise multiplier chosen); None: off

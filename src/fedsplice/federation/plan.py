@@ -8,7 +8,8 @@ recipe with the rest of the config:
 - PEFT × task (`peft.type = "prompt"` needs a dual encoder);
 - references × federation (centralized trains alone: no server optimizer, no codec; a prior
   reference needs the labels on the server);
-- privacy × exchange (DP-FedAvg and SecAgg+ need one weight per client and something sent);
+- privacy × exchange (DP-FedAvg and SecAgg+ need something sent; a method weighing its own uploads
+  refuses them in its check_config);
 - DP-SGD × recipe (a loss or gradient rule of the method's own, a personal stage, a class side);
 - generate × recipe (class logits a free-text task does not have).
 

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedsplice.config.privacy import refuse_own_weights
 from fedsplice.core import privacy as dp
 from fedsplice.core.streams import PRIVACY
 from fedsplice.errors import ConfigError
@@ -80,16 +79,15 @@ def plan(cfg: ExperimentConfig, n_train: int) -> Plan | None:
 
 
 def check_recipe(cfg: ExperimentConfig, recipe: Recipe, global_names: list[str]) -> None:
-    """What DP-FedAvg cannot bound, nor SecAgg+ sum: a method's own per-tensor weights, a pooled
-    reference, nothing sent."""
+    """What DP-FedAvg cannot bound, nor SecAgg+ sum: a pooled reference, nothing sent (a method's
+    own per-tensor weights: its check_config, config.privacy.refuse_own_weights, and the round
+    loop's federation.rounds.weights_of)."""
     if not (cfg.privacy.enabled or cfg.privacy.secure_aggregation):
         return
     where = f"privacy.mode = {cfg.privacy.mode!r}" if cfg.privacy.enabled else "privacy.secure_aggregation = true"
     if recipe.pooled or not global_names:
         raise ConfigError(f"{where}: algorithm {cfg.algorithm!r} sends nothing to a server (nothing to protect); "
                           f"turn it off")
-    if recipe.exchange is not None and recipe.exchange.weights is not None:
-        refuse_own_weights(cfg.privacy, cfg.algorithm)
 
 
 def _gen(pl: Plan, cfg: ExperimentConfig, *keys: int) -> torch.Generator:

@@ -27,7 +27,7 @@ from fedsplice.core import wire
 
 # aggregate, deltas, gather, evaluate_global: re-exported (benchmarks/profile_run.py times them here)
 from fedsplice.core.robust import aggregate as aggregate
-from fedsplice.core.server import Params, weighted_mean
+from fedsplice.core.server import OWN_WEIGHT, Params, own_weights, weighted_mean
 from fedsplice.core.server import deltas as deltas
 from fedsplice.errors import ConfigError
 from fedsplice.federation.calls import ask
@@ -125,8 +125,9 @@ def round_record(rnd: int, got: Gathered, ok: bool, t0: float) -> Metrics:
     if got.events:
         record["events"] = got.events
     for k in (stats[0] if stats else ()):  # in a fixed order: metrics.jsonl is compared bytewise
-        if k not in ("steps", "loss") and all(k in s for s in stats):  # ε: the worst client's, not a mean
-            record[k] = float((np.max if k == "dp_local_epsilon" else np.mean)([s[k] for s in stats]))
+        # a client's own aggregation weights (core.server.OWN_WEIGHT) are not statistics
+        if k not in ("steps", "loss") and not k.startswith(OWN_WEIGHT) and all(k in s for s in stats):
+            record[k] = float((np.max if k == "dp_local_epsilon" else np.mean)([s[k] for s in stats]))  # ε: the worst
     return record
 
 
@@ -137,19 +138,31 @@ def accepted_rows(exp: Experiment, got: Gathered, rnd: int) -> list[Row]:
                                                                   r.stats.get("dp_local_epsilon"))]
 
 
+def weights_of(exp: Experiment, accepted: list[tuple[Upload, Params]]) -> dict[str, list[float]]:
+    """The clients' own weights per tensor (core.server.own_weights), where the server can use
+    them: a plain mean, no DP-FedAvg nor SecAgg+ (a method's check_config refuses those first)."""
+    own = own_weights([r.stats for r, _ in accepted])
+    p, sc = exp.cfg.privacy, exp.cfg.server
+    if own and (p.enabled or p.secure_aggregation or sc.aggregation != "mean"):
+        raise ConfigError(f"algorithm {exp.cfg.algorithm!r} weighs its uploads itself, which needs "
+                          f"server.aggregation = 'mean', privacy.mode = 'off' and no secure aggregation")
+    return own
+
+
 def aggregate_round(exp: Experiment, accepted: list[tuple[Upload, Params]], global_params: Params,
                     rnd: int = 0) -> tuple[Params, dict[str, float]]:
     """The aggregate of the accepted updates' deltas: server.aggregation over them, with the
-    method's own weights per tensor (recipe.exchange.weights; the rest by sample size), or
-    DP-FedAvg's clipped, noised sum over m (federation.privacy); and what the round logs of it."""
-    sc, ex = exp.cfg.server, exp.recipe.exchange
+    clients' own weights per tensor where they report them (core.server.own_weights, from a
+    method's Exchange.send; the rest by sample size), or DP-FedAvg's clipped, noised sum over m
+    (federation.privacy); and what the round logs of it."""
+    sc = exp.cfg.server
     ds, n = [deltas(u, global_params) for _, u in accepted], [r.num_examples for r, _ in accepted]
+    own = weights_of(exp, accepted)
     if exp.privacy is not None:
         return server_aggregate(exp.privacy, exp.cfg, rnd, ds)
-    if not (ex and ex.weights):
+    if not own:
         return aggregate(ds, n, sc.aggregation, sc.trim_fraction), {}
-    w = ex.weights([u for _, u in accepted], n)
-    return {k: weighted_mean([{k: d[k]} for d in ds], w.get(k, n))[k] for k in ds[0]}, {}
+    return {k: weighted_mean([{k: d[k]} for d in ds], own.get(k, n))[k] for k in ds[0]}, {}
 
 
 def run_rounds(exp: Experiment, on_round: Callable[[Metrics], None], *, transport: Transport,
@@ -191,6 +204,8 @@ def run_rounds(exp: Experiment, on_round: Callable[[Metrics], None], *, transpor
         ok = len(got.accepted) >= sc.min_replies
         logged: dict[str, float] = {}
         if ok and exp.global_names:
+            if secure:  # SecAgg+ sums by sample count only: a client's own weights are refused
+                weights_of(exp, got.accepted)
             agg, logged = (secure_release(exp.privacy, cast(Params, mean), len(got.accepted)), {}) if secure else \
                 aggregate_round(exp, got.accepted, global_params, rnd)
             global_params, server_state = exp.server_opt.update(agg, server_state, global_params)

@@ -302,14 +302,17 @@ class OnClient:
         ids: np.ndarray = self.exp.clients[self.cid].train_idx
         return ids
 
-    def zero_shot_logits(self) -> torch.Tensor | None:
+    def cached(self, key: str, fn: ModelFn) -> torch.Tensor | None:
         exp = self.exp
         if not exp.cfg.runtime.cache:
             return None
-        if "zero_shot" not in exp.caches:  # frozen work, once per process: the whole training set
-            with exp.model.zero_shot():
-                exp.caches["zero_shot"] = exp.model.predict(exp.data.train_texts, exp.cfg.eval.batch_size)
-        rows: torch.Tensor = exp.caches["zero_shot"][torch.as_tensor(self.sample_ids())]
+        if (k := f"method/{key}") not in exp.caches:  # once per process, the whole training set
+            was = exp.model.training
+            exp.model.eval()
+            with torch.no_grad():
+                exp.caches[k] = fn(exp.model, exp.data.train_texts, exp.cfg.eval.batch_size)
+            exp.model.train(was)
+        rows: torch.Tensor = exp.caches[k][torch.as_tensor(self.sample_ids())]
         return rows
 
     def train_logits(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
