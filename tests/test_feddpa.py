@@ -15,7 +15,6 @@ from fedsplice.core import wire
 from fedsplice.federation import tasks
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
-from fedsplice.model import peft as P
 from fedsplice.runtimes.inprocess import run_rounds
 
 DPA = dict(algorithm='"feddpa"', method="{local_r = 4}")
@@ -51,10 +50,10 @@ def test_adapter_factors_scale_each_lora_output_exactly():
     x = torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64)
     w0 = lin.base_layer.weight.detach()
     delta = {a: 2.0 * (B @ A).double() for a, (A, B) in w.items()}  # s = 4 / 2
-    with P.adapters_scaled(model.named_modules(), {"default": 0.25, "local": 0.0}):
+    with D.Mix.of({"default": 0.25, "local": 0.0})(model):
         got = model(x)
     assert torch.allclose(got, x @ (w0 + 0.25 * delta["default"]).T, atol=1e-12)
-    with P.adapters_scaled(model.named_modules(), {"local": -1.5}):
+    with D.Mix.of({"local": -1.5})(model):
         got = model(x)
     assert torch.allclose(got, x @ (w0 + delta["default"] - 1.5 * delta["local"]).T, atol=1e-12)
     assert lin.scaling == {"default": 2.0, "local": 2.0}  # restored
@@ -64,9 +63,9 @@ def test_adapter_factors_scale_each_lora_output_exactly():
 def test_round_phases():
     p = D.FedDPAParams(local_weight=0.3, local_epochs=2)
     ph = D.phases(p)
-    glob = Phase(S.GLOBAL, 2, {"local": 0.0})
+    glob = Phase(S.GLOBAL, 2, D.Mix((("local", 0.0),)))
     assert ph(1) == (glob,)  # the code's round 0: the global adapter alone
-    assert ph(2) == ph(7) == (Phase(S.PRIVATE, 2, {"local": 0.3, "default": pytest.approx(0.7)}), glob)
+    assert ph(2) == ph(7) == (Phase(S.PRIVATE, 2, D.Mix((("local", 0.3), ("default", pytest.approx(0.7))))), glob)
 
 
 def test_training_phases_mix_and_move_one_group_each(tiny_cfg, monkeypatch, capture_uploads):
@@ -116,8 +115,10 @@ def test_dynamic_pm_is_the_per_instance_mix(tiny_cfg):
     rng = ops.rng(D.EVAL_DRAWS)
     refs = np.array([rng.choice(len(bank), size=5, replace=False) for _ in test])
     alpha = D.instance_alpha(test, bank, refs, 0.5)
+    n = len(alpha)
     assert np.all(np.abs(alpha) <= 0.5) and alpha.std() > 0  # one α per instance
-    one_by_one = np.concatenate([ops.test_logits(params, {"default": a, "local": 1 - a})[[i]]
+    one_by_one = np.concatenate([ops.test_logits(params, D.mix_groups({"default": np.full(n, a),
+                                                                        "local": np.full(n, 1 - a)}))[[i]]
                                  for i, a in enumerate(alpha)])
     assert np.allclose(exp.recipe.personalize.predict(ops, params, {}), one_by_one, atol=1e-5)
     want = tasks.score(exp, exp.data.test_labels[exp.clients[cid].test_idx], one_by_one, exp.clients[cid].test_idx)
@@ -128,8 +129,13 @@ def test_dynamic_pm_is_the_per_instance_mix(tiny_cfg):
     grid = D.dynamic_mix(D.FedDPAParams(alpha_grid=0.05)).predict(ops, params, {})
     a = np.round(alpha / 0.05) * 0.05
     assert len(np.unique(a)) < len(alpha)
-    assert np.allclose(grid, ops.test_logits(params, {"default": a, "local": 1 - a}), atol=1e-6)
-    assert np.allclose(grid[[0]], ops.test_logits(params, {"default": a[0], "local": 1 - a[0]})[[0]], atol=1e-5)
+    assert np.allclose(grid, ops.test_logits(params, D.mix_groups({"default": a, "local": 1 - a})), atol=1e-6)
+    alone = [(D.Mix.of({"default": a[0], "local": 1 - a[0]}), np.arange(n))]
+    assert np.allclose(grid[[0]], ops.test_logits(params, alone)[[0]], atol=1e-5)
+    groups = D.mix_groups({"default": a, "local": 1 - a})
+    assert len(groups) == len(np.unique(a)) and sorted(np.concatenate([m for _, m in groups])) == list(range(n))
+    with pytest.raises(ValueError, match="each of the .* test positions exactly once"):
+        ops.test_logits(params, groups[:-1])
 
 
 @pytest.mark.parametrize("sets,match", [

@@ -54,7 +54,7 @@ def test_feddpa_mixes_its_adapters_per_record_as_a_hand_loop_does(gen_cfg, monke
 
     def state(rec):  # the last layer's state at the prompt's last token, the record alone
         ids = torch.tensor([m.encoded(rec).prompt])
-        with torch.no_grad(), m.adapters_scaled({"default": 0.0, "local": 1.0}):
+        with torch.no_grad(), feddpa.Mix.of({"default": 0.0, "local": 1.0})(m):
             return m._lm(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1].numpy()
 
     bank = np.stack([state(r) for r in train])
@@ -64,7 +64,7 @@ def test_feddpa_mixes_its_adapters_per_record_as_a_hand_loop_does(gen_cfg, monke
     assert len(set(alpha.round(6))) > 1  # the records do get different mixes: the grouping is exercised
     one = {k: [] for k in ("nll", "tokens", "text", "options")}
     for rec, a in zip(tests, alpha):
-        with m.adapters_scaled({"default": float(a), "local": 1.0 - float(a)}):
+        with feddpa.Mix.of({"default": float(a), "local": 1.0 - float(a)})(m):
             for k, v in m.answers([rec], 1, cfg.eval.max_new_tokens).items():
                 one[k] += v
     monkeypatch.setattr(exp.model, "answers", lambda *a, **k: one)  # the hand loop's, scored as the PM's

@@ -23,8 +23,8 @@ Everything of the method is in this file (its registration aside); docs/fidelity
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, cast
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsplice.algorithms.hooks import ClientOps, Scores, Tensors
+from fedsplice.algorithms.hooks import Around, ClientOps, Scores, Tensors
 from fedsplice.algorithms.recipe import Algorithm, LoraParts, ModelSpec, Personal, Phase, PhasesOf, Recipe
 from fedsplice.core import split as S
 from fedsplice.errors import ConfigError
@@ -81,10 +81,49 @@ def check_config(p: FedDPAParams, cfg: ExperimentConfig) -> None:
                           f"'generate' (instruction records, the paper's own task)")
 
 
+@dataclass(frozen=True)
+class Mix:
+    """An adapter mix (hooks.Around): in its context each named LoRA adapter's output is
+    multiplied by its factor (its scaling s becomes factor·s in every peft LoRA layer, which
+    multiplies B(A(x)) by it in the forward: h = W0 x + Σ_adapter factor·s·B A x; 0: off); the
+    others keep theirs. Restored on exit. A value, so phases compare equal."""
+
+    factors: tuple[tuple[str, float], ...]
+
+    @classmethod
+    def of(cls, factors: Mapping[str, float]) -> Mix:
+        return cls(tuple((k, float(f)) for k, f in factors.items()))
+
+    @contextmanager
+    def __call__(self, model: nn.Module) -> Iterator[None]:
+        saved = []
+        for mod in model.modules():
+            scaling = getattr(mod, "scaling", None)  # peft's LoraLayer: {adapter: alpha / r}
+            if isinstance(scaling, dict):
+                for adapter, f in self.factors:
+                    if adapter in scaling:
+                        saved.append((scaling, adapter, scaling[adapter]))
+                        scaling[adapter] = scaling[adapter] * f
+        try:
+            yield
+        finally:
+            for scaling, adapter, s in saved:
+                scaling[adapter] = s
+
+
+def mix_groups(factors: Mapping[str, np.ndarray]) -> list[tuple[Around, np.ndarray]]:
+    """{adapter: a factor per test sample} -> [(Mix, positions)]: the samples of equal factors,
+    scored as one batch (ClientOps.test_logits' groups)."""
+    table = np.stack([np.asarray(f, dtype=np.float64) for f in factors.values()], 1)
+    rows, group = np.unique(table, axis=0, return_inverse=True)
+    return [(Mix(tuple(zip(factors, row.tolist()))), np.flatnonzero(group.reshape(-1) == g))
+            for g, row in enumerate(rows)]
+
+
 def phases(p: FedDPAParams) -> PhasesOf:
     """round -> the round's phases: the global adapter alone in round 1, else local then global."""
-    glob = Phase(S.GLOBAL, p.local_epochs, {LOCAL: 0.0})
-    local = Phase(S.PRIVATE, p.local_epochs, {LOCAL: p.local_weight, SHARED: 1.0 - p.local_weight})
+    glob = Phase(S.GLOBAL, p.local_epochs, Mix.of({LOCAL: 0.0}))
+    local = Phase(S.PRIVATE, p.local_epochs, Mix.of({LOCAL: p.local_weight, SHARED: 1.0 - p.local_weight}))
     return lambda rnd: (glob,) if rnd <= 1 else (local, glob)
 
 
@@ -97,20 +136,20 @@ def instance_alpha(test: np.ndarray, bank: np.ndarray, refs: np.ndarray, lam: fl
 
 
 class FeatureModel(Protocol):
-    """What FedDPA reads of the model: a TaskModel's input features under adapter factors
-    (algorithms import no model)."""
+    """What FedDPA reads of the model: a TaskModel's input features (algorithms import no
+    model)."""
 
     def features(self, texts: list[str], batch_size: int, /) -> torch.Tensor: ...
 
-    def adapters_scaled(self, factors: Mapping[str, float], /) -> AbstractContextManager[None]: ...
+
+LOCAL_ALONE = Mix.of({SHARED: 0.0, LOCAL: 1.0})
 
 
 def local_features(model: nn.Module, texts: list[str], batch_size: int) -> torch.Tensor:
     """e(x) [N, D] (ClientOps.run's fn): the model's input features (TaskModel.features) with the
     local adapter alone (W0 + local, the code's)."""
-    m = cast(FeatureModel, model)
-    with m.adapters_scaled({SHARED: 0.0, LOCAL: 1.0}):
-        return m.features(texts, batch_size)
+    with LOCAL_ALONE(model):
+        return cast(FeatureModel, model).features(texts, batch_size)
 
 
 def dynamic_mix(p: FedDPAParams) -> Personal:
@@ -124,8 +163,8 @@ def dynamic_mix(p: FedDPAParams) -> Personal:
         if p.alpha_grid > 0:
             alpha = np.round(alpha / p.alpha_grid) * p.alpha_grid
         on_global = p.alpha_on == "global"
-        return ops.test_logits(params, {SHARED: alpha if on_global else 1.0 - alpha,
-                                        LOCAL: 1.0 - alpha if on_global else alpha})
+        return ops.test_logits(params, mix_groups({SHARED: alpha if on_global else 1.0 - alpha,
+                                                   LOCAL: 1.0 - alpha if on_global else alpha}))
     return Personal(predict=predict)
 
 

@@ -9,6 +9,7 @@ dataclass, or a tensor dict), kept on the client between its tasks and never sen
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -37,6 +38,14 @@ class ModelFn(Protocol):
     def __call__(self, model: nn.Module, texts: list[str], batch_size: int, /) -> torch.Tensor: ...
 
 
+class Around(Protocol):
+    """A change to the model around some of its forwards: a context manager over the model,
+    undone on exit (FedDPA's adapter mix, feddpa.Mix). Phase.around, ClientOps.test_logits'
+    groups."""
+
+    def __call__(self, model: nn.Module, /) -> AbstractContextManager[None]: ...
+
+
 class ClientOps(Protocol):
     """What a method's `Personal` hooks may do on the client they run for, where its data and
     state are (fedsplice.federation.tasks implements it; nothing of it leaves the client). Tensor
@@ -54,20 +63,20 @@ class ClientOps(Protocol):
         ...
 
     def test_logits(self, params: Mapping[str, torch.Tensor],
-                    adapters: Mapping[str, float | Sequence[float] | np.ndarray] | None = None) -> np.ndarray | Scores:
+                    groups: Sequence[tuple[Around, np.ndarray]] | None = None) -> np.ndarray | Scores:
         """`params` loaded: the model's logits [n_test, C] on the client's local test set (with
         model.task = "generate", which has no classes: the scores dict of its free-text answers,
         fedsplice.federation.generative.scores, which `Personal.predict` returns as it gets it).
-        With `adapters` ({LoRA adapter: factor}, TaskModel.adapters_scaled), each adapter's output
-        times its factor: one number for every test sample, or one per sample (n_test of them:
-        the samples with equal factors run as one batch)."""
+        With `groups` ([(around, positions in the local test set)], every position in exactly
+        one), each group's samples are scored together under their own change to the model
+        (FedDPA: the samples of one α, under that α's adapter mix)."""
         ...
 
     def run(self, params: Mapping[str, torch.Tensor], on: str, fn: ModelFn) -> torch.Tensor:
         """`params` loaded, without gradients: what `fn(model, texts, batch_size)` makes of the
         client's local test set (`on` = "test") or of its training samples in their order (`on` =
         "train"), eval.batch_size the batch size (e.g. FedDPA's input features under its local
-        adapter alone, `model.features(texts, batch_size)` in `model.adapters_scaled(...)`)."""
+        adapter alone: feddpa.local_features)."""
         ...
 
     def rng(self, key: int) -> np.random.Generator:
@@ -89,7 +98,7 @@ class ClientOps(Protocol):
 
     def cached(self, key: str, fn: ModelFn) -> torch.Tensor | None:
         """Frozen work, computed once per process: `fn(model, texts, batch_size)` over the whole
-        training set (eval mode, without gradients; `fn` must not depend on any trainable tensor,
+        training set (without gradients; `fn` must not depend on any trainable tensor,
         e.g. FedPuReL's zero-shot logits under the model's zero-shot switch), kept under `key`;
         returns this client's rows, in the order of its training samples. None with runtime.cache
         = false: the method computes what it needs where it needs it."""

@@ -16,6 +16,7 @@ import torch
 
 from fedsplice.algorithms.hooks import (
     After,
+    Around,
     BesideAdd,
     BesideInit,
     CheckConfig,
@@ -155,12 +156,12 @@ class LoraParts:
 class Phase(NamedTuple):
     """One phase of alternating local training (Recipe.phases): only the split `group`'s tensors
     train (the others frozen), for `epochs` local epochs, with an optimizer of its own; with
-    `adapters` ({LoRA adapter: factor}), each adapter's output times its factor in the phase's
-    forwards (TaskModel.adapters_scaled; 0: off)."""
+    `around`, the phase's forwards run under that change to the model (FedDPA: its adapter mix,
+    feddpa.Mix)."""
 
     group: str
     epochs: int
-    adapters: Mapping[str, float] | None = None
+    around: Around | None = None
 
 
 @dataclass
@@ -178,7 +179,7 @@ class Recipe(Generic[S]):
     trains: bool = True  # False: evaluation only (zero-shot)
     personalize: Personal[S] | None = None  # the method's own local stage (FedPuReL phase 2)
     exchange: Exchange[S] | None = None  # the method's own download and upload (HetLoRA, FLoRA, FedPuReL)
-    # Alternating local training (pFedLoRA, FedDPA): Phase(group, epochs[, adapters]) tuples, in
+    # Alternating local training (pFedLoRA, FedDPA): Phase(group, epochs[, around]) tuples, in
     # order; each phase trains only that group's tensors, with its own optimizer. Or a function
     # round -> those phases (FedDPA: round 0 has no local phase). Empty: one phase, all tensors.
     phases: tuple[Phase | tuple[str, int], ...] | PhasesOf = ()

@@ -210,10 +210,10 @@ def movement(exp: Experiment, global_params: Params, store: Store) -> dict[str, 
     return out
 
 
-def factor_groups(adapters: Mapping[str, float | Sequence[float] | np.ndarray],
-                  n: int) -> list[tuple[dict[str, float], np.ndarray]]:
-    """{adapter: factor, or one factor per record} over n records -> [(factors, positions)]: the
-    records of equal factors, to run as one batch under `TaskModel.adapters_scaled`."""
-    factors = np.stack([np.broadcast_to(np.asarray(f, dtype=np.float64), (n,)) for f in adapters.values()], 1)
-    rows, group = np.unique(factors, axis=0, return_inverse=True)
-    return [(dict(zip(adapters, row.tolist())), np.flatnonzero(group.reshape(-1) == g)) for g, row in enumerate(rows)]
+def check_groups(groups: Sequence[tuple[object, np.ndarray]] | None, n: int) -> None:
+    """ClientOps.test_logits' groups (if any): every position of the n test samples in exactly one."""
+    if groups is None:
+        return
+    seen = np.concatenate([np.asarray(m, dtype=np.int64).reshape(-1) for _, m in groups]) if groups else np.zeros(0)
+    if len(seen) != n or not np.array_equal(np.sort(seen), np.arange(n)):
+        raise ValueError(f"ClientOps.test_logits: groups must hold each of the {n} test positions exactly once")

@@ -14,6 +14,7 @@ on the global test set (GM), as the instruction-tuning field reports them (docs/
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
@@ -25,7 +26,7 @@ from fedsplice.model.generate import encode
 
 if TYPE_CHECKING:
     from fedsplice.algorithms import Recipe
-    from fedsplice.algorithms.hooks import Scores
+    from fedsplice.algorithms.hooks import Around, Scores
     from fedsplice.config import ExperimentConfig
     from fedsplice.data.datasets import TextDataset
     from fedsplice.data.instruct import Instruction
@@ -82,17 +83,17 @@ def length_warnings_of(cfg: ExperimentConfig, model: TaskModel, data: TextDatase
             f"keeps its start); raise model.max_length to keep them whole"]
 
 
-# items: instruction records (data.instruct.Instruction); groups: [(adapter factors, positions)]
-def answers(exp: Scoring, items: list[str], groups: list[tuple[dict[str, float], np.ndarray]] | None = None
+# items: instruction records (data.instruct.Instruction); groups: [(around, positions)]
+def answers(exp: Scoring, items: list[str], groups: Sequence[tuple[Around, np.ndarray]] | None = None
             ) -> dict[str, list[Any]]:
-    """`TaskModel.answers` of the model as loaded on `items`; with `groups` ([(factors, positions)],
-    `TaskModel.adapters_scaled`), each group's records under its own adapter factors, in order."""
+    """`TaskModel.answers` of the model as loaded on `items`; with `groups` ([(around, positions)],
+    ClientOps.test_logits'), each group's records under its own change to the model, in order."""
     e = exp.cfg.eval
     if groups is None:
         return exp.model.answers(items, e.batch_size, e.max_new_tokens, e.stop)
     out: dict[str, list[Any]] = {k: [None] * len(items) for k in ("nll", "tokens", "text", "options")}
-    for factors, members in groups:
-        with exp.model.adapters_scaled(factors):
+    for around, members in groups:
+        with around(exp.model):
             got = exp.model.answers([items[i] for i in members], e.batch_size, e.max_new_tokens, e.stop)
         for k, vals in got.items():
             for i, v in zip(members, vals):
@@ -100,9 +101,9 @@ def answers(exp: Scoring, items: list[str], groups: list[tuple[dict[str, float],
     return out
 
 
-def scores(exp: Scoring, items: list[str], groups: list[tuple[dict[str, float], np.ndarray]] | None = None) -> Scores:
+def scores(exp: Scoring, items: list[str], groups: Sequence[tuple[Around, np.ndarray]] | None = None) -> Scores:
     """The scores of the model as loaded on instruction records `items` (`groups`: as in `answers`,
-    a method's per-record adapter mix, FedDPA's)."""
+    a method's per-record change to the model, FedDPA's adapter mix)."""
     got = answers(exp, items, groups)
     tokens = int(sum(got["tokens"]))
     loss = float(sum(got["nll"]) / tokens) if tokens else float("nan")

@@ -37,7 +37,7 @@ from fedsplice.algorithms.switches import SWITCHES, chain
 from fedsplice.core import streams, wire
 from fedsplice.core.context import TrainContext
 from fedsplice.federation.dpsgd import session as dpsgd_session
-from fedsplice.federation.evaluation import factor_groups, logits_on, prior_logits, score
+from fedsplice.federation.evaluation import check_groups, logits_on, prior_logits, score
 from fedsplice.federation.generative import scores as answer_scores
 from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.metrics import classification_metrics
@@ -48,7 +48,7 @@ from fedsplice.federation.train import PLAIN, Step, local_train, planned_steps
 
 if TYPE_CHECKING:
     from fedsplice.algorithms import Link, Recipe
-    from fedsplice.algorithms.hooks import After, ModelFn, Objective, Scores
+    from fedsplice.algorithms.hooks import After, Around, ModelFn, Objective, Scores
     from fedsplice.config import ClientConfig, ExperimentConfig
     from fedsplice.core.server import Params
     from fedsplice.data.datasets import TextDataset
@@ -151,14 +151,14 @@ def train_phases(exp: Experiment, cid: int, **kw: Any) -> tuple[Params, dict[str
     state = kw.pop("opt_state", None) or {}
     budgets = phase_budgets(exp, cid, kw.pop("client_cfg", None) or exp.cfg.client, phases)
     try:
-        for (group, _, adapters), (epochs, ccfg) in zip(phases, budgets):
+        for (group, _, around), (epochs, ccfg) in zip(phases, budgets):
             if epochs == 0:
                 per[f"{group}_steps"] = 0  # no loss to report (statistics are finite numbers)
                 continue
             for n, p in params.items():
                 p.requires_grad_(split[n] == group)
             mine = {k: v for k, v in state.items() if split[k.rsplit("/", 1)[0]] == group}
-            with exp.model.adapters_scaled(adapters) if adapters else nullcontext():
+            with around(exp.model) if around else nullcontext():
                 o, stats = train_client(exp, cid, **kw, opt_state=mine, epochs=epochs, client_cfg=ccfg)
             opt.update(o)
             per.update({f"{group}_loss": stats.get("loss", float("nan")), f"{group}_steps": stats["steps"]})
@@ -270,18 +270,18 @@ class OnClient:
         return {n: t.clone() for n, t in self.exp.init_params.items()}
 
     def test_logits(self, params: Mapping[str, torch.Tensor],
-                    adapters: Mapping[str, float | Sequence[float] | np.ndarray] | None = None) -> np.ndarray | Scores:
+                    groups: Sequence[tuple[Around, np.ndarray]] | None = None) -> np.ndarray | Scores:
         exp = self.exp
         exp.model.load_params(params)
         idx = exp.clients[self.cid].test_idx
-        groups = factor_groups(adapters, len(idx)) if adapters else None
+        check_groups(groups, len(idx))
         if exp.cfg.model.task == "generate":  # free-text answers: the scores, not logits
             return answer_scores(exp, [exp.data.test_texts[i] for i in idx], groups)
         if groups is None:
             return predict_local_test(exp, self.cid)
         out = np.zeros((len(idx), len(exp.data.class_names)), dtype=np.float32)
-        for factors, members in groups:
-            with exp.model.adapters_scaled(factors):
+        for around, members in groups:
+            with around(exp.model):
                 out[members] = exp.model.predict([exp.data.test_texts[idx[i]] for i in members],
                                                  exp.cfg.eval.batch_size).numpy()
         return out
@@ -307,11 +307,8 @@ class OnClient:
         if not exp.cfg.runtime.cache:
             return None
         if (k := f"method/{key}") not in exp.caches:  # once per process, the whole training set
-            was = exp.model.training
-            exp.model.eval()
             with torch.no_grad():
                 exp.caches[k] = fn(exp.model, exp.data.train_texts, exp.cfg.eval.batch_size)
-            exp.model.train(was)
         rows: torch.Tensor = exp.caches[k][torch.as_tensor(self.sample_ids())]
         return rows
 

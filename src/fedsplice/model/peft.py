@@ -16,7 +16,7 @@ import dataclasses
 import re
 import warnings
 from collections.abc import Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -169,25 +169,6 @@ def param_infos(names, rmap: dict[str, str]) -> dict[str, ParamInfo]:
         else:  # head, prompt, adapter, projector, backbone ("full"), a method's modules: named by their module
             infos[name] = ParamInfo(None, None, None, name.split(".")[0])
     return infos
-
-
-@contextmanager
-def adapters_scaled(named_modules, factors: Mapping[str, float]):
-    """A context in which each named LoRA adapter's output is multiplied by its factor (its
-    scaling s becomes factor·s in every LoRA layer: peft multiplies B(A(x)) by it in the forward,
-    so h = W0 x + Σ_adapter factor·s·B A x); the others keep theirs. Restored on exit."""
-    saved = []
-    for _, mod in named_modules:
-        if hasattr(mod, "scaling") and isinstance(mod.scaling, dict):
-            for adapter, f in factors.items():
-                if adapter in mod.scaling:
-                    saved.append((mod.scaling, adapter, mod.scaling[adapter]))
-                    mod.scaling[adapter] = mod.scaling[adapter] * float(f)
-    try:
-        yield
-    finally:
-        for scaling, adapter, s in saved:
-            scaling[adapter] = s
 
 
 def lora_scalings(named_modules) -> dict[str, float]:

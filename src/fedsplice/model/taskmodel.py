@@ -272,14 +272,6 @@ class TaskModel(nn.Module):
         finally:
             self._zero_shot = False
 
-    def adapters_scaled(self, factors: Mapping[str, float]):
-        """A context in which each LoRA adapter named in `factors` ({adapter: factor}; "default"
-        is the shared one, a method's `LoraParts` add theirs) acts with its output times the factor
-        (0: off). A method mixes its adapters with it (FedDPA)."""
-        if self.pcfg.type != "lora":
-            raise ConfigError(f"adapter factors {dict(factors)} scale LoRA adapters: set peft.type = 'lora'")
-        return peft.adapters_scaled(self.named_modules(), factors)
-
     # ----------------------------------------------------------------- parameters by name
     def trainable(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
