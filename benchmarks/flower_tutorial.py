@@ -162,7 +162,7 @@ def make_client_app(cfg: ExperimentConfig) -> ClientApp:
         lite.recipe = recipe  # train_context reads the recipe's split (the term diagnostics use it)
         ctx = train_context(lite, cid, round=rnd)
         t1 = time.perf_counter()
-        seed_torch(cfg, rnd, cid)  # as federation.tasks.fit: same dropout and data order
+        seed_torch(cfg, rnd, cid)  # as federation.fitting.fit: same dropout and data order
         new_opt, stats = local_train(
             model, texts, d.train_labels[c.train_idx], cfg=cfg.client, step=Step.of(recipe),
             ids=c.train_idx,

@@ -47,7 +47,7 @@ METHODS = [("MiniLM", "full fine-tuning (full-ft)", "full-ft-minilm.toml", []),
 def worker(job: dict) -> dict:
     """One method, in this process: parameter counts, measured bytes and step time of `fit`."""
     from fedsplice.core import wire
-    from fedsplice.federation import tasks
+    from fedsplice.federation import fitting
     from fedsplice.federation.experiment import build
     from fedsplice.federation.store import MemoryStore
     from fedsplice.federation.validate import load_config
@@ -57,11 +57,11 @@ def worker(job: dict) -> dict:
     params = exp.model.trainable()
     down = wire.encode({n: params[n].detach() for n in exp.global_names})
     store, first = MemoryStore(), exp.sampling[0]
-    tasks.fit(exp, store, first[0], 1, down)  # warm-up
+    fitting.fit(exp, store, first[0], 1, down)  # warm-up
     per_step, up_len = [], 0
     for cid in first[1:]:
         t0 = time.perf_counter()
-        up, stats = tasks.fit(exp, store, cid, 1, down)
+        up, stats = fitting.fit(exp, store, cid, 1, down)
         per_step.append((time.perf_counter() - t0) / max(int(stats["steps"]), 1))
         up_len = len(up)
     return {"trainable": sum(p.numel() for p in params.values()),

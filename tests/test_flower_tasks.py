@@ -11,7 +11,7 @@ from test_flower import FakeGrid
 
 from fedsplice.app.runner import run_experiment
 from fedsplice.config import to_dict
-from fedsplice.federation import tasks
+from fedsplice.federation import fitting, tasks
 from fedsplice.runtimes.flower import client as flower_client
 from fedsplice.runtimes.flower.transport import FlowerTransport, JsonLog
 
@@ -30,7 +30,8 @@ def _flower_run(cfg, tmp_path, monkeypatch):
         monkeypatch.setattr(TaskIdentity, k, v)
     calls = []
     for name in ("fit", "evaluate", "personalize", "cold_start"):
-        orig = getattr(tasks, name)
+        mod = fitting if name == "fit" else tasks
+        orig = getattr(mod, name)
 
         def spy(exp, store, cid, *a, _o=orig, _n=name):
             calls.append((_n, id(exp), cid))
@@ -38,8 +39,8 @@ def _flower_run(cfg, tmp_path, monkeypatch):
 
         if name in tasks.RUN:
             monkeypatch.setitem(tasks.RUN, name, spy)
-        monkeypatch.setattr(tasks, name, spy)
-    monkeypatch.setattr(flower_client, "fit_client", tasks.fit)
+        monkeypatch.setattr(mod, name, spy)
+    monkeypatch.setattr(flower_client, "fit_client", fitting.fit)
     server = {}
     grid = FakeGrid(tomli_w.dumps(to_dict(cfg)), tmp_path, 3)
 

@@ -16,8 +16,9 @@ from fedsplice.core import wire
 from fedsplice.core.context import TrainContext, cross_entropy
 from fedsplice.errors import ConfigError
 from fedsplice.federation.experiment import build
+from fedsplice.federation.fitting import fit
 from fedsplice.federation.store import MemoryStore
-from fedsplice.federation.tasks import fit, start_switches, train_context
+from fedsplice.federation.tasks import start_switches, train_context
 from fedsplice.federation.train import cross_entropy_objective
 from fedsplice.federation.validate import load_config, saved_as_current
 

@@ -208,6 +208,12 @@ class RuntimeConfig:
     # same math within rounding. "auto": on the CPU (measured faster), except while LoRA dropout
     # trains (its masks are drawn per padded position); "on"; "off": padded to the longest member
     unpad: Literal["auto", "on", "off"] = "auto"
+    # every client's PM scored in one pass over the union of their local test sets, each row
+    # through its own client's LoRA factors (fedsplice.federation.batched; the same metrics within
+    # rounding). "auto": where the run allows it (LoRA on a text encoder's input side, its class
+    # side frozen; one process; no PM rule of the method's own); "on": required (validate says what is in the
+    # way); "off": one client at a time
+    batch_eval: Literal["auto", "on", "off"] = "auto"
     # simulation only: persistent worker processes, each building its own model and caches once
     # and using runtime.threads torch threads (0: cores // workers). A round's clients run on them
     # at once; client c always on worker c % workers, where its PRIVATE state lives. Metrics equal

@@ -20,9 +20,11 @@ from fedsplice.core import wire
 from fedsplice.core.robust import check_update
 from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation import ledger
+from fedsplice.federation.batched import evaluate as evaluate_batched
 from fedsplice.federation.calls import Observer
 from fedsplice.federation.evaluation import movement, references
 from fedsplice.federation.experiment import Client, Experiment, build
+from fedsplice.federation.fitting import fit as fit_client
 from fedsplice.federation.gather import Secured
 from fedsplice.federation.ledger import masked_rows, site_masked
 from fedsplice.federation.rounds import (
@@ -36,12 +38,12 @@ from fedsplice.federation.rounds import (
 )
 from fedsplice.federation.store import DiskStore, Store, make_store
 from fedsplice.federation.tasks import TASKS, accepts
-from fedsplice.federation.tasks import fit as fit_client
 from fedsplice.federation.tasks import run_task as client_task
 from fedsplice.federation.validate import load_config
 from fedsplice.federation.validate import validate as validate_config
 
 __all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Observer", "Reply", "SITES", "Secured", "Store", "TASKS",
+           "evaluate_batched",
            "Transport", "accepts", "build", "check_update", "client_task", "cold_start", "config_from_text",
            "evaluate_only", "fit_client", "gm_and_pm", "ledger", "load_config", "make_store", "masked_rows",
            "movement", "personalization", "references", "rng", "run_rounds", "site_masked", "validate_config",

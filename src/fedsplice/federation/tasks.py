@@ -5,7 +5,8 @@ holds those clients (this process in simulation, a SuperNode on Flower) and call
 there; nothing of a client's data or PRIVATE tensors ever comes back, only what the task
 returns. The tasks:
 
-- `fit`          one round of local training; returns the GLOBAL upload (and keeps PRIVATE state)
+- `fit`          one round of local training; returns the GLOBAL upload (and keeps PRIVATE state):
+                 `fedsplice.federation.fitting`, from this module's parts
 - `evaluate`     the personalized model (GLOBAL + the client's PRIVATE) on its local test set
 - `personalize`  the recipe's local stage after the rounds (FedPuReL phase 2)
 - `cold_start`   a held-out client adapts the final GLOBAL tensors for 1..N local epochs
@@ -32,18 +33,16 @@ import torch
 
 from fedsplice.algorithms import Personal, Phase, clone
 from fedsplice.algorithms.state import fresh as fresh_state
-from fedsplice.algorithms.state import pack, unpack
+from fedsplice.algorithms.state import unpack
 from fedsplice.algorithms.switches import SWITCHES, chain
-from fedsplice.core import streams, wire
+from fedsplice.core import streams
 from fedsplice.core.context import TrainContext
 from fedsplice.federation.dpsgd import session as dpsgd_session
 from fedsplice.federation.evaluation import check_groups, logits_on, prior_logits, score
 from fedsplice.federation.generative import scores as answer_scores
-from fedsplice.federation.ledger import site_upload
 from fedsplice.federation.metrics import classification_metrics
 from fedsplice.federation.pooled import pooled_budget
-from fedsplice.federation.privacy import client_release
-from fedsplice.federation.state import ClientState, switch_state
+from fedsplice.federation.state import ClientState
 from fedsplice.federation.train import PLAIN, Step, local_train, planned_steps
 
 if TYPE_CHECKING:
@@ -178,51 +177,6 @@ def round_config(exp: Experiment, cid: int, rnd: int) -> ClientConfig:
 def predict_local_test(exp: Experiment, cid: int) -> np.ndarray:
     d, idx = exp.data, exp.clients[cid].test_idx
     return exp.model.predict([d.test_texts[i] for i in idx], exp.cfg.eval.batch_size).numpy()
-
-
-def fit(exp: Experiment, store: Store, cid: int, rnd: int, down: bytes) -> tuple[bytes, dict[str, float]]:
-    """One client's round: decode the GLOBAL tensors, train, keep PRIVATE state, encode the upload."""
-    received = wire.decode(down)
-    stored = ClientState.from_store(store.get(cid))  # read once: every slot of the client's state
-    priv, opt_state = split_state(exp, stored)
-    links = start_switches(exp, cid, stored, received)
-    r, ex = exp.recipe, exp.recipe.exchange
-    slot = method_state(exp, stored)  # the method's own state
-    if r.personalize and r.personalize.fit:  # the method's own stage, before the round's training
-        slot = r.personalize.fit(OnClient(exp, cid), rnd, received, slot)
-    start: Mapping[str, torch.Tensor] = received
-    if ex and ex.receive:  # the method's own download rule (e.g. truncated to the client's rank)
-        start, slot = ex.receive(OnClient(exp, cid), rnd, received, slot)
-    exp.model.load_params({**priv, **start})  # receive may also reset PRIVATE tensors (FLoRA's fresh LoRA)
-    # pooled (centralized): its optimizer state persists across rounds, one continuous training run;
-    # else client.optimizer_state says whether PRIVATE tensors keep theirs
-    keep = (exp.global_names + exp.private_names if r.pooled
-            else exp.private_names if exp.cfg.client.optimizer_state == "keep_private" else [])
-    private = dpsgd_session(exp, cid, rnd, stored.dp if stored is not None else None)  # None: no DP-SGD
-    new_opt, stats = train_phases(exp, cid, rnd=rnd, torch_round=rnd,
-                                  ctx=train_context(exp, cid, links.values(), round=rnd, state=slot),
-                                  step=Step.of(r), keep_opt=keep, opt_state=opt_state,
-                                  client_cfg=round_config(exp, cid, rnd), private=private)
-    local_eps = None if private is None else private.epsilon()
-    if local_eps is not None:
-        stats["dp_local_epsilon"] = local_eps
-    params = clone(exp.model.trainable())  # on the CPU: the wire and the store never hold device tensors
-    trained = {n: params[n] for n in exp.global_names}
-    if ex and ex.send:  # the method's own upload rule (e.g. its rank pruned), from all it trained
-        sent, slot, extra = ex.send(OnClient(exp, cid), rnd, params, slot)
-        trained, stats = {n: sent[n] for n in exp.global_names}, {**stats, **extra}
-    if exp.privacy is not None:  # distributed DP: clipped and noised here, before anything leaves
-        trained = client_release(exp.privacy, exp.cfg, cid, rnd, trained, received)
-    codec = exp.cfg.client.upload
-    residual = dict(stored.ef) if stored is not None and codec == "int8" else {}
-    up, residual = wire.compress(trained, received, codec, residual)
-    if exp.ledger is not None and not exp.recipe.pooled:  # the site's record of what it sends (federation.ledger)
-        site_upload(exp.ledger, cid, rnd, up, exp.privacy.epsilon(rnd) if exp.privacy is not None else None,
-                    local_eps, secagg=exp.cfg.privacy.secure_aggregation)
-    store.put(cid, ClientState(params={n: params[n] for n in exp.private_names}, opt=new_opt, ef=residual,
-                               switch=switch_state({n: link.state() for n, link in links.items()}), method=pack(slot),
-                               dp=private.state() if private is not None else {}).to_store())
-    return up, stats
 
 
 def evaluate(exp: Experiment, store: Store, cid: int, global_params: Params) -> Metrics:

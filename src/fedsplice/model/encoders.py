@@ -23,6 +23,7 @@ from fedsplice.data.samples import Sample
 from fedsplice.errors import ConfigError
 from fedsplice.model.adapters import FeatureAdapter, PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
+from fedsplice.model.grouped import rows_of
 from fedsplice.model.peft import adapters_off
 from fedsplice.model.prefix import TextPrefix
 from fedsplice.model.unpad import by_length
@@ -43,9 +44,10 @@ class TextEncoder:
         self.overhead: int | None = None
 
     def encode(self, enc, texts: list[str]) -> torch.Tensor:
-        if self.prefix is None:
-            return self.backbone(**enc).last_hidden_state
-        return self.prefix.encode(enc, texts)
+        with rows_of(texts):  # Owned texts: each row through its client's LoRA (model.grouped)
+            if self.prefix is None:
+                return self.backbone(**enc).last_hidden_state
+            return self.prefix.encode(enc, texts)
 
     def embed(self, texts: list[str]) -> torch.Tensor:
         return self._unpadded(texts, self._mean_pooled)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fedsplice.federation import FAULTS, Observer, Reply, client_task, fit_client, rng, wire
+from fedsplice.federation import FAULTS, Observer, Reply, client_task, evaluate_batched, fit_client, rng, wire
 from fedsplice.federation import run_rounds as federation_run_rounds
 
 
@@ -71,6 +71,12 @@ class InProcess:
 
     def run(self, task: str, cids: list[int], down: bytes) -> dict[int, dict]:
         g = wire.decode(down)
+        if task == "evaluate" and self.exp.batch_eval and cids:  # every PM in one pass (runtime.batch_eval)
+            got = evaluate_batched(self.exp, self.store, cids, g)
+            for _ in cids:
+                if self.observer is not None:
+                    self.observer.client_done(task)
+            return got
         out = {}
         for c in cids:
             out[c] = client_task(task, self.exp, self.store, c, g)

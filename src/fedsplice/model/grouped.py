@@ -1,0 +1,88 @@
+"""Many clients through one base model (issue 50): each row of a batch passes through the frozen
+base weights together with every other row, and through its own client's LoRA factors.
+
+A row's client travels with its text: an `Owned` text is a `str` (token, prefix and feature
+caches key on its content, and sorting or unpadding moves it with its row) that also carries
+its owner, an index into the stacked factors. `TextEncoder.encode` reads the owners of the rows
+of each backbone call (`rows_of`), and inside `grouped(model, factors)` every named peft LoRA
+Linear adds, for row b, s·B_k A_k x_b with k = owner(b), from `factors[name] = (A [m, r, d_in],
+B [m, d_out, r])` gathered per row and applied as one batched matmul (the same on CUDA). Modules
+not named keep their own adapter (the GLOBAL LoRA every client shares).
+
+The result for each row is the same function of its tokens as the client's own forward, so
+logits agree with scoring each client apart within float rounding (tests/test_grouped.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import cast
+
+import torch
+from torch import nn
+
+
+class Owned(str):
+    """A text and the index of the client whose adapters score it."""
+
+    owner: int
+
+    def __new__(cls, text: str, owner: int) -> Owned:
+        s = super().__new__(cls, text)
+        s.owner = owner
+        return s
+
+
+_ROWS: ContextVar[torch.Tensor | None] = ContextVar("fedsplice_grouped_rows", default=None)
+
+
+@contextmanager
+def rows_of(texts: Sequence[object]) -> Iterator[None]:
+    """The owners of one backbone call's rows (texts not `Owned`: no owners, nothing changes)."""
+    if not texts or not isinstance(texts[0], Owned):
+        yield
+        return
+    token = _ROWS.set(torch.tensor([t.owner for t in texts if isinstance(t, Owned)], dtype=torch.long))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def _grouped_forward(mod: nn.Module, a: torch.Tensor, b: torch.Tensor):
+    base = cast(nn.Module, mod.base_layer)  # peft's LoRA Linear
+    drop, s = cast(nn.ModuleDict, mod.lora_dropout)["default"], float(cast(dict, mod.scaling)["default"])
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        own = _ROWS.get()
+        if own is None or own.shape[0] != x.shape[0]:
+            raise RuntimeError("grouped LoRA: a forward whose rows have no owners (the texts must be Owned)")
+        out = base(x, *args, **kwargs)
+        own = own.to(x.device)
+        xs = drop(x).reshape(x.shape[0], -1, x.shape[-1])
+        h = torch.einsum("bld,brd->blr", xs, a[own].to(xs.dtype))
+        delta = torch.einsum("blr,bor->blo", h, b[own].to(h.dtype)) * s
+        return out + delta.reshape(out.shape).to(out.dtype)
+
+    return forward
+
+
+@contextmanager
+def grouped(model: nn.Module, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Inside: each peft LoRA Linear named in `factors` ({module name: (A [m, r, d_in], B [m,
+    d_out, r])}) adds its row owner's s·B A x instead of its own adapter's (restored on exit)."""
+    mods = dict(model.named_modules())
+    missing = [n for n in factors if not isinstance(getattr(mods.get(n), "scaling", None), dict)]
+    if missing:
+        raise ValueError(f"grouped LoRA: {missing[:3]} are not LoRA layers of the model")
+    done = []
+    try:
+        for name, (a, b) in factors.items():
+            mods[name].forward = _grouped_forward(mods[name], a, b)
+            done.append(mods[name])
+        yield
+    finally:
+        for mod in done:
+            del mod.forward  # the class's forward again

@@ -1,0 +1,111 @@
+"""Many clients through one base model (model/grouped.py, federation/batched.py): each row
+through its own client's LoRA factors gives the logits of that client's model scored alone, and
+the batched PM evaluation equals the per-client one."""
+
+import pytest
+import torch
+
+from fedsplice.core import wire
+from fedsplice.federation import tasks
+from fedsplice.federation.experiment import build
+from fedsplice.federation.store import MemoryStore
+from fedsplice.model.grouped import Owned, grouped
+
+PF = dict(algorithm='"pfadapter"')
+# measured: at most 1.4e-7 relative apart on the tiny BERT (other rows in each padded sub-batch)
+RTOL = 1e-5
+TKL_ATOL = 1e-6  # measured: TKL differs by at most 4e-8 (a KL of near-equal distributions: absolute)
+
+
+def _rel(a, b) -> float:
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return float((a - b).norm() / b.norm())
+
+
+def _client_params(exp, k: int) -> dict[str, torch.Tensor]:
+    """Client k's model: the init with every LoRA factor (and head) drawn anew, seeded by k."""
+    g = torch.Generator().manual_seed(100 + k)
+    return {n: t + 0.5 * torch.randn(t.shape, generator=g) for n, t in exp.init_params.items()}
+
+
+def test_owned_text_is_its_string_with_an_owner():
+    t = Owned("a text", 3)
+    assert t == "a text" and hash(t) == hash("a text") and t.owner == 3 and isinstance(t, str)
+    assert sorted([Owned("bb", 1), Owned("a", 0)], key=len)[0].owner == 0
+
+
+def test_each_row_through_its_clients_factors_equals_each_client_alone(tiny_cfg):
+    """Three clients whose PRIVATE LoRA factors differ (PFAdapter: value/output), their GLOBAL
+    ones shared: one predict over the union, each text Owned by its client, against each
+    client's model loaded and scored alone; a text scored by two clients gets two answers."""
+    exp = build(tiny_cfg(**PF))
+    m = exp.model
+    texts = exp.data.test_texts[:12]
+    glob = {n: t for n, t in _client_params(exp, 0).items() if n in exp.global_names}
+    clients = [{**glob, **{n: t for n, t in _client_params(exp, k).items() if n in exp.private_names}}
+               for k in range(3)]
+    alone = []
+    for p in clients:
+        m.load_params(p)
+        alone.append(m.predict(texts, 5))
+    m.load_params(clients[0])
+    factors = {}
+    for mod in sorted({n.split(".lora_")[0] for n in exp.private_names if ".lora_" in n}):
+        a = torch.stack([p[f"{mod}.lora_A.default.weight"] for p in clients])
+        b = torch.stack([p[f"{mod}.lora_B.default.weight"] for p in clients])
+        factors[mod] = (a, b)
+    owned = [Owned(t, k) for k in range(3) for t in texts]
+    with grouped(m, factors):
+        union = m.predict(owned, 5)
+    for k in range(3):
+        got = union[k * len(texts):(k + 1) * len(texts)]
+        assert _rel(got, alone[k]) < RTOL, k
+    assert _rel(alone[1], alone[0]) > 1e-2  # the clients' models do differ: the grouping matters
+    m.load_params(clients[2])
+    assert _rel(m.predict(texts, 5), alone[2]) == 0  # restored: the model's own LoRA again
+    with grouped(m, factors), pytest.raises(RuntimeError, match="no owners"):
+        m.predict(texts, 5)
+
+
+def test_batched_pm_equals_each_client_alone(tiny_cfg):
+    """After a trained round (every client's PRIVATE factors its own), the in-process runtime's
+    batched evaluate gives each client the metrics tasks.evaluate gives it alone; round 0's PM
+    (the zero-shot cache, no forward) too."""
+    from fedsplice.runtimes.inprocess import InProcess, run_rounds
+
+    n = len(build(tiny_cfg(**PF)).train_ids)
+    exp = build(tiny_cfg(**PF, server__rounds=1, server__clients_per_round=n))
+    assert exp.batch_eval  # runtime.batch_eval = "auto" applies to PFAdapter on a text dual encoder
+    store = MemoryStore()
+    g = run_rounds(exp, store, lambda r: None)["global_params"]
+    down = wire.encode(g)
+    batched = InProcess(exp, store).run("evaluate", exp.train_ids, down)
+    alone = {c: tasks.evaluate(exp, store, c, g) for c in exp.train_ids}
+    assert sorted(batched) == sorted(alone)
+    for c in exp.train_ids:
+        for k, v in alone[c].items():
+            if k == "tkl":  # a KL of near-equal distributions: rounding of the logits, not relative to it
+                assert batched[c][k] == pytest.approx(v, abs=TKL_ATOL), (c, k)
+            elif isinstance(v, float):
+                assert batched[c][k] == pytest.approx(v, rel=RTOL, abs=1e-9), (c, k)
+            else:
+                assert batched[c][k] == v, (c, k)
+    fresh = build(tiny_cfg(**PF))
+    zero = InProcess(fresh, MemoryStore()).run("evaluate", fresh.train_ids, wire.encode(
+        {n_: fresh.init_params[n_] for n_ in fresh.global_names}))
+    assert zero[0] == tasks.evaluate(fresh, MemoryStore(), 0, {n_: fresh.init_params[n_] for n_ in fresh.global_names})
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["runtime.workers=2"], "every client in one process"),
+    (["algorithm=\"pfedlora\"", "method={}"], "adds LoRA parts of its own"),
+    (["algorithm=\"feddpa\"", "method={}"], "scores its PM with a rule of its own"),
+    (["peft.type=\"prompt\"", "model.task=\"dual_encoder\""], "groups the LoRA factors of a text encoder"),
+])
+def test_batch_eval_on_where_it_cannot_apply_is_refused(sets, match, tiny_cfg, cli_refuses):
+    cli_refuses(tiny_cfg(**PF), ["runtime.batch_eval=\"on\"", *sets], match)
+
+
+def test_batch_eval_off_and_where_refused_scores_each_client_alone(tiny_cfg):
+    assert not build(tiny_cfg(**PF, runtime__batch_eval='"off"')).batch_eval
+    assert not build(tiny_cfg(algorithm='"fedpurel"', method="{}")).batch_eval  # its own PM rule
