@@ -74,7 +74,7 @@ def test_batched_pm_equals_each_client_alone(tiny_cfg):
     from fedsplice.runtimes.inprocess import InProcess, run_rounds
 
     n = len(build(tiny_cfg(**PF)).train_ids)
-    exp = build(tiny_cfg(**PF, server__rounds=1, server__clients_per_round=n))
+    exp = build(tiny_cfg(**PF, server__rounds=1, server__clients_per_round=n, runtime__batch_eval='"auto"'))
     assert exp.batch_eval  # runtime.batch_eval = "auto" applies to PFAdapter on a text dual encoder
     store = MemoryStore()
     g = run_rounds(exp, store, lambda r: None)["global_params"]
@@ -90,7 +90,7 @@ def test_batched_pm_equals_each_client_alone(tiny_cfg):
                 assert batched[c][k] == pytest.approx(v, rel=RTOL, abs=1e-9), (c, k)
             else:
                 assert batched[c][k] == v, (c, k)
-    fresh = build(tiny_cfg(**PF))
+    fresh = build(tiny_cfg(**PF, runtime__batch_eval='"auto"'))
     zero = InProcess(fresh, MemoryStore()).run("evaluate", fresh.train_ids, wire.encode(
         {n_: fresh.init_params[n_] for n_ in fresh.global_names}))
     assert zero[0] == tasks.evaluate(fresh, MemoryStore(), 0, {n_: fresh.init_params[n_] for n_ in fresh.global_names})
@@ -99,7 +99,7 @@ def test_batched_pm_equals_each_client_alone(tiny_cfg):
 @pytest.mark.parametrize("sets,match", [
     (["runtime.workers=2"], "every client in one process"),
     (["algorithm=\"pfedlora\"", "method={}"], "adds LoRA parts of its own"),
-    (["algorithm=\"feddpa\"", "method={}"], "scores its PM with a rule of its own"),
+    (["algorithm=\"hetlora\"", "method={r_min = 1, ranks = [1, 2]}"], "scores its PM with a rule of its own"),
     (["peft.type=\"prompt\"", "model.task=\"dual_encoder\""], "groups the LoRA factors of a text encoder"),
 ])
 def test_batch_eval_on_where_it_cannot_apply_is_refused(sets, match, tiny_cfg, cli_refuses):
@@ -108,4 +108,4 @@ def test_batch_eval_on_where_it_cannot_apply_is_refused(sets, match, tiny_cfg, c
 
 def test_batch_eval_off_and_where_refused_scores_each_client_alone(tiny_cfg):
     assert not build(tiny_cfg(**PF, runtime__batch_eval='"off"')).batch_eval
-    assert not build(tiny_cfg(algorithm='"fedpurel"', method="{}")).batch_eval  # its own PM rule
+    assert not build(tiny_cfg(algorithm='"fedpurel"', method="{}", runtime__batch_eval='"auto"')).batch_eval

@@ -213,7 +213,13 @@ class RuntimeConfig:
     # rounding). "auto": where the run allows it (LoRA on a text encoder's input side, its class
     # side frozen; one process; no PM rule of the method's own); "on": required (validate says what is in the
     # way); "off": one client at a time
-    batch_eval: Literal["auto", "on", "off"] = "auto"
+    batch_eval: Literal["auto", "on", "off"] = "off"
+    # a round's clients trained together: one forward and backward over the frozen base a step,
+    # each client's rows through its own LoRA factors, its own loss and optimizer
+    # (fedsplice.federation.batched_train; the same tensors within rounding). "auto": where the run
+    # allows it (as batch_eval, and only LoRA factors train, with the default step); "on":
+    # required; "off": one client after another
+    batch_train: Literal["auto", "on", "off"] = "off"
     # simulation only: persistent worker processes, each building its own model and caches once
     # and using runtime.threads torch threads (0: cores // workers). A round's clients run on them
     # at once; client c always on worker c % workers, where its PRIVATE state lives. Metrics equal

@@ -21,6 +21,7 @@ from fedsplice.core.robust import check_update
 from fedsplice.core.streams import FAULTS, rng
 from fedsplice.federation import ledger
 from fedsplice.federation.batched import evaluate as evaluate_batched
+from fedsplice.federation.batched_train import fit_together
 from fedsplice.federation.calls import Observer
 from fedsplice.federation.evaluation import movement, references
 from fedsplice.federation.experiment import Client, Experiment, build
@@ -43,7 +44,7 @@ from fedsplice.federation.validate import load_config
 from fedsplice.federation.validate import validate as validate_config
 
 __all__ = ["Client", "DiskStore", "Experiment", "FAULTS", "Observer", "Reply", "SITES", "Secured", "Store", "TASKS",
-           "evaluate_batched",
+           "evaluate_batched", "fit_together",
            "Transport", "accepts", "build", "check_update", "client_task", "cold_start", "config_from_text",
            "evaluate_only", "fit_client", "gm_and_pm", "ledger", "load_config", "make_store", "masked_rows",
            "movement", "personalization", "references", "rng", "run_rounds", "site_masked", "validate_config",

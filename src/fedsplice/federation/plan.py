@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from fedsplice.algorithms import ModelSpec, Recipe, build_recipe
 from fedsplice.config import ExperimentConfig
 from fedsplice.core.split import GLOBAL, PRIVATE, ParamInfo, names_in
-from fedsplice.errors import ConfigError
+from fedsplice.federation.batching import applies, eval_refusal, train_refusal
 from fedsplice.federation.dpsgd import check as dpsgd_check
 from fedsplice.federation.generative import check_recipe as check_generate_recipe
 from fedsplice.federation.pooled import check_reference
@@ -49,6 +49,7 @@ class Plan:
     global_names: list[str]
     private_names: list[str]
     batch_eval: bool = False  # runtime.batch_eval applies (federation.batched)
+    batch_train: bool = False  # runtime.batch_train applies (federation.batched_train)
 
 
 def plan(cfg: ExperimentConfig, class_names: list[str] | None = None, class_prompt: str = "") -> Plan:
@@ -62,33 +63,11 @@ def plan(cfg: ExperimentConfig, class_names: list[str] | None = None, class_prom
     recipe = build_recipe(cfg, ModelSpec(infos, shapes, scalings))
     global_names, private_names = names_in(recipe.split, GLOBAL), names_in(recipe.split, PRIVATE)
     check_recipe(cfg, recipe, global_names, skeleton)
-    why = batch_refusal(cfg, recipe, infos, private_names, skeleton)
-    if cfg.runtime.batch_eval == "on" and why:
-        raise ConfigError(f"runtime.batch_eval = 'on' cannot apply: {why}; set runtime.batch_eval = 'auto' or 'off'")
+    rc = cfg.runtime
     return Plan(recipe, infos, shapes, scalings, global_names, private_names,
-                batch_eval=cfg.runtime.batch_eval != "off" and why is None)
-
-
-def batch_refusal(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo], private: list[str],
-                  model: TaskModel) -> str | None:
-    """Why the PM evaluation cannot run batched for this config (None: it can): runtime.batch_eval,
-    federation.batched."""
-    if cfg.runtime.kind != "simulation" or cfg.runtime.workers != 1:
-        return "it needs every client in one process (runtime.kind = 'simulation', runtime.workers = 1)"
-    if recipe.prior or recipe.pooled:
-        return f"algorithm {cfg.algorithm!r} is a reference whose PM is no client model"
-    if (cfg.peft.type != "lora" or cfg.model.task not in ("encoder_head", "dual_encoder") or model.is_clip
-            or model.class_side_trains):
-        return ("it groups the LoRA factors of a text encoder's input side (peft.type = 'lora', model.task = "
-                "'encoder_head' or a text 'dual_encoder' whose class side is frozen)")
-    if recipe.personalize is not None and recipe.personalize.predict is not None:
-        return f"algorithm {cfg.algorithm!r} scores its PM with a rule of its own"
-    if any(i.kind.startswith("lora_") for i in infos.values()):  # LoraParts: adapters or tensors beside
-        return f"algorithm {cfg.algorithm!r} adds LoRA parts of its own"
-    other = [n for n in private if infos[n].kind != "lora" or infos[n].factor not in ("A", "B")]
-    if other:
-        return f"PRIVATE tensors other than LoRA factors differ between clients (e.g. {other[0]})"
-    return None
+                batch_eval=applies("batch_eval", rc.batch_eval,
+                                   eval_refusal(cfg, recipe, infos, private_names, skeleton)),
+                batch_train=applies("batch_train", rc.batch_train, train_refusal(cfg, recipe, infos, skeleton)))
 
 
 def check_recipe(cfg: ExperimentConfig, recipe: Recipe, global_names: list[str], model: TaskModel) -> None:

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fedsplice.federation import FAULTS, Observer, Reply, client_task, evaluate_batched, fit_client, rng, wire
+from fedsplice.federation import (
+    FAULTS,
+    Observer,
+    Reply,
+    client_task,
+    evaluate_batched,
+    fit_client,
+    fit_together,
+    rng,
+    wire,
+)
 from fedsplice.federation import run_rounds as federation_run_rounds
 
 
@@ -58,12 +68,28 @@ class InProcess:
 
     def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]:
         failed = self.faults.failed(rnd, cids, down)
+        if self.exp.batch_train:  # the round's clients trained together (runtime.batch_train)
+            return self._fit_together(rnd, cids, down, failed)
         out = []
         for cid in cids:
             if cid in failed:
                 out.append(failed[cid])
                 continue
             up, st = fit_client(self.exp, self.store, cid, rnd, down)
+            out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
+            if self.observer is not None:
+                self.observer.client_done("fit")
+        return out
+
+    def _fit_together(self, rnd: int, cids: list[int], down: bytes, failed: dict[int, Reply]) -> list[Reply]:
+        ok = [c for c in cids if c not in failed]
+        done = dict(zip(ok, fit_together(self.exp, self.store, ok, rnd, down))) if ok else {}
+        out = []
+        for cid in cids:
+            if cid in failed:
+                out.append(failed[cid])
+                continue
+            up, st = done[cid]
             out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
             if self.observer is not None:
                 self.observer.client_done("fit")

@@ -1,0 +1,71 @@
+"""Where a round's clients may go through one base model together (issue 50): the plan's
+decision for runtime.batch_eval (federation.batched) and runtime.batch_train
+(federation.batched_train). "auto" applies either where nothing below is in the way; "on"
+requires it, and a config it cannot apply to is refused with the reason (no setting silently
+does nothing); "off" never applies it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedsplice.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsplice.algorithms import Recipe
+    from fedsplice.config import ExperimentConfig
+    from fedsplice.core.split import ParamInfo
+    from fedsplice.model.taskmodel import TaskModel
+
+
+def applies(field: str, setting: str, why: str | None) -> bool:
+    """Whether runtime.<field> = `setting` batches, `why` what is in the way (None: nothing)."""
+    if setting == "on" and why:
+        raise ConfigError(f"runtime.{field} = 'on' cannot apply: {why}; set runtime.{field} = 'auto' or 'off'")
+    return setting != "off" and why is None
+
+
+def _common(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo], model: TaskModel) -> str | None:
+    if cfg.runtime.kind != "simulation" or cfg.runtime.workers != 1:
+        return "it needs every client in one process (runtime.kind = 'simulation', runtime.workers = 1)"
+    if recipe.prior or recipe.pooled:
+        return f"algorithm {cfg.algorithm!r} is a reference, not clients of one model"
+    if (cfg.peft.type != "lora" or cfg.model.task not in ("encoder_head", "dual_encoder") or model.is_clip
+            or model.class_side_trains):
+        return ("it groups the LoRA factors of a text encoder's input side (peft.type = 'lora', model.task = "
+                "'encoder_head' or a text 'dual_encoder' whose class side is frozen)")
+    if any(i.kind.startswith("lora_") for i in infos.values()):  # LoraParts: adapters or tensors beside
+        return f"algorithm {cfg.algorithm!r} adds LoRA parts of its own"
+    return None
+
+
+def eval_refusal(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo], private: list[str],
+                 model: TaskModel) -> str | None:
+    """Why the clients' PM cannot be scored together (None: it can)."""
+    if why := _common(cfg, recipe, infos, model):
+        return why
+    if recipe.personalize is not None and recipe.personalize.predict is not None:
+        return f"algorithm {cfg.algorithm!r} scores its PM with a rule of its own"
+    other = [n for n in private if infos[n].kind != "lora" or infos[n].factor not in ("A", "B")]
+    if other:
+        return f"PRIVATE tensors other than LoRA factors differ between clients (e.g. {other[0]})"
+    return None
+
+
+def train_refusal(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo],
+                  model: TaskModel) -> str | None:
+    """Why a round's clients cannot train together (None: they can)."""
+    if why := _common(cfg, recipe, infos, model):
+        return why
+    other = [n for n, i in infos.items() if i.kind != "lora" or i.factor not in ("A", "B")]
+    if other:
+        return f"it trains LoRA factors only, and this run also trains {other[0]}"
+    if recipe.objective is not None or recipe.grad_transform is not None or recipe.phases:
+        return f"algorithm {cfg.algorithm!r} trains with an objective, gradient rule or phases of its own"
+    if cfg.privacy.local == "dpsgd":
+        return "DP-SGD clips and noises each client's own examples (privacy.local = 'dpsgd')"
+    if cfg.peft.dropout > 0:
+        return "LoRA dropout draws its masks from each client's own stream (peft.dropout > 0)"
+    if cfg.runtime.precision == "fp16":
+        return "fp16's gradient scaler skips steps client by client (runtime.precision = 'fp16')"
+    return None
