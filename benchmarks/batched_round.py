@@ -39,6 +39,7 @@ def one_run(exp, together: bool) -> dict:
     from fedsplice.runtimes.inprocess import InProcess, run_rounds
 
     exp.batch_train = exp.batch_eval = together
+    exp.model.load_params(exp.init_params)  # the round loop starts from the model as it holds it
     records: list[dict] = []
     pm_s: list[float] = []
     run = InProcess.run

@@ -55,9 +55,10 @@ def test_training_together_equals_one_client_after_another(tiny_cfg, algo, opt):
             assert _rel(b[k], a[k]) < tol, (c, k)
     for ra, rb in zip(rec_a, rec_b):
         assert ra.keys() == rb.keys()
-        for k in ("train_loss", "orthogonality_loss", "task_loss"):
-            if k in ra:
-                assert rb[k] == pytest.approx(ra[k], rel=tol), k
+        stats = [k for k, v in ra.items() if isinstance(v, float) and k != "time_s"]  # losses, diagnostics
+        assert "orthogonality_grad_ratio_global" in ra or "pfadapter" not in algo["algorithm"] or ra["round"] == 0
+        for k in stats:
+            assert rb[k] == pytest.approx(ra[k], rel=tol), k
         if "pm" in ra:
             assert rb["pm"]["accuracy"] == pytest.approx(ra["pm"]["accuracy"], abs=0.02)
     json.dumps(rec_b)  # the records stay plain JSON

@@ -7,8 +7,9 @@ step's clients stacked from their own tensors, so each gradient lands on its own
 Each client's loss is its task loss over its own rows plus its loss terms on its own tensors; the
 sum of the clients' losses is differentiated once, and each client's own optimizer steps (with
 its own gradient clipping) on its own tensors only. A client whose local steps are done drops out
-of the batch. The math per client is the sequential loop's: tests/test_batched_train.py shows
-equal tensors and metrics within rounding.
+of the batch; the loss terms' diagnostics come from the joint graph (`diagnose`). The math per
+client is the sequential loop's: tests/test_batched_train.py shows equal tensors, statistics and
+metrics within rounding.
 
 What may batch is decided by the plan (`plan.train_refusal`): LoRA factors are the only
 trainable tensors, and the step is the default one (no objective, gradient transform, phases or
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -37,7 +38,8 @@ from fedsplice.federation.train import (
     means,
     optimizer_step,
     planned_steps,
-    term_diagnostics,
+    ratios,
+    side_norms,
 )
 from fedsplice.model.grouped import Owned, grouped
 
@@ -84,20 +86,32 @@ def _trainee(exp: Experiment, f: Fitting, names: list[str], dev: torch.device) -
                    torch.as_tensor(d.train_labels[c.train_idx], dtype=torch.long).to(dev), batches)
 
 
+class Losses(NamedTuple):
+    """One client's losses of a joint step (train.local_train's names)."""
+
+    losses: dict[str, torch.Tensor]  # "task" (with the loss terms added) and each other loss
+    task: torch.Tensor  # the task loss alone
+    weighted: dict[str, tuple[torch.Tensor, float]]  # on its last step: {term: (value, weight)}
+
+
+def mods_of(ts: list[Trainee]) -> list[str]:
+    """The LoRA modules of the trained tensors (every trainable tensor is a LoRA factor)."""
+    return sorted({n.rsplit(".lora_", 1)[0] for n in ts[0].params})
+
+
 def _factors(ts: list[Trainee], mods: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return {m: (torch.stack([t.params[f"{m}.lora_A.default.weight"] for t in ts]),
                 torch.stack([t.params[f"{m}.lora_B.default.weight"] for t in ts])) for m in mods}
 
 
-def _losses(exp: Experiment, ts: list[Trainee], step: int, last: bool,
-            mods: list[str]) -> list[tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, float]]]]:
+def _losses(exp: Experiment, ts: list[Trainee], step: int) -> list[Losses]:
     """One forward over the union of the clients' batches of `step`: each client's losses (its
-    task loss on its rows, plus its loss terms, whose values go to its statistics), or with
-    `last` (a client's last step, alone: term_diagnostics) its weighted terms, no statistics."""
+    task loss on its rows, plus its loss terms, whose values go to its statistics), its task loss
+    alone, and on its last step its weighted terms (for the diagnostics)."""
     model, rec = exp.model, exp.recipe
     texts = [Owned(t.texts[i], k) for k, t in enumerate(ts) for i in t.batches[step]]
     amp = getattr(model, "autocast", nullcontext)  # runtime.precision, as the sequential loop's
-    with amp(), grouped(model, _factors(ts, mods)):
+    with amp(), grouped(model, _factors(ts, mods_of(ts))):
         logits = model(texts)
         out, start = [], 0
         for t in ts:
@@ -107,9 +121,32 @@ def _losses(exp: Experiment, ts: list[Trainee], step: int, last: bool,
             out.append({"task": t.ctx.task_loss(rows, t.labels[torch.from_numpy(idx).to(t.labels.device)])})
     got = []
     for t, losses in zip(ts, out):  # parameter-only terms in fp32, as the sequential loop adds them
-        weighted, _ = add_terms(losses, list(rec.loss_terms), t.params, t.ctx, t.sums if not last else {}, last)
-        got.append((losses, weighted))
+        task = losses["task"]
+        last = t.f.client_cfg.diagnostics and step == len(t.batches) - 1
+        weighted, _ = add_terms(losses, list(rec.loss_terms), t.params, t.ctx, t.sums, last)
+        got.append(Losses(losses, task, weighted))
     return got
+
+
+def diagnose(ts: list[Trainee], got: list[Losses]) -> None:
+    """term_diagnostics of the clients on their last step, from the joint graph: a client's
+    tensors reach only its own losses, so one gradient of the sum over them gives each client
+    its own gradient (one backward for the task, one per term, as the sequential loop takes)."""
+    which = [(t, g) for t, g in zip(ts, got) if g.weighted]
+    if not which:
+        return
+    names = sorted(which[0][0].params)
+    flat = [t.params[n] for t, _ in which for n in names]
+
+    def norms(loss: torch.Tensor) -> list[dict[str, float]]:
+        gs = torch.autograd.grad(loss, flat, retain_graph=True, allow_unused=True)
+        return [side_norms(gs[i * len(names):(i + 1) * len(names)], names, t.ctx.split)
+                for i, (t, _) in enumerate(which)]
+
+    base = norms(torch.stack([g.task for _, g in which]).sum())
+    per_term = {k: norms(torch.stack([g.weighted[k][0] for _, g in which]).sum()) for k in which[0][1].weighted}
+    for i, (t, g) in enumerate(which):
+        t.diag = ratios(base[i], {k: (per_term[k][i], v, w) for k, (v, w) in g.weighted.items()})
 
 
 def train_together(exp: Experiment, fits: list[Fitting]) -> list[tuple[Params, Params, dict[str, float]]]:
@@ -117,7 +154,6 @@ def train_together(exp: Experiment, fits: list[Fitting]) -> list[tuple[Params, P
     (its trained tensors on the CPU, its kept optimizer state, its statistics) each."""
     model = exp.model
     names = sorted(model.trainable())
-    mods = sorted({n.rsplit(".lora_", 1)[0] for n in names})
     dev = getattr(model, "device", torch.device("cpu"))
     ts = [_trainee(exp, f, names, dev) for f in fits]
     # no step draws from torch's stream (LoRA dropout is off): it ends as the last client's seed leaves it
@@ -125,22 +161,16 @@ def train_together(exp: Experiment, fits: list[Fitting]) -> list[tuple[Params, P
     model.train()
     for step in range(max(len(t.batches) for t in ts)):
         live = [t for t in ts if step < len(t.batches)]
-        got = _losses(exp, live, step, False, mods)
-        for t in live:
-            # on its last step: the terms' diagnostics, measured on its batch alone (same math)
-            if t.f.client_cfg.diagnostics and step == len(t.batches) - 1:
-                alone, weighted = _losses(exp, [t], step, True, mods)[0]
-                if weighted:
-                    plist = [t.params[n] for n in names]
-                    t.diag = term_diagnostics(alone["task"], weighted, plist, names, t.ctx.split)
-        totals = [sum(losses.values()) for losses, _ in got]
+        got = _losses(exp, live, step)
+        diagnose(live, got)  # the clients on their last step
+        totals = [sum(g.losses.values()) for g in got]
         for t in live:
             t.opt.zero_grad(set_to_none=True)
         torch.autograd.backward(torch.stack([torch.as_tensor(x) for x in totals]).sum())
-        for t, (losses, _), total in zip(live, got, totals):
+        for t, g, total in zip(live, got, totals):
             optimizer_step(t.opt, None, t.f.client_cfg.max_grad_norm)
             accumulate(t.sums, "loss", total)
-            for k, v in losses.items():
+            for k, v in g.losses.items():
                 accumulate(t.sums, f"{k}_loss", v)
     out = []
     for t in ts:

@@ -127,26 +127,34 @@ def planned_steps(n: int, cfg: ClientConfig, epochs: int | None) -> int:
     return min(total, cfg.max_steps) if cfg.max_steps else total
 
 
-def term_diagnostics(task: torch.Tensor, terms: dict[str, tuple[torch.Tensor, float]], plist: list[torch.nn.Parameter],
-                     names: list[str], split: dict[str, str]) -> dict[str, float]:
-    """Per loss term, ‖∇term‖ / ‖∇task‖ on the GLOBAL and on the PRIVATE tensors (PFAdapter's
-    question: does λo·Lo move anything next to the task loss?), and the unweighted term value."""
-    def norms(loss: torch.Tensor) -> dict[str, float]:
-        gs = torch.autograd.grad(loss, plist, retain_graph=True, allow_unused=True)
-        sq: dict[str, list[torch.Tensor]] = {"global": [], "private": []}
-        for n, g in zip(names, gs):
-            if g is not None:
-                sq["private" if split.get(n) == "private" else "global"].append((g.detach() ** 2).sum())
-        return {k: float(torch.stack(v).double().sum()) ** 0.5 if v else 0.0 for k, v in sq.items()}
+def side_norms(grads: Sequence[torch.Tensor | None], names: list[str], split: Mapping[str, str]) -> dict[str, float]:
+    """The L2 norm of a gradient over the GLOBAL and over the PRIVATE tensors (`names`' order)."""
+    sq: dict[str, list[torch.Tensor]] = {"global": [], "private": []}
+    for n, g in zip(names, grads):
+        if g is not None:
+            sq["private" if split.get(n) == "private" else "global"].append((g.detach() ** 2).sum())
+    return {k: float(torch.stack(v).double().sum()) ** 0.5 if v else 0.0 for k, v in sq.items()}
 
-    base, out = norms(task), dict[str, float]()
-    for key, (v, weight) in terms.items():
-        t = norms(v)
+
+def ratios(base: dict[str, float], terms: dict[str, tuple[dict[str, float], torch.Tensor, float]]) -> dict[str, float]:
+    """term_diagnostics' statistics from the task's side norms and each term's (norms, value, weight)."""
+    out = dict[str, float]()
+    for key, (t, v, weight) in terms.items():
         out[f"{key}_raw"] = float(v.detach()) / weight
         for side in ("global", "private"):
             if base[side] > 0:  # a side without tensors (or without a task gradient) has no ratio
                 out[f"{key}_grad_ratio_{side}"] = t[side] / base[side]
     return out
+
+
+def term_diagnostics(task: torch.Tensor, terms: dict[str, tuple[torch.Tensor, float]], plist: list[torch.nn.Parameter],
+                     names: list[str], split: dict[str, str]) -> dict[str, float]:
+    """Per loss term, ‖∇term‖ / ‖∇task‖ on the GLOBAL and on the PRIVATE tensors (PFAdapter's
+    question: does λo·Lo move anything next to the task loss?), and the unweighted term value."""
+    def norms(loss: torch.Tensor) -> dict[str, float]:
+        return side_norms(torch.autograd.grad(loss, plist, retain_graph=True, allow_unused=True), names, split)
+
+    return ratios(norms(task), {k: (norms(v), v, w) for k, (v, w) in terms.items()})
 
 
 def optimizer_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, max_grad_norm: float = 0.0) -> None:
