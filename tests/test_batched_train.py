@@ -72,3 +72,16 @@ def test_training_together_equals_one_client_after_another(tiny_cfg, algo, opt):
 ])
 def test_batch_train_on_where_it_cannot_apply_is_refused(sets, match, tiny_cfg, cli_refuses):
     cli_refuses(tiny_cfg(algorithm='"pfadapter"'), ["runtime.batch_train=\"on\"", *sets], match)
+
+
+def test_auto_says_what_applies_and_why_not(tiny_cfg):
+    """runtime.* = "auto": one line each in the run's header, what it does or what is in the way."""
+    pf = build(tiny_cfg(algorithm='"pfadapter"', runtime__batch_train='"auto"', runtime__batch_eval='"auto"'))
+    assert pf.batch_train and pf.batch_eval
+    assert pf.batch_notes == ("runtime.batch_eval = 'auto': the clients' PM scored together",
+                              "runtime.batch_train = 'auto': a round's clients trained together")
+    purel = build(tiny_cfg(algorithm='"fedpurel"', method="{}", runtime__batch_train='"auto"'))
+    assert not purel.batch_train and purel.batch_notes == (
+        "runtime.batch_train = 'auto': one client at a time, as algorithm 'fedpurel' trains with an objective, "
+        "gradient rule or phases of its own",)
+    assert build(tiny_cfg(algorithm='"pfadapter"')).batch_notes == ()  # both "off" by default: no line

@@ -244,7 +244,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, overwrite: bool = False, qu
     exp = build(cfg)  # a missing or broken asset (model, data set) fails here, before training
     exp.ledger = out / "ledger"  # what each client sent, and what the server received (`fedsplice audit`)
     if not quiet:
-        console.print(hardware_line(cfg, exp), markup=False, highlight=False)
+        console.print("\n".join([hardware_line(cfg, exp), *exp.batch_notes]), markup=False, highlight=False)
     data, refs = data_table(exp), references(exp)
     _say_data(data, quiet, echo)
     ckpt.check_space(out, _space_needed(cfg, exp))

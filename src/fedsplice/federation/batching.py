@@ -25,6 +25,14 @@ def applies(field: str, setting: str, why: str | None) -> bool:
     return setting != "off" and why is None
 
 
+def note(field: str, setting: str, why: str | None) -> str | None:
+    """The run's line on runtime.<field> (None where it is "off"): what it does, or why not."""
+    if setting == "off":
+        return None
+    what = {"batch_eval": "the clients' PM scored together", "batch_train": "a round's clients trained together"}
+    return f"runtime.{field} = {setting!r}: " + (what[field] if why is None else f"one client at a time, as {why}")
+
+
 def _common(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo], model: TaskModel) -> str | None:
     if cfg.runtime.kind != "simulation" or cfg.runtime.workers != 1:
         return "it needs every client in one process (runtime.kind = 'simulation', runtime.workers = 1)"

@@ -58,6 +58,7 @@ class Experiment:
     ledger: Path | None = None
     batch_eval: bool = False  # PM scored for many clients in one pass (runtime.batch_eval, federation.batched)
     batch_train: bool = False  # a round's clients trained together (runtime.batch_train, federation.batched_train)
+    batch_notes: tuple[str, ...] = ()  # the run's lines on those settings (plan.Plan.batch_notes)
 
 
 def make_clients(cfg: ExperimentConfig, data: TextDataset, reserved: Collection[str] = ()) -> list[Client]:
@@ -239,7 +240,7 @@ def build(cfg: ExperimentConfig, site: tuple[str, int] | None = None) -> Experim
     exp = Experiment(cfg, data, clients, train_ids, holdout_ids, model, planned.recipe, planned.global_names,
                      planned.private_names, clone(model.trainable()), server_opt, sampling_stream(cfg, train_ids),
                      scenario=scenario, batch_eval=planned.batch_eval,
-                     batch_train=planned.batch_train)
+                     batch_train=planned.batch_train, batch_notes=planned.batch_notes)
     exp.privacy = privacy_plan(cfg, len(train_ids))
     exp.switches = switch_params(cfg)
     if planned.recipe.pooled or planned.recipe.prior:  # the reference rows: centralized's pooled client; checks
