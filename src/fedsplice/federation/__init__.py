@@ -2,7 +2,10 @@
 loop, evaluation, the client-state store and checkpoints. Runtimes use only the names below.
 
 - `experiment`: `build(cfg) -> Experiment` (data, clients, model, recipe, server optimizer).
-- `tasks`: the client tasks (fit, evaluate, personalize, cold_start): every client-side stage.
+- `tasks`: the client tasks (fit, evaluate, personalize, cold_start): every client-side stage;
+  `fitting`: the fit task's start and end around its training.
+- `batched`, `batched_train`: many clients through one base model (runtime.batch_eval,
+  runtime.batch_train; `batching`: where they apply).
 - `train`: the one local training loop (random streams: `fedsplice.core.streams`).
 - `rounds`: the round loop and the stages after it, over any transport; `calls`: its calls of
   the transport, seen by the run's `Observer` (the progress display).
