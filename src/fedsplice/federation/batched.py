@@ -2,10 +2,10 @@
 pass over the union of their local test sets, each row through its own client's LoRA factors
 (model.grouped), instead of one predict per client.
 
-runtime.batch_eval: "auto" (the default) batches where `plan.batch_refusal` finds nothing in the way and the
-run is in one process (the in-process runtime); "on" requires it (validate refuses a config it
-cannot apply to, with the reason); "off" scores each client alone. The metrics are those of
-`tasks.evaluate` client by client, within float rounding (tests/test_grouped.py measures it).
+runtime.batch_eval: "auto" batches where `batching.eval_refusal` finds nothing in the way (the
+in-process runtime, which calls `evaluate` here); "on" requires it (validate refuses a config it
+cannot apply to, with the reason); "off" (the default) scores each client alone. The metrics are
+those of `tasks.evaluate` client by client, within float rounding (tests/test_grouped.py).
 """
 
 from __future__ import annotations
