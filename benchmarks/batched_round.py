@@ -3,7 +3,9 @@ after another against all clients together (runtime.batch_train, runtime.batch_e
 
     python benchmarks/batched_round.py [--quick] [--reps N] [--threads N] [--only NAME]
 
-One child process builds the shipped config once, then runs `rounds` rounds of the in-process
+Workloads: PFAdapter and FedAvg-LoRA on MiniLM (LoRA: each row through its client's factors),
+PromptFL on fortunes (a CoOp context: every client's class side in one forward). One child
+process builds the shipped config once, then runs `rounds` rounds of the in-process
 round loop per setting, the settings interleaved rep by rep after a warm-up run (so both see the
 same warm caches): training time per round (the round records' time_s) and the PM evaluation's
 time (every training client, the in-process runtime's evaluate task), and the accuracies each
@@ -26,19 +28,20 @@ from benchmarks._common import child_or_main, interleaved_args  # noqa: E402
 WORKLOADS = {
     "pfadapter-minilm": {"config": "pfadapter-minilm.toml", "set": ["server.rounds=3", "eval.every=3"]},
     "lora-minilm": {"config": "fedavg-lora-minilm.toml", "set": ["server.rounds=3", "eval.every=3"]},
+    "promptfl-fortunes": {"config": "promptfl-fortunes.toml", "set": ["server.rounds=3", "eval.every=3"]},
 }
 PRECISIONS = ("fp32", "bf16")
 QUICK_SET = ["data.num_clients=8", "data.holdout_clients=0", "data.test_per_class=2", "data.local_test_size=6",
              "data.max_per_class=10", "eval.cold_start_epochs=0", "client.max_steps=2"]
 
 
-def one_run(exp, together: bool) -> dict:
+def one_run(exp, together: bool, eval_too: bool) -> dict:
     """The round loop of `exp` with its clients batched or not: median training s per round,
     the PM evaluations' s, and the final GM / PM accuracy."""
     from fedsplice.federation.store import MemoryStore
     from fedsplice.runtimes.inprocess import InProcess, run_rounds
 
-    exp.batch_train = exp.batch_eval = together
+    exp.batch_train, exp.batch_eval = together, together and eval_too
     exp.model.load_params(exp.init_params)  # the round loop starts from the model as it holds it
     records: list[dict] = []
     pm_s: list[float] = []
@@ -75,15 +78,17 @@ def child(job: dict) -> None:
         exp = build(load_config(Path(job["config"]), job["set"] + [f"runtime.precision='{prec}'",
                                                                   "runtime.batch_train='auto'",
                                                                   "runtime.batch_eval='auto'"]))
-        assert exp.batch_train and exp.batch_eval, "the workload must batch (runtime.* = 'auto' applies)"
-        one_run(exp, False)  # warm-up: tokens, prefix rows
+        assert exp.batch_train, "the workload must batch (runtime.batch_train = 'auto' applies)"
+        eval_too = exp.batch_eval  # a prompt method's PM is scored one client at a time either way
+        one_run(exp, False, eval_too)  # warm-up: tokens, prefix rows
         got: dict[bool, list[dict]] = {False: [], True: []}
         for _ in range(job["reps"]):
             for together in (False, True):
-                got[together].append(one_run(exp, together))
+                got[together].append(one_run(exp, together, eval_too))
         for together, runs in got.items():
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            rows.append({"precision": prec, "clients": "together" if together else "one after another",
+            rows.append({"precision": prec, "clients": ("together" if together else "one after another"),
+                         "pm_batched": together and eval_too,
                          "per_round": len(exp.sampling[1]), "pm_clients": len(exp.train_ids), **med})
     print(json.dumps({"rows": rows, "threads": torch.get_num_threads()}))
 
@@ -107,9 +112,11 @@ def main() -> None:
              f"3 rounds, PM evaluated after round 0 and round 3; medians of {args.reps} interleaved runs.",
              "train_s: the median round's training (records' time_s, rounds 1-3); pm_eval_s: the PM evaluation of "
              "every training client after round 3 (round 0's comes from the zero-shot cache either way).",
-             "together: runtime.batch_train = runtime.batch_eval = 'auto' (both apply); one after another: 'off'."]
-    report("batched_round", out, ["workload", "precision", "clients", "per_round", "pm_clients", "train_s",
-                                  "train_speedup", "pm_eval_s", "pm_eval_speedup", "gm_accuracy", "pm_accuracy"],
+             "together: runtime.batch_train = runtime.batch_eval = 'auto' (pm_batched: whether batch_eval applies; "
+             "not to a prompt method); one after another: 'off'."]
+    report("batched_round", out, ["workload", "precision", "clients", "pm_batched", "per_round", "pm_clients",
+                                  "train_s", "train_speedup", "pm_eval_s", "pm_eval_speedup", "gm_accuracy",
+                                  "pm_accuracy"],
            args.quick, notes)
 
 

@@ -1,7 +1,8 @@
 """A round's clients trained together (federation/batched_train.py): the same tensors, optimizer
-state and statistics as one client after another, within rounding, for FedAvg-LoRA and PFAdapter
-(its orthogonality term per client), with clients of different sizes (a client whose steps are
-done drops out of the batch); and where it cannot apply, "on" is refused with the reason."""
+state and statistics as one client after another, within rounding, for FedAvg-LoRA, PFAdapter
+(its orthogonality term per client) and PromptFL (a CoOp context: every client's class side in
+one forward), with clients of different sizes (a client whose steps are done drops out of the
+batch); and where it cannot apply, "on" is refused with the reason."""
 
 import json
 
@@ -36,7 +37,8 @@ def _run(tiny_cfg, together: bool, **kw):
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
-@pytest.mark.parametrize("algo", [dict(algorithm='"pfadapter"'), dict(algorithm='"lora"', method="{}")])
+@pytest.mark.parametrize("algo", [dict(algorithm='"pfadapter"'), dict(algorithm='"lora"', method="{}"),
+                                  dict(algorithm='"promptfl"', method="{}", peft__type='"prompt"')])
 def test_training_together_equals_one_client_after_another(tiny_cfg, algo, opt):
     kw = dict(**algo, data__partition='"dirichlet"', data__alpha=0.3, client__max_steps=0,
               client__optimizer=f'"{opt}"', **({"client__lr": 0.5} if opt == "sgd" else {}))
@@ -66,6 +68,7 @@ def test_training_together_equals_one_client_after_another(tiny_cfg, algo, opt):
 
 @pytest.mark.parametrize("sets,match", [
     (["algorithm=\"fedpurel\"", "method={}"], "objective, gradient rule or phases of its own"),
+    (["algorithm=\"fedotp\"", "method={}", "peft.type=\"prompt\""], "CoOp context alone"),
     (["peft.dropout=0.1"], "LoRA dropout draws its masks"),
     (["model.task=\"encoder_head\""], "this run also trains head"),
     (["runtime.workers=2"], "every client in one process"),

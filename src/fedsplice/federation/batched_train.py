@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 import torch
 
 from fedsplice.core import streams
 from fedsplice.core.context import TrainContext
+from fedsplice.federation.batching import PROMPT_CTX
 from fedsplice.federation.fitting import fit_end, fit_start
 from fedsplice.federation.train import (
     Sums,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from fedsplice.federation.experiment import Experiment
     from fedsplice.federation.fitting import Fitting
     from fedsplice.federation.store import Store
+    from fedsplice.model.taskmodel import TaskModel
 
 
 @dataclass
@@ -109,15 +111,11 @@ def _losses(exp: Experiment, ts: list[Trainee], step: int) -> list[Losses]:
     task loss on its rows, plus its loss terms, whose values go to its statistics), its task loss
     alone, and on its last step its weighted terms (for the diagnostics)."""
     model, rec = exp.model, exp.recipe
-    texts = [Owned(t.texts[i], k) for k, t in enumerate(ts) for i in t.batches[step]]
     amp = getattr(model, "autocast", nullcontext)  # runtime.precision, as the sequential loop's
-    with amp(), grouped(model, _factors(ts, mods_of(ts))):
-        logits = model(texts)
-        out, start = [], 0
-        for t in ts:
+    with amp():
+        out = []
+        for t, rows in zip(ts, _logits(model, ts, step)):
             idx = t.batches[step]
-            rows = logits[start:start + len(idx)]
-            start += len(idx)
             out.append({"task": t.ctx.task_loss(rows, t.labels[torch.from_numpy(idx).to(t.labels.device)])})
     got = []
     for t, losses in zip(ts, out):  # parameter-only terms in fp32, as the sequential loop adds them
@@ -126,6 +124,19 @@ def _losses(exp: Experiment, ts: list[Trainee], step: int) -> list[Losses]:
         weighted, _ = add_terms(losses, list(rec.loss_terms), t.params, t.ctx, t.sums, last)
         got.append(Losses(losses, task, weighted))
     return got
+
+
+def _logits(model: torch.nn.Module, ts: list[Trainee], step: int) -> list[torch.Tensor]:
+    """Each client's logits on its batch of `step`. LoRA: one forward over the union, each row
+    through its owner's factors. A CoOp context: every client's class side in one forward of the
+    text encoder (TaskModel.encode_prompts), its (frozen, cached) input features scored against it."""
+    if PROMPT_CTX in ts[0].params:
+        ces = cast("TaskModel", model).encode_prompts([t.params[PROMPT_CTX] for t in ts])
+        return [model([t.texts[i] for i in t.batches[step]], ce) for t, ce in zip(ts, ces)]
+    texts = [Owned(t.texts[i], k) for k, t in enumerate(ts) for i in t.batches[step]]
+    with grouped(model, _factors(ts, mods_of(ts))):
+        logits = model(texts)
+    return list(logits.split([len(t.batches[step]) for t in ts]))
 
 
 def diagnose(ts: list[Trainee], got: list[Losses]) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fedsplice.algorithms import prompt_parts
 from fedsplice.errors import ConfigError
+
+PROMPT_CTX = "prompt.ctx"  # a CoOp learner's context (TaskModel.prompt)
 
 if TYPE_CHECKING:
     from fedsplice.algorithms import Recipe
@@ -33,11 +36,17 @@ def note(field: str, setting: str, why: str | None) -> str | None:
     return f"runtime.{field} = {setting!r}: " + (what[field] if why is None else f"one client at a time, as {why}")
 
 
-def _common(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo], model: TaskModel) -> str | None:
+def _clients(cfg: ExperimentConfig, recipe: Recipe) -> str | None:
     if cfg.runtime.kind != "simulation" or cfg.runtime.workers != 1:
         return "it needs every client in one process (runtime.kind = 'simulation', runtime.workers = 1)"
     if recipe.prior or recipe.pooled:
         return f"algorithm {cfg.algorithm!r} is a reference, not clients of one model"
+    return None
+
+
+def _common(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo], model: TaskModel) -> str | None:
+    if why := _clients(cfg, recipe):
+        return why
     if (cfg.peft.type != "lora" or cfg.model.task not in ("encoder_head", "dual_encoder") or model.is_clip
             or model.class_side_trains):
         return ("it groups the LoRA factors of a text encoder's input side (peft.type = 'lora', model.task = "
@@ -60,14 +69,27 @@ def eval_refusal(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamIn
     return None
 
 
+def plain_prompt(cfg: ExperimentConfig, infos: dict[str, ParamInfo]) -> bool:
+    """A dual encoder whose only trainable tensor is its CoOp context (no PromptParts: the class
+    side is the learner's own), which batched_train encodes for all clients in one forward."""
+    return (cfg.peft.type == "prompt" and cfg.model.task == "dual_encoder" and prompt_parts(cfg) is None
+            and set(infos) == {PROMPT_CTX})
+
+
 def train_refusal(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo],
                   model: TaskModel) -> str | None:
     """Why a round's clients cannot train together (None: they can)."""
-    if why := _common(cfg, recipe, infos, model):
+    if cfg.peft.type == "prompt":
+        if why := _clients(cfg, recipe):
+            return why
+        if not plain_prompt(cfg, infos):
+            return ("it trains a dual encoder's CoOp context alone (no prompt modules or scorer of the method's "
+                    "own, model.task = 'dual_encoder')")
+    elif why := _common(cfg, recipe, infos, model):
         return why
-    other = [n for n, i in infos.items() if i.kind != "lora" or i.factor not in ("A", "B")]
+    other = [n for n, i in infos.items() if n != PROMPT_CTX and (i.kind != "lora" or i.factor not in ("A", "B"))]
     if other:
-        return f"it trains LoRA factors only, and this run also trains {other[0]}"
+        return f"it trains LoRA factors or a CoOp context only, and this run also trains {other[0]}"
     if recipe.objective is not None or recipe.grad_transform is not None or recipe.phases:
         return f"algorithm {cfg.algorithm!r} trains with an objective, gradient rule or phases of its own"
     if cfg.privacy.local == "dpsgd":

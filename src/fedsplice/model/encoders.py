@@ -119,7 +119,16 @@ class ClassSide:
     def from_prompt(self, learner: nn.Module, ctx: torch.Tensor | None = None, /) -> torch.Tensor:
         """A CoOp learner's class sequences around `ctx` (None: its own context), encoded and
         normalized: [C, D] (PromptParts.class_embeddings's `encode`)."""
-        embeds, mask = cast(PromptLearner, learner).inputs(self.word_embeddings(), ctx)
+        return self._encoded(*cast(PromptLearner, learner).inputs(self.word_embeddings(), ctx))
+
+    def from_prompts(self, learner: nn.Module, ctxs: list[torch.Tensor]) -> torch.Tensor:
+        """from_prompt around each of several contexts (one per client), in one forward of the
+        text encoder over all their class sequences: [len(ctxs), C, D]."""
+        parts = [cast(PromptLearner, learner).inputs(self.word_embeddings(), c) for c in ctxs]
+        out = self._encoded(torch.cat([e for e, _ in parts]), torch.cat([m for _, m in parts]))
+        return out.reshape(len(ctxs), -1, out.shape[-1])
+
+    def _encoded(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.text.is_clip:
             return F.normalize(clip_text_from_embeds(self.text.hf, embeds, mask), dim=-1)
         out = self.text.backbone(inputs_embeds=embeds, attention_mask=mask).last_hidden_state

@@ -304,6 +304,12 @@ class TaskModel(nn.Module):
         several views of its prompts (PromptParts.class_embeddings gets the same encoder)."""
         return self._classes.from_prompt(learner, ctx)
 
+    def encode_prompts(self, ctxs: list[torch.Tensor]) -> torch.Tensor:
+        """encode_prompt of the model's CoOp learner around each context in `ctxs` (one per
+        client), in one forward: [len(ctxs), C, D] (federation.batched_train)."""
+        assert self.prompt is not None, "peft.type = 'prompt' builds the learner"
+        return self._classes.from_prompts(self.prompt, ctxs)
+
     def template_class_embeddings(self) -> torch.Tensor:
         """The frozen model's class embeddings [C, D] from the class prompt's words (zero-shot)."""
         return self._classes.frozen()
