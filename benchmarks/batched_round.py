@@ -88,7 +88,7 @@ def child(job: dict) -> None:
         for together, runs in got.items():
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append({"precision": prec, "clients": ("together" if together else "one after another"),
-                         "pm_batched": together and eval_too,
+                         "pm_batched": "yes" if together and eval_too else "no",
                          "per_round": len(exp.sampling[1]), "pm_clients": len(exp.train_ids), **med})
     print(json.dumps({"rows": rows, "threads": torch.get_num_threads()}))
 
