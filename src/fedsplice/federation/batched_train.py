@@ -11,9 +11,11 @@ of the batch; the loss terms' diagnostics come from the joint graph (`diagnose`)
 client is the sequential loop's: tests/test_batched_train.py shows equal tensors, statistics and
 metrics within rounding.
 
-What may batch is decided by the plan (`plan.train_refusal`): LoRA factors are the only
-trainable tensors, and the step is the default one (no objective, gradient transform, phases or
-DP-SGD of the method's own, no LoRA dropout, whose masks follow each client's own stream).
+What may batch is decided by the plan (`batching.train_refusal`): LoRA factors, or a dual
+encoder's CoOp context alone (whose clients' class sides then run as one forward instead:
+`_logits`), are the only trainable tensors, and the step is the default one (no objective,
+gradient transform, phases or DP-SGD of the method's own, no LoRA dropout, whose masks follow
+each client's own stream).
 """
 
 from __future__ import annotations
