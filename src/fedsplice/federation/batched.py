@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from fedsplice.federation.evaluation import score, zero_shot_cached
 from fedsplice.federation.state import ClientState
 from fedsplice.federation.tasks import split_state
-from fedsplice.model.grouped import Owned, grouped
+from fedsplice.model.grouped import Owned, grouped, lora_modules, stacked
 
 if TYPE_CHECKING:
     from fedsplice.core.server import Params
@@ -45,9 +43,7 @@ def _chunk(exp: Experiment, store: Store, cids: list[int], global_params: Params
     logits = {c: z for c, z in cached.items() if z is not None}
     todo = [k for k, c in enumerate(cids) if c not in logits]
     if todo:
-        mods = sorted({n.rsplit(".lora_", 1)[0] for n in exp.private_names})
-        factors = {m: (torch.stack([models[k][f"{m}.lora_A.default.weight"] for k in todo]),
-                       torch.stack([models[k][f"{m}.lora_B.default.weight"] for k in todo])) for m in mods}
+        factors = stacked(lora_modules(exp.private_names), [models[k] for k in todo])
         texts = [Owned(d.test_texts[i], j) for j, k in enumerate(todo) for i in exp.clients[cids[k]].test_idx]
         exp.model.load_params(models[todo[0]])  # the GLOBAL tensors every client shares
         with grouped(exp.model, factors):

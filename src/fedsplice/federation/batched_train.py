@@ -44,7 +44,7 @@ from fedsplice.federation.train import (
     ratios,
     side_norms,
 )
-from fedsplice.model.grouped import Owned, grouped
+from fedsplice.model.grouped import Owned, grouped, lora_modules, stacked
 
 if TYPE_CHECKING:
     from fedsplice.core.server import Params
@@ -98,16 +98,6 @@ class Losses(NamedTuple):
     weighted: dict[str, tuple[torch.Tensor, float]]  # on its last step: {term: (value, weight)}
 
 
-def mods_of(ts: list[Trainee]) -> list[str]:
-    """The LoRA modules of the trained tensors (every trainable tensor is a LoRA factor)."""
-    return sorted({n.rsplit(".lora_", 1)[0] for n in ts[0].params})
-
-
-def _factors(ts: list[Trainee], mods: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {m: (torch.stack([t.params[f"{m}.lora_A.default.weight"] for t in ts]),
-                torch.stack([t.params[f"{m}.lora_B.default.weight"] for t in ts])) for m in mods}
-
-
 def _losses(exp: Experiment, ts: list[Trainee], step: int) -> list[Losses]:
     """One forward over the union of the clients' batches of `step`: each client's losses (its
     task loss on its rows, plus its loss terms, whose values go to its statistics), its task loss
@@ -136,7 +126,7 @@ def _logits(model: torch.nn.Module, ts: list[Trainee], step: int) -> list[torch.
         ces = cast("TaskModel", model).encode_prompts([t.params[PROMPT_CTX] for t in ts])
         return [model([t.texts[i] for i in t.batches[step]], ce) for t, ce in zip(ts, ces)]
     texts = [Owned(t.texts[i], k) for k, t in enumerate(ts) for i in t.batches[step]]
-    with grouped(model, _factors(ts, mods_of(ts))):
+    with grouped(model, stacked(lora_modules(ts[0].params), [t.params for t in ts])):
         logits = model(texts)
     return list(logits.split([len(t.batches[step]) for t in ts]))
 

@@ -15,7 +15,7 @@ logits agree with scoring each client apart within float rounding (tests/test_gr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import cast
@@ -67,6 +67,21 @@ def _grouped_forward(mod: nn.Module, a: torch.Tensor, b: torch.Tensor):
         return out + delta.reshape(out.shape).to(out.dtype)
 
     return forward
+
+
+def lora_modules(names: Iterable[str]) -> list[str]:
+    """The LoRA Linear modules that tensors `names` ("<module>.lora_A.default.weight", ...) sit in."""
+    return sorted({n.rsplit(".lora_", 1)[0] for n in names})
+
+
+Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]  # {LoRA module: (A [m, r, d_in], B [m, d_out, r])}
+
+
+def stacked(mods: list[str], tensors: Sequence[Mapping[str, torch.Tensor]]) -> Factors:
+    """`grouped`'s factors: for each module, (A, B) of every tensor dict in `tensors`, stacked in
+    that order (owner k's are tensors[k]'s; torch.stack: gradients reach each dict's own)."""
+    return {m: (torch.stack([t[f"{m}.lora_A.default.weight"] for t in tensors]),
+                torch.stack([t[f"{m}.lora_B.default.weight"] for t in tensors])) for m in mods}
 
 
 @contextmanager

@@ -68,28 +68,15 @@ class InProcess:
 
     def fit(self, rnd: int, cids: list[int], down: bytes) -> list[Reply]:
         failed = self.faults.failed(rnd, cids, down)
-        if self.exp.batch_train:  # the round's clients trained together (runtime.batch_train)
-            return self._fit_together(rnd, cids, down, failed)
-        out = []
-        for cid in cids:
-            if cid in failed:
-                out.append(failed[cid])
-                continue
-            up, st = fit_client(self.exp, self.store, cid, rnd, down)
-            out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
-            if self.observer is not None:
-                self.observer.client_done("fit")
-        return out
-
-    def _fit_together(self, rnd: int, cids: list[int], down: bytes, failed: dict[int, Reply]) -> list[Reply]:
         ok = [c for c in cids if c not in failed]
-        done = dict(zip(ok, fit_together(self.exp, self.store, ok, rnd, down))) if ok else {}
+        # runtime.batch_train: the round's clients trained together, their replies in the same order
+        together = dict(zip(ok, fit_together(self.exp, self.store, ok, rnd, down))) if self.exp.batch_train else {}
         out = []
         for cid in cids:
             if cid in failed:
                 out.append(failed[cid])
                 continue
-            up, st = done[cid]
+            up, st = together[cid] if cid in together else fit_client(self.exp, self.store, cid, rnd, down)
             out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
             if self.observer is not None:
                 self.observer.client_done("fit")
