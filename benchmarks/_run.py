@@ -1,14 +1,16 @@
 """One measured fedsplice run (a worker of the benchmark scripts, in its own process).
 
-stdin: {"config": path, "set": [k=v, ...]}; stdout, last line: JSON with the setup time, the
-wall time of every round (training + its evaluation, round 0's zero-shot evaluation excluded),
-the final GM/PM accuracy (job "skip_round0_eval": true leaves round 0's evaluation out), bytes up
-per round and this process's peak RSS.
+stdin: {"config": path, "set": [k=v, ...], "env": {VAR: value, ...} (optional)}; stdout, last
+line: JSON with the setup time, the wall time of every round (training + its evaluation, round
+0's zero-shot evaluation excluded), the final GM/PM accuracy (job "skip_round0_eval": true leaves
+round 0's evaluation out), bytes up per round, this process's peak RSS and its RSS once the run
+is built, and the files and bytes the store holds at the end (none in memory).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -20,6 +22,7 @@ from benchmarks._common import FP32, quick_sets  # also sets up the offline envi
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
+    os.environ.update(job.get("env", {}))  # e.g. a kernel cache's capacity, before torch runs a kernel
     from fedsplice.federation.experiment import build
     from fedsplice.federation.store import make_store
     from fedsplice.federation.validate import load_config
@@ -32,6 +35,7 @@ def main() -> None:
     t0 = time.perf_counter()
     exp = build(cfg)
     setup = time.perf_counter() - t0
+    built_rss = current_rss_mb()  # data, clients, model and caches built, nothing trained yet
     stamps, records = [], []
 
     def on_round(r: dict) -> None:
@@ -55,6 +59,9 @@ def main() -> None:
                 run_rounds(exp, pool.store, on_round, start=start, transport=pool)
         else:
             run_rounds(exp, store, on_round, start=start)
+        # what the disk store holds at the end (PRIVATE tensors and their optimizer state)
+        files = [f for f in (Path(tmp) / "store").rglob("*") if f.is_file()]
+        store_bytes, store_files = sum(f.stat().st_size for f in files), len(files)
     if start is not None:
         records.insert(0, {})
     last = records[-1]
@@ -72,7 +79,17 @@ def main() -> None:
         "peak_rss_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                         + (cfg.runtime.workers if cfg.runtime.workers > 1 else 0)
                         * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024,
+        "built_rss_mb": built_rss, "store_bytes": store_bytes, "store_files": store_files,
         "cache": exp.model.cache_stats()}))
+
+
+def current_rss_mb() -> float | None:
+    """This process's resident memory now (Linux; None elsewhere)."""
+    try:
+        line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 1024
 
 
 if __name__ == "__main__":

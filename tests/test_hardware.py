@@ -126,6 +126,21 @@ def test_auto_is_the_default_and_reads_the_widest_tower(tiny_cfg, tmp_path, monk
     assert model_width(cfg) is None
 
 
+def test_loading_a_model_bounds_the_kernel_caches_unless_the_user_set_them(tiny_cfg, monkeypatch):
+    """Both oneDNN kernel caches get KERNEL_CACHE entries when a model loads (they read their
+    variables at first use, so the load is the last moment); a value the user set stays."""
+    import os
+
+    from fedsplice.model.device import KERNEL_CACHE, KERNEL_CACHE_VARS
+    from fedsplice.model.loading import load_pretrained
+
+    onednn, ideep = KERNEL_CACHE_VARS
+    monkeypatch.delenv(onednn, raising=False)
+    monkeypatch.setenv(ideep, "7")
+    load_pretrained(tiny_cfg())
+    assert os.environ[onednn] == str(KERNEL_CACHE) == "64" and os.environ[ideep] == "7"
+
+
 def test_auto_precision_on_cuda_asks_that_device_for_native_bf16(monkeypatch):
     """Capability 8.0+ (Ampere on) has bf16 units; a V100 (7.0) or T4 (7.5) only emulates bf16,
     which torch.cuda.is_bf16_supported() counts, and which is slower than fp32. The device asked

@@ -11,6 +11,7 @@ scaler. `model.dtype` is separate: the frozen base weights' own dtype (bf16 halv
 
 from __future__ import annotations
 
+import os
 import re
 from contextlib import nullcontext
 from pathlib import Path
@@ -42,6 +43,24 @@ def resolve_device(name: str, field: str = "runtime.device") -> torch.device:
         if mps is None or not mps.is_available():
             raise ConfigError(f"{field} = 'mps': this machine has no Apple MPS device; use 'auto' or 'cpu'")
     return dev
+
+
+# Under bf16 autocast a CPU matmul runs in oneDNN, and torch keeps two caches of its compiled kernels
+# (oneDNN's and ideep's), 1,024 each by default, each kernel with its own code and buffers. Unpadded
+# batches give every sequence length a shape of its own, so both fill: on PFAdapter / MiniLM (3
+# rounds, bf16) they held about 800 MB, peak RSS 1,900 MB against 1,070 MB at 64 entries, for 8-10%
+# more time a round from the kernels rebuilt (benchmarks/kernel_cache.py). An fp32 matmul uses
+# neither. The user's own values of the two variables win.
+KERNEL_CACHE = 64
+KERNEL_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches() -> None:
+    """Cap both kernel caches at KERNEL_CACHE entries unless the environment sets them. Each cache
+    reads its variable when it is first used, so this acts only before the process's first
+    oneDNN kernel (`load_pretrained` calls it as a model loads)."""
+    for var in KERNEL_CACHE_VARS:
+        os.environ.setdefault(var, str(KERNEL_CACHE))
 
 
 def cpu_has_bf16() -> bool:

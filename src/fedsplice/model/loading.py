@@ -20,7 +20,7 @@ from fedsplice.config import ExperimentConfig
 from fedsplice.data.zoo import resolve_model
 from fedsplice.errors import ConfigError, ModelUnavailable
 from fedsplice.model import templates
-from fedsplice.model.device import DTYPES, resolve_precision
+from fedsplice.model.device import DTYPES, bound_kernel_caches, resolve_precision
 from fedsplice.model.vision import load_image_processor
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ def load_pretrained(cfg: ExperimentConfig, device: torch.device | None = None, m
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     quiet_bitsandbytes()
+    bound_kernel_caches()  # before the model's first kernel
 
     path = resolve_model(cfg.model.name)
     quant = None if meta else quantization_config(cfg, device)
