@@ -458,6 +458,9 @@ def test_in_process_flower_equals_the_simulation(in_process, cfg_factory, tiny_b
     if privacy:
         for k, v in {**privacy, "noise": "seeded"}.items():
             setattr(cfg.privacy, k, v)
+    # bit for bit: each Flower client scores its own PM, as the simulation does with batch_eval
+    # "off"; its default "auto" scores them together, within rounding (tests/test_grouped.py)
+    cfg.runtime.batch_eval = "off"
     exp_s, sim = build(cfg), []
     run_rounds(exp_s, MemoryStore(), sim.append)
     _, fl, events, _ = in_process(cfg)

@@ -67,14 +67,17 @@ def test_each_row_through_its_clients_factors_equals_each_client_alone(tiny_cfg)
         m.predict(texts, 5)
 
 
-def test_batched_pm_equals_each_client_alone(tiny_cfg):
+@pytest.mark.parametrize("cache", ["true", "false"])
+def test_batched_pm_equals_each_client_alone(tiny_cfg, cache):
     """After a trained round (every client's PRIVATE factors its own), the in-process runtime's
     batched evaluate gives each client the metrics tasks.evaluate gives it alone; round 0's PM
-    (the zero-shot cache, no forward) too."""
+    (the zero-shot cache, no forward) too. Without caches the frozen class side is recomputed
+    inside the grouped pass, with peft's adapters disabled: grouped LoRA must step aside too."""
     from fedsplice.runtimes.inprocess import InProcess, run_rounds
 
     n = len(build(tiny_cfg(**PF)).train_ids)
-    exp = build(tiny_cfg(**PF, server__rounds=1, server__clients_per_round=n, runtime__batch_eval='"auto"'))
+    exp = build(tiny_cfg(**PF, server__rounds=1, server__clients_per_round=n, runtime__batch_eval='"auto"',
+                         runtime__cache=cache))
     assert exp.batch_eval  # runtime.batch_eval = "auto" applies to PFAdapter on a text dual encoder
     store = MemoryStore()
     g = run_rounds(exp, store, lambda r: None)["global_params"]
@@ -90,10 +93,15 @@ def test_batched_pm_equals_each_client_alone(tiny_cfg):
                 assert batched[c][k] == pytest.approx(v, rel=RTOL, abs=1e-9), (c, k)
             else:
                 assert batched[c][k] == v, (c, k)
-    fresh = build(tiny_cfg(**PF, runtime__batch_eval='"auto"'))
+    fresh = build(tiny_cfg(**PF, runtime__batch_eval='"auto"', runtime__cache=cache))
     zero = InProcess(fresh, MemoryStore()).run("evaluate", fresh.train_ids, wire.encode(
         {n_: fresh.init_params[n_] for n_ in fresh.global_names}))
-    assert zero[0] == tasks.evaluate(fresh, MemoryStore(), 0, {n_: fresh.init_params[n_] for n_ in fresh.global_names})
+    one = tasks.evaluate(fresh, MemoryStore(), 0, {n_: fresh.init_params[n_] for n_ in fresh.global_names})
+    if cache == "true":  # both from the zero-shot cache
+        assert zero[0] == one
+    else:  # both computed: TKL to zero-shot is then rounding, ~1e-8
+        assert zero[0]["tkl"] == pytest.approx(one["tkl"], abs=TKL_ATOL)
+        assert {k: v for k, v in zero[0].items() if k != "tkl"} == {k: v for k, v in one.items() if k != "tkl"}
 
 
 @pytest.mark.parametrize("sets,match", [

@@ -252,6 +252,32 @@ def test_a_run_resumes_across_a_version_that_added_a_setting(setups, tmp_path):
     assert_same_outputs(run, ref, "resume across a new setting")
 
 
+def test_a_run_saved_before_a_default_changed_resumes_as_it_started(setups, tmp_path):
+    """runtime.batch_eval / batch_train arrived "off" and default to "auto" since issue 50: a run
+    whose config.toml lacks them resumes (its checkpoints' digests still match) with "off", as it
+    started, while a user's config without them gets "auto"."""
+    import hashlib
+    import tomllib
+
+    from fedsplice.federation.validate import load_config, load_run_config
+
+    _, ref = setups["memory"]
+    run = _truncate_to(ref, tmp_path / "run", ROUNDS // 2)
+    text = (run / "config.toml").read_text()
+    old = re.sub(r'(?m)^batch_(eval|train) = "(auto|off|on)"\n', "", text)
+    assert old.count("batch_") == text.count("batch_") - 2
+    (run / "config.toml").write_text(old)
+    digest = hashlib.sha256(json.dumps(tomllib.loads(old), sort_keys=True).encode()).hexdigest()
+    for _, p in ckpt.checkpoints(run / ckpt.DIRNAME):
+        meta = json.loads((p / "state.json").read_text())
+        (p / "state.json").write_text(json.dumps({**meta, "config_sha256": digest}))
+    saved = load_run_config(run / "config.toml").runtime
+    assert (saved.batch_eval, saved.batch_train) == ("off", "off")
+    assert load_config(run / "config.toml").runtime.batch_eval == "auto"
+    assert main(["resume", str(run), "--quiet"]) == 0
+    assert len(_records(run)) == len(_records(ref))
+
+
 def test_resume_without_any_checkpoint_starts_over(setups, tmp_path):
     _, ref = setups["disk"]
     run = _truncate_to(ref, tmp_path / "run", 0)

@@ -28,7 +28,7 @@ from fedsplice.app.export import load_export
 from fedsplice.config import ExperimentConfig
 from fedsplice.errors import AssetError, ConfigError, FedspliceError
 from fedsplice.federation.validate import load_config as _load_validated
-from fedsplice.federation.validate import validate
+from fedsplice.federation.validate import load_run_config, validate
 
 __all__ = ["AssetError", "CompareRow", "ConfigError", "FedspliceError", "RunResult", "compare", "list_algorithms",
            "load_config", "load_export", "load_result", "register_algorithm", "resume", "run"]
@@ -141,7 +141,7 @@ class RunResult:
 
     def config(self) -> ExperimentConfig:
         """The run's resolved config (its config.toml), validated."""
-        return load_config(self.out / "config.toml")
+        return load_run_config(self.out / "config.toml")
 
 
 def _num(v) -> str:

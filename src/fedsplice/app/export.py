@@ -33,7 +33,7 @@ from fedsplice.errors import ConfigError
 from fedsplice.federation import build
 from fedsplice.federation import checkpoint as ckpt
 from fedsplice.federation.state import ClientState
-from fedsplice.federation.validate import load_config
+from fedsplice.federation.validate import load_run_config
 
 META, PARTS = "fedsplice_export.json", "fedsplice_parts.safetensors"
 
@@ -42,7 +42,7 @@ def _state(run: Path, client: int | None):
     """(cfg, exp with the model loaded as exported, method slot, meta) of RUN's last checkpoint."""
     if not (run / "config.toml").is_file():
         raise ConfigError(f"{run}: not a run folder (no config.toml); give the --out of a `fedsplice run`")
-    cfg = load_config(run / "config.toml")
+    cfg = load_run_config(run / "config.toml")
     last = ckpt.latest(run / ckpt.DIRNAME)
     if last is None:
         raise ConfigError(f"{run}: no checkpoint to export (runtime.checkpoint_every = 0, or the run never "
@@ -144,7 +144,7 @@ def load_export(path) -> torch.nn.Module:
         raise ConfigError(f"{path}: not a fedsplice export (no {META}); make one with "
                           f"`fedsplice export RUN OUT --global`")
     meta = json.loads((path / META).read_text())
-    cfg = load_config(path / "config.toml")
+    cfg = load_run_config(path / "config.toml")
     model = TaskModel(cfg, meta["class_names"], meta["class_prompt"])
     if cfg.peft.type == "lora":
         for name in model.backbone.peft_config:

@@ -25,7 +25,7 @@ from pathlib import Path
 from fedsplice.errors import ConfigError
 from fedsplice.federation import ledger
 from fedsplice.federation.flowertune import GIB, MIB, run_bytes
-from fedsplice.federation.validate import load_config
+from fedsplice.federation.validate import load_run_config
 
 BOARDS = {"general": ("General NLP", "general-nlp", ("STEM", "Social Sciences", "Humanities")),
           "finance": ("Finance", "finance", ("FPB", "FIQA", "TFNS")),
@@ -38,7 +38,7 @@ def _run_files(run: Path):
     """(config, results.json, metrics.jsonl records, the server's ledger rows) of a finished run."""
     if not (run / "results.json").is_file():
         raise ConfigError(f"{run}: no results.json; give the --out of a finished `fedsplice run`")
-    cfg = load_config(run / "config.toml")
+    cfg = load_run_config(run / "config.toml")
     results = json.loads((run / "results.json").read_text())
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     server = run / "ledger" / ledger.SERVER

@@ -39,7 +39,7 @@ from fedsplice.federation import (
 )
 from fedsplice.federation import checkpoint as ckpt
 from fedsplice.federation.rounds import SECAGG_NEEDS_FLOWER
-from fedsplice.federation.validate import load_config
+from fedsplice.federation.validate import load_run_config
 from fedsplice.runtimes.inprocess import InProcess
 from fedsplice.runtimes.workers import Workers, check_workers
 
@@ -85,7 +85,7 @@ def resume_experiment(out: Path, quiet: bool = False, progress: Callable[[dict],
                           f"killed before it started); start it again with `fedsplice run --out {out} --overwrite`")
     if (out / "flower-run.json").is_file():  # its PRIVATE state is on the SuperNodes, not in the checkpoints
         raise ConfigError(f"{out} is a Flower run: resume it with `fedsplice resume {out}` (it restarts on Flower)")
-    return run_experiment(load_config(out / "config.toml"), out, quiet=quiet, resume=True, progress=progress)
+    return run_experiment(load_run_config(out / "config.toml"), out, quiet=quiet, resume=True, progress=progress)
 
 
 def _start(cfg: ExperimentConfig, out: Path, overwrite: bool, resume: bool):

@@ -18,7 +18,14 @@ need a registry (zoo models, data sets, algorithms' `[method]` tables, server op
 """
 
 from fedsplice.config.checks import ROLES, check_positive, check_roles
-from fedsplice.config.experiment import DEFAULT_CONFIG, ExperimentConfig, load_config, saved_as_current, to_dict
+from fedsplice.config.experiment import (
+    DEFAULT_CONFIG,
+    ExperimentConfig,
+    first_default_sets,
+    load_config,
+    saved_as_current,
+    to_dict,
+)
 from fedsplice.config.parsing import apply_overrides, from_dict, parse_value, read_toml
 from fedsplice.config.privacy import PrivacyConfig
 from fedsplice.config.rounds import ClientConfig, EvalConfig, FaultsConfig, RuntimeConfig, ServerConfig
@@ -38,5 +45,5 @@ from fedsplice.config.tracking import TrackingConfig
 __all__ = ["DEFAULT_CONFIG", "HF", "ROLES", "SITES", "USER_DATA_KINDS", "ClientConfig", "DataConfig", "EvalConfig",
            "ExperimentConfig", "FaultsConfig", "ModelConfig", "PeftConfig", "PrivacyConfig",
            "RuntimeConfig", "ScenarioConfig", "ServerConfig", "TrackingConfig", "apply_overrides", "check_positive",
-           "check_roles", "check_user_path", "from_dict", "load_config", "parse_value", "read_toml", "saved_as_current",
-           "to_dict", "user_data"]
+           "check_roles", "check_user_path", "first_default_sets", "from_dict", "load_config", "parse_value",
+           "read_toml", "saved_as_current", "to_dict", "user_data"]

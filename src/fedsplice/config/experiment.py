@@ -209,8 +209,25 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# Settings added with one default and later given another: a saved config without one ran as
+# the first default did (runtime.batch_eval / batch_train arrived "off"; "auto" since issue 50).
+FIRST_DEFAULTS = {("runtime", "batch_eval"): "off", ("runtime", "batch_train"): "off"}
+
+
+def first_default_sets(table: dict) -> list[str]:
+    """`--set` overrides that give a saved config (a run's config.toml) the first defaults of the
+    FIRST_DEFAULTS settings it lacks: a resumed run goes on as it started."""
+    return [f"{section}.{key}={first!r}" for (section, key), first in FIRST_DEFAULTS.items()
+            if key not in (table.get(section) or {})]
+
+
 def saved_as_current(table: dict, moves: Sequence[Callable[[dict], None]] = ()) -> dict:
     """A config an earlier version saved (a run's config.toml), as this version reads it: settings
-    added since take their defaults, settings that moved move (moved_settings, with `moves`);
-    a setting no longer known is a ConfigError."""
-    return to_dict(from_dict(ExperimentConfig, moved_settings(copy.deepcopy(table), moves)))
+    added since take their defaults (FIRST_DEFAULTS: the one they arrived with), settings that
+    moved move (moved_settings, with `moves`); a setting no longer known is a ConfigError."""
+    table = copy.deepcopy(table)
+    for (section, key), first in FIRST_DEFAULTS.items():
+        sub = table.setdefault(section, {})
+        if isinstance(sub, dict):
+            sub.setdefault(key, first)
+    return to_dict(from_dict(ExperimentConfig, moved_settings(table, moves)))

@@ -210,17 +210,19 @@ class RuntimeConfig:
     unpad: Literal["auto", "on", "off"] = "auto"
     # every client's PM scored in one pass over the union of their local test sets, each row
     # through its own client's LoRA factors (fedsplice.federation.batched; the same metrics within
-    # rounding). "auto": where the run allows it (LoRA on a text encoder's input side, its class
-    # side frozen; one process; no PM rule of the method's own); "on": required (validate says
-    # what is in the way); "off" (the default): one client at a time, whose numbers equal Flower's
-    # and runtime.workers' bit for bit (batched ones differ in the low bits; docs/performance.md)
-    batch_eval: Literal["auto", "on", "off"] = "off"
+    # rounding, 1.2-1.45x faster: docs/performance.md). "auto" (the default): where the run allows
+    # it (LoRA on a text encoder's input side, its class side frozen; one process; no PM rule of
+    # the method's own); "on": required (validate says what is in the way); "off": one client at a
+    # time, whose numbers equal Flower's and runtime.workers' bit for bit (batched ones differ in
+    # the low bits)
+    batch_eval: Literal["auto", "on", "off"] = "auto"
     # a round's clients trained together: one forward and backward over the frozen base a step,
-    # each client's rows through its own LoRA factors, its own loss and optimizer
-    # (fedsplice.federation.batched_train; the same math within rounding). "auto": where the run
-    # allows it (as batch_eval, and only LoRA factors train, with the default step); "on":
-    # required; "off" (the default: measured no faster in fp32 on a 2-core CPU): one after another
-    batch_train: Literal["auto", "on", "off"] = "off"
+    # each client's rows through its own LoRA factors (or CoOp context), its own loss and
+    # optimizer (fedsplice.federation.batched_train; the same math within rounding). "auto" (the
+    # default): where the run allows it and it measured faster (a CoOp context alone; LoRA under
+    # bf16 autocast, not fp32: docs/performance.md); "on": required, wherever it applies;
+    # "off": one client after another
+    batch_train: Literal["auto", "on", "off"] = "auto"
     # simulation only: persistent worker processes, each building its own model and caches once
     # and using runtime.threads torch threads (0: cores // workers). A round's clients run on them
     # at once; client c always on worker c % workers, where its PRIVATE state lives. Metrics equal

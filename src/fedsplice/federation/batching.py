@@ -1,13 +1,15 @@
 """Where a round's clients may go through one base model together (issue 50): the plan's
 decision for runtime.batch_eval (federation.batched) and runtime.batch_train
-(federation.batched_train). "auto" applies either where nothing below is in the way; "on"
-requires it, and a config it cannot apply to is refused with the reason (no setting silently
-does nothing); "off" never applies it.
+(federation.batched_train). "auto" applies either where nothing below is in the way and (for
+training) it measured faster; "on" requires it, and a config it cannot apply to is refused with
+the reason (no setting silently does nothing); "off" never applies it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 from fedsplice.algorithms import prompt_parts
 from fedsplice.errors import ConfigError
@@ -21,19 +23,25 @@ if TYPE_CHECKING:
     from fedsplice.model.taskmodel import TaskModel
 
 
-def applies(field: str, setting: str, why: str | None) -> bool:
-    """Whether runtime.<field> = `setting` batches, `why` what is in the way (None: nothing)."""
+def applies(field: str, setting: str, why: str | None, slower: str | None = None) -> bool:
+    """Whether runtime.<field> = `setting` batches: `why` is what is in the way (None: nothing),
+    `slower` why batching measured no faster for this run ("auto" then leaves it off; "on"
+    batches anyway)."""
     if setting == "on" and why:
         raise ConfigError(f"runtime.{field} = 'on' cannot apply: {why}; set runtime.{field} = 'auto' or 'off'")
-    return setting != "off" and why is None
+    return setting == "on" or setting == "auto" and why is None and slower is None
 
 
-def note(field: str, setting: str, why: str | None) -> str | None:
-    """The run's line on runtime.<field> (None where it is "off"): what it does, or why not."""
-    if setting == "off":
-        return None
+def note(field: str, setting: str, why: str | None, slower: str | None = None) -> str | None:
+    """The run's line on runtime.<field>: what it does where it batches; under "auto" where it
+    could but measured no faster, why not (None otherwise: "off", or "auto" where it cannot
+    apply, which `runtime.<field> = 'on'` explains)."""
     what = {"batch_eval": "the clients' PM scored together", "batch_train": "a round's clients trained together"}
-    return f"runtime.{field} = {setting!r}: " + (what[field] if why is None else f"one client at a time, as {why}")
+    if setting == "off" or setting == "auto" and why is not None:
+        return None
+    if setting == "auto" and slower is not None:
+        return f"runtime.{field} = 'auto': one client at a time, as {slower}; 'on' batches anyway"
+    return f"runtime.{field} = {setting!r}: {what[field]}"
 
 
 def _clients(cfg: ExperimentConfig, recipe: Recipe) -> str | None:
@@ -74,6 +82,15 @@ def plain_prompt(cfg: ExperimentConfig, infos: dict[str, ParamInfo]) -> bool:
     side is the learner's own), which batched_train encodes for all clients in one forward."""
     return (cfg.peft.type == "prompt" and cfg.model.task == "dual_encoder" and prompt_parts(cfg) is None
             and set(infos) == {PROMPT_CTX})
+
+
+def train_slower(cfg: ExperimentConfig, infos: dict[str, ParamInfo], model: TaskModel) -> str | None:
+    """Why batched training is measured no faster for this run (None: it was measured faster):
+    LoRA in fp32 gained 0.96-1.05x, under bf16 1.07-1.15x, a CoOp context alone 1.16-1.31x
+    (benchmarks/batched_round.py on a 2-core CPU; docs/performance.md)."""
+    if plain_prompt(cfg, infos) or model.amp_dtype != torch.float32:
+        return None
+    return "batched LoRA training measured no faster than one client after another in fp32"
 
 
 def train_refusal(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo],

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from fedsplice.algorithms import ModelSpec, Recipe, build_recipe
 from fedsplice.config import ExperimentConfig
 from fedsplice.core.split import GLOBAL, PRIVATE, ParamInfo, names_in
-from fedsplice.federation.batching import applies, eval_refusal, note, train_refusal
+from fedsplice.federation.batching import applies, eval_refusal, note, train_refusal, train_slower
 from fedsplice.federation.dpsgd import check as dpsgd_check
 from fedsplice.federation.generative import check_recipe as check_generate_recipe
 from fedsplice.federation.pooled import check_reference
@@ -50,7 +50,7 @@ class Plan:
     private_names: list[str]
     batch_eval: bool = False  # runtime.batch_eval applies (federation.batched)
     batch_train: bool = False  # runtime.batch_train applies (federation.batched_train)
-    batch_notes: tuple[str, ...] = ()  # a line per batching setting not "off": what it does, or why not
+    batch_notes: tuple[str, ...] = ()  # a line per batching setting that batches, or under "auto" measured slower
 
 
 def plan(cfg: ExperimentConfig, class_names: list[str] | None = None, class_prompt: str = "") -> Plan:
@@ -67,10 +67,11 @@ def plan(cfg: ExperimentConfig, class_names: list[str] | None = None, class_prom
     rc = cfg.runtime
     why = {"batch_eval": eval_refusal(cfg, recipe, infos, private_names, skeleton),
            "batch_train": train_refusal(cfg, recipe, infos, skeleton)}
-    notes = tuple(n for f, w in why.items() if (n := note(f, getattr(rc, f), w)))
+    slower = {"batch_eval": None, "batch_train": train_slower(cfg, infos, skeleton)}
+    notes = tuple(n for f, w in why.items() if (n := note(f, getattr(rc, f), w, slower[f])))
     return Plan(recipe, infos, shapes, scalings, global_names, private_names,
                 applies("batch_eval", rc.batch_eval, why["batch_eval"]),
-                applies("batch_train", rc.batch_train, why["batch_train"]), notes)
+                applies("batch_train", rc.batch_train, why["batch_train"], slower["batch_train"]), notes)
 
 
 def check_recipe(cfg: ExperimentConfig, recipe: Recipe, global_names: list[str], model: TaskModel) -> None:

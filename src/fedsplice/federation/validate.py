@@ -91,6 +91,12 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
     return validate(config.load_config(path, overrides, moves()))
 
 
+def load_run_config(path: Path) -> ExperimentConfig:
+    """A run's saved config.toml, fully validated, as the run ran: a setting whose default changed
+    since it was saved takes the default it started with (config.first_default_sets)."""
+    return load_config(path, config.first_default_sets(config.read_toml(path)))
+
+
 def saved_as_current(table: dict[str, Any]) -> dict[str, Any]:
     """fedsplice.config.saved_as_current with the switches' readers of their earlier settings."""
     return config.saved_as_current(table, moves())

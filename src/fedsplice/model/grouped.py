@@ -56,6 +56,8 @@ def _grouped_forward(mod: nn.Module, a: torch.Tensor, b: torch.Tensor):
     drop, s = cast(nn.ModuleDict, mod.lora_dropout)["default"], float(cast(dict, mod.scaling)["default"])
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if mod.disable_adapters:  # peft's disable_adapter(): the frozen model (e.g. class embeddings
+            return base(x, *args, **kwargs)  # recomputed with runtime.cache = false), as peft's own forward
         own = _ROWS.get()
         if own is None or own.shape[0] != x.shape[0]:
             raise RuntimeError("grouped LoRA: a forward whose rows have no owners (the texts must be Owned)")

@@ -84,7 +84,7 @@ def resume_flower(out: Path, quiet: bool = False) -> dict:
     from fedsplice.app.flower.processes import tagged
     from fedsplice.app.flower.resume import LAUNCH_FILE
     from fedsplice.errors import ConfigError
-    from fedsplice.federation.validate import load_config
+    from fedsplice.federation.validate import load_run_config
 
     out = Path(out)
     launch = out / "flower" / LAUNCH_FILE
@@ -102,7 +102,7 @@ def resume_flower(out: Path, quiet: bool = False) -> dict:
         pids = " ".join(map(str, left))
         raise ConfigError(f"{out}: processes of this run are still running (pids {pids}); let it finish, "
                           f"or stop them (kill {pids}) and resume again")
-    cfg = load_config(out / "config.toml")
+    cfg = load_run_config(out / "config.toml")
     return run_flower(cfg, out, quiet=quiet, resume=True, supernodes=cfg.runtime.num_supernodes,
                       insecure=cfg.runtime.insecure, isolation=how["isolation"], node_wait_s=float(how["node_wait_s"]),
                       site_data=tuple(how.get("site_data", [])),
