@@ -16,7 +16,7 @@ keep their real vocabulary sizes where a stage says so), and the data are synthe
 word-salad sentences; 4 colours of noise; questions about the colours for the VLM). Settings come
 from the shipped configs; only the model, the data and the budget are replaced.
 
-Stages (gpucheck/stages.py, gpucheck/scale.py), in order:
+Stages (gpucheck/stages.py, gpucheck/scale.py, gpucheck/clients.py), in order:
   preflight      versions; what precision "auto" resolves to; the bf16 and fp32 matmul rate
                  (8192^3), the peak that utilisation is measured against
   parity         tiny BERT, Llama, CLIP, 1 round: CUDA fp32 = CPU fp32 within 1e-3 (losses
@@ -32,6 +32,9 @@ Stages (gpucheck/stages.py, gpucheck/scale.py), in order:
   memory         configs/pfadapter-qwen2-7b-nf4.toml on Qwen2-7B + SigLIP-so400m shapes under
                  a 48 GiB cap (--mem-cap-gib)
   workers        runtime.workers = 2 on the one device = workers = 1
+  clients        8, 32, 128 clients a round on a BERT-base shape (PFAdapter), one after another
+                 and together (runtime.batch_train): clients trained per hour, peak memory and
+                 memory per added client; the two agree (gpucheck/clients.py)
 
 Utilisation = tokens/s x 4 N (N: the decoder layers' linear weights; a LoRA step's forward and
 input-gradient matmuls) / the preflight's matmul rate at the same precision. A step runs from the
@@ -60,13 +63,13 @@ for _p in (HERE.parent / "src", HERE):
         sys.path.insert(0, str(_p))  # a checkout that was not `pip install`ed; the gpucheck package
 
 import torch  # noqa: E402
-from gpucheck import scale, stages  # noqa: E402
+from gpucheck import clients, scale, stages  # noqa: E402
 from gpucheck.measure import Row, table  # noqa: E402
 from gpucheck.runs import Ctx  # noqa: E402
 
 STAGES = {"preflight": stages.preflight, "parity": stages.parity, "precision": stages.precision,
           "quant": stages.quant, "checkpointing": scale.checkpointing, "throughput": scale.throughput,
-          "memory": scale.memory, "workers": stages.workers}
+          "memory": scale.memory, "workers": stages.workers, "clients": clients.clients}
 
 
 def parse(argv):

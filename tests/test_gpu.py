@@ -2,8 +2,9 @@
 everywhere else): the device computes what the CPU computes. fp32 on CUDA (IEEE: `fp32` keeps
 TF32 off) equals the CPU's fp32 within 1e-4 relative; bf16 autocast stays within 3e-2 of the
 logits' scale with gradients pointing the same way (cosine > 0.99); unpadded batches equal
-padded ones on the device; fp16's gradient scaler lets steps through. Tiny random models of each
-backbone family (tests/test_unpad.py builds them)."""
+padded ones on the device; fp16's gradient scaler lets steps through; many clients through one
+base (model.grouped, federation.batched_train) equal each client alone on the device. Tiny random
+models of each backbone family (tests/test_unpad.py builds them)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,29 @@ def test_fp16_scaler_steps(cfg_factory, tiny_bert_dir, toy_jsonl):
     moved = [n for n, p in exp.model.trainable().items() if not torch.equal(p.detach().cpu(), init[n].cpu())]
     assert st["steps"] == 4 and torch.isfinite(torch.tensor(st["loss"])) and moved
 
+
+
+@pytest.fixture
+def cuda_cfg(tiny_cfg):
+    """tiny_cfg on the CUDA device: the CPU tests of model.grouped run through it unchanged."""
+    return lambda **kw: tiny_cfg(runtime__device='"cuda"', **kw)
+
+
+def test_grouped_lora_on_cuda_equals_each_client_alone(cuda_cfg):
+    """model.grouped's gathered einsum on the device (issue 50): one predict over several clients'
+    rows equals each client's model alone there, and the batched PM of a trained round equals
+    the per-client one, within the CPU tests' tolerances."""
+    import test_grouped as G
+
+    G.test_each_row_through_its_clients_factors_equals_each_client_alone(cuda_cfg)
+    G.test_batched_pm_equals_each_client_alone(cuda_cfg, "true")
+
+
+@pytest.mark.parametrize("algo", [dict(algorithm='"pfadapter"'), dict(algorithm='"promptfl"', method="{}",
+                                                                       peft__type='"prompt"')])
+def test_training_together_on_cuda_equals_one_client_after_another(cuda_cfg, algo):
+    """federation.batched_train on the device: a round's clients trained together (LoRA through
+    the grouped forward; PromptFL's class sides in one forward) equal one after another there."""
+    import test_batched_train as T
+
+    T.test_training_together_equals_one_client_after_another(cuda_cfg, algo, "sgd")

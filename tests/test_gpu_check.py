@@ -50,12 +50,12 @@ def _rows(markdown: str) -> list[list[str]]:
 
 
 STAGE_ROWS = {"preflight": 2, "parity": 3, "precision": 3, "quant": 2, "checkpointing": 2, "throughput": 2,
-              "memory": 1, "workers": 1}
+              "memory": 1, "workers": 1, "clients": 6}
 
 
 @pytest.mark.integration
 def test_small_cpu_mode_runs_every_stage_and_writes_the_tables(tmp_path):
-    """All eight stages on this CPU with tiny shapes: every row PASSes (bitsandbytes runs on a CPU
+    """All nine stages on this CPU with tiny shapes: every row PASSes (bitsandbytes runs on a CPU
     at the pinned version, so quant and memory run too); the markdown is printed and written, and
     the JSON holds the same rows."""
     out, js = tmp_path / "gpu.md", tmp_path / "gpu.json"
@@ -82,7 +82,15 @@ def test_small_cpu_mode_runs_every_stage_and_writes_the_tables(tmp_path):
     assert fp16["precision"] == "fp16 (base fp16)" and fp16["check"].startswith("PASS: 4 of 4 optimizer steps")
     for r in data["rows"][8:10]:
         assert "names equal the unquantized model's; round trip exact" in r["check"]
-    assert data["rows"][-1]["check"].startswith("PASS: max diff against workers = 1: 0.00e+00")
+    workers = next(r for r in data["rows"] if r["stage"] == "workers")
+    assert workers["check"].startswith("PASS: max diff against workers = 1: 0.00e+00")
+    together = [r for r in data["rows"] if r["stage"] == "clients" and r["what"].endswith("together")]
+    assert [r["what"].split(", ")[2] for r in together] == ["2 clients a round", "4 clients a round",
+                                                           "8 clients a round"]
+    for r in (r for r in data["rows"] if r["stage"] == "clients"):
+        assert r["rate"] > 0 and r["unit"] == "clients/h", r
+    for r in together:  # batched training agrees with one client after another (bf16 on this CPU)
+        assert float(r["check"].split("max diff ")[1].split()[0]) <= runs.BF16_TOL, r
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
