@@ -106,9 +106,11 @@ def test_progress_counts_what_a_runtime_does_not_report(tiny_cfg, tmp_path):
         assert cold["total"] >= TOTAL and cold["done"] == cold["total"] - COLD
 
 
-def test_an_observer_sees_every_call_and_each_client_task(tiny_cfg):
+@pytest.mark.parametrize("together", ['"off"', '"on"'])
+def test_an_observer_sees_every_call_and_each_client_task(tiny_cfg, together, monkeypatch):
     """The loop's calls tell the transport's observer when they begin and end; InProcess ticks
-    it as each client task ends. Observing changes nothing: the run's records are the same."""
+    it as each client task ends (trained together, runtime.batch_train: as each client's last
+    step ends, inside the call). Observing changes nothing: the run's records are the same."""
     class Names:
         def __init__(self):
             self.calls, self.ticks = [], []
@@ -118,16 +120,31 @@ def test_an_observer_sees_every_call_and_each_client_task(tiny_cfg):
 
         def client_done(self, task):
             self.ticks.append(task)
+            self.calls.append(("tick", task))
 
         def end(self, task, cids):
             self.calls.append(("end", task, len(cids)))
 
     seen, runs = Names(), []
+    from fedsplice.federation import batched_train
+
+    end = batched_train.fit_end  # trained together, every tick comes before the uploads are built
+    monkeypatch.setattr(batched_train, "fit_end", lambda *a: (seen.calls.append(("upload", "fit")), end(*a))[1])
     for observer in (seen, None):
         recs = []
-        run_rounds(build(tiny_cfg()), make_store("memory", None), recs.append, observer=observer)
+        exp = build(tiny_cfg(runtime__batch_train=together))
+        assert exp.batch_train == (together == '"on"')
+        run_rounds(exp, make_store("memory", None), recs.append, observer=observer)
         runs.append(recs)
     assert seen.ticks.count("fit") == FITS and seen.ticks.count("evaluate") == EVALS
+    fit_begin = [i for i, c in enumerate(seen.calls) if c[:2] == ("begin", "fit")]
+    for i in fit_begin:  # each training call's clients ticked before the call ended
+        j = next(j for j in range(i, len(seen.calls)) if seen.calls[j][:2] == ("end", "fit"))
+        between = [c for c in seen.calls[i + 1:j] if c[0] == "tick"]
+        assert between == [("tick", "fit")] * seen.calls[i][3]
+        if together == '"on"':
+            assert seen.calls[i + 1:j] == between + [("upload", "fit")] * seen.calls[i][3]
+    seen.calls = [c for c in seen.calls if c[0] in ("begin", "end")]
     begins = [c for c in seen.calls if c[0] == "begin"]
     assert [c[1] for c in begins].count("fit") == 2 and begins[0][1:] == ("evaluate", 0, 3)  # 3 training clients
     assert [(c[1], c[-1]) for c in seen.calls if c[0] == "end"] == [(c[1], c[-1]) for c in begins]

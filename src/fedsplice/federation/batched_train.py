@@ -20,6 +20,7 @@ each client's own stream).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
@@ -69,11 +70,12 @@ class Trainee:
     diag: dict[str, float] = field(default_factory=dict)
 
 
-def fit_together(exp: Experiment, store: Store, cids: list[int], rnd: int,
-                 down: bytes) -> list[tuple[bytes, dict[str, float]]]:
-    """fitting.fit of every client in `cids`, their training done together (one upload each, in order)."""
+def fit_together(exp: Experiment, store: Store, cids: list[int], rnd: int, down: bytes,
+                 done: Callable[[], None] | None = None) -> list[tuple[bytes, dict[str, float]]]:
+    """fitting.fit of every client in `cids`, their training done together (one upload each, in
+    order); `done()` as each client's last step ends (a progress display's tick)."""
     fits = [fit_start(exp, store, c, rnd, down) for c in cids]
-    trained = train_together(exp, fits)
+    trained = train_together(exp, fits, done)
     return [fit_end(exp, store, f, params, opt, stats) for f, (params, opt, stats) in zip(fits, trained)]
 
 
@@ -152,9 +154,11 @@ def diagnose(ts: list[Trainee], got: list[Losses]) -> None:
         t.diag = ratios(base[i], {k: (per_term[k][i], v, w) for k, (v, w) in g.weighted.items()})
 
 
-def train_together(exp: Experiment, fits: list[Fitting]) -> list[tuple[Params, Params, dict[str, float]]]:
+def train_together(exp: Experiment, fits: list[Fitting],
+                   done: Callable[[], None] | None = None) -> list[tuple[Params, Params, dict[str, float]]]:
     """train.local_train of each client in `fits`, from its `start` tensors, all at once:
-    (its trained tensors on the CPU, its kept optimizer state, its statistics) each."""
+    (its trained tensors on the CPU, its kept optimizer state, its statistics) each; `done()` as
+    each client's last step ends."""
     model = exp.model
     names = sorted(model.trainable())
     dev = getattr(model, "device", torch.device("cpu"))
@@ -175,6 +179,8 @@ def train_together(exp: Experiment, fits: list[Fitting]) -> list[tuple[Params, P
             accumulate(t.sums, "loss", total)
             for k, v in g.losses.items():
                 accumulate(t.sums, f"{k}_loss", v)
+            if done is not None and step == len(t.batches) - 1:
+                done()
     out = []
     for t in ts:
         keep = set(t.f.keep)

@@ -70,7 +70,11 @@ class InProcess:
         failed = self.faults.failed(rnd, cids, down)
         ok = [c for c in cids if c not in failed]
         # runtime.batch_train: the round's clients trained together, their replies in the same order
-        together = dict(zip(ok, fit_together(self.exp, self.store, ok, rnd, down))) if self.exp.batch_train else {}
+        obs = self.observer
+        tick = None if obs is None else lambda: obs.client_done("fit")  # a progress tick as each client ends
+        together = {}
+        if self.exp.batch_train:
+            together = dict(zip(ok, fit_together(self.exp, self.store, ok, rnd, down, tick)))
         out = []
         for cid in cids:
             if cid in failed:
@@ -78,7 +82,7 @@ class InProcess:
                 continue
             up, st = together[cid] if cid in together else fit_client(self.exp, self.store, cid, rnd, down)
             out.append(Reply(cid, up, len(self.exp.clients[cid].train_idx), st, len(up), len(down)))
-            if self.observer is not None:
+            if self.observer is not None and cid not in together:  # (together: ticked as each finished)
                 self.observer.client_done("fit")
         return out
 
