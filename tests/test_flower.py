@@ -62,11 +62,12 @@ def _ours_alive(cl_root: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(cfg_factory, tiny_bert_dir, toy_jsonl, tmp_path_factory):
-    """For each algorithm: the simulation run and the Flower run of the same config."""
+    """For each algorithm: the simulation run and the Flower run of the same config (PM one client
+    at a time, as each SuperNode scores its own: equal bit for bit)."""
     out = {}
     for algo in ("pfadapter", "lora"):
         kw = {} if algo == "pfadapter" else {"algorithm": '"lora"'}
-        cfg = cfg_factory(tiny_bert_dir, toy_jsonl, **kw)
+        cfg = cfg_factory(tiny_bert_dir, toy_jsonl, runtime__batch_eval='"off"', **kw)
         sim = tmp_path_factory.mktemp(f"sim-{algo}")
         run_experiment(cfg, sim, overwrite=True, quiet=True)
         fl = tmp_path_factory.mktemp(f"flower-{algo}")

@@ -24,10 +24,12 @@ from fedsplice.runtimes.workers import WorkerError, Workers
 
 pytestmark = pytest.mark.integration  # worker processes
 
-# clients drop out and straggle past the deadline; a round needs 2 replies, so some are retried
+# clients drop out and straggle past the deadline; a round needs 2 replies, so some are retried.
+# Byte for byte: one client's PM at a time, as each worker scores its own (runtime.batch_eval's
+# "auto" scores one process's clients together, equal within rounding: tests/test_grouped.py)
 FAULTS = dict(server__rounds=3, server__clients_per_round=3, server__min_replies=2, server__round_deadline_s=1.0,
               faults__dropout=0.3, faults__straggler=0.3, faults__straggler_delay_s=60.0,
-              runtime__keep_checkpoints=5)
+              runtime__keep_checkpoints=5, runtime__batch_eval='"off"')
 
 
 def metrics_text(run) -> str:
