@@ -138,7 +138,8 @@ def header(args, device: torch.device, seconds: float) -> str:
     import transformers
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    shapes = "tiny shapes (--small)" if args.small else "real shapes (Qwen2-1.5B, ViT-B/16, Qwen2-7B + so400m)"
+    shapes = ("tiny shapes (--small)" if args.small
+              else "real shapes (Qwen2-1.5B, ViT-B/16, Qwen2-7B + so400m, BERT-base)")
     return (f"`python scripts/gpu_check.py --device {args.device}{' --small' if args.small else ''} --only "
             f"{','.join(args.stages)}` on {where}, torch {torch.__version__}, transformers "
             f"{transformers.__version__}, {seconds:.0f} s in all. RANDOM weights, {shapes}; the tiny offline "

@@ -242,9 +242,9 @@ def test_defaults_and_the_header_of_a_real_shape_run():
     assert (args.device, args.small, args.precision, args.steps, args.batch, args.out, args.json,
             args.mem_cap_gib) == ("cuda", False, "bf16", 6, 16, None, None, 48.0)
     assert args.stages == ["preflight", "parity", "precision", "quant", "checkpointing", "throughput", "memory",
-                           "workers"]
+                           "workers", "clients"]
     text = gpu_check.header(args, torch.device("cpu"), 12.3)
-    assert "real shapes (Qwen2-1.5B, ViT-B/16, Qwen2-7B + so400m)" in text and "633 words" in text
+    assert "real shapes (Qwen2-1.5B, ViT-B/16, Qwen2-7B + so400m, BERT-base)" in text and "633 words" in text
     assert gpu_check.parse(["--small"]).steps == 2
     assert gpu_check.parse(["--only", " memory, parity "]).stages == ["memory", "parity"]
 
