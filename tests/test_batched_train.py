@@ -79,8 +79,8 @@ def test_batch_train_on_where_it_cannot_apply_is_refused(sets, match, tiny_cfg, 
 
 def test_auto_says_what_applies_and_why_not(tiny_cfg):
     """"auto" (the default) batches where nothing is in the way and (training) it measured faster:
-    LoRA under bf16, not fp32; a line in the run's header says what batches, or, where only the
-    measurement keeps it off, why. Where something is in the way it stays silent ("on" says what)."""
+    LoRA under bf16, not fp32; a line each in the run's header says what batches, or why not
+    (what is in the way, or the measurement); "off" has none."""
     pf = build(tiny_cfg(algorithm='"pfadapter"'))  # the tiny BERT is 32 wide: "auto" precision is fp32
     assert pf.cfg.runtime.batch_eval == pf.cfg.runtime.batch_train == "auto"
     assert pf.batch_eval and not pf.batch_train
@@ -92,6 +92,10 @@ def test_auto_says_what_applies_and_why_not(tiny_cfg):
     assert bf16.batch_notes[1] == "runtime.batch_train = 'auto': a round's clients trained together"
     assert build(tiny_cfg(algorithm='"pfadapter"', runtime__batch_train='"on"')).batch_train  # "on" batches anyway
     purel = build(tiny_cfg(algorithm='"fedpurel"', method="{}"))
-    assert not purel.batch_train and not purel.batch_eval and purel.batch_notes == ()
+    assert not purel.batch_train and not purel.batch_eval and purel.batch_notes == (
+        "runtime.batch_eval = 'auto': one client at a time, as algorithm 'fedpurel' scores its PM with a rule of "
+        "its own",
+        "runtime.batch_train = 'auto': one client at a time, as algorithm 'fedpurel' trains with an objective, "
+        "gradient rule or phases of its own")
     off = build(tiny_cfg(algorithm='"pfadapter"', runtime__batch_eval='"off"', runtime__batch_train='"off"'))
     assert not off.batch_eval and not off.batch_train and off.batch_notes == ()

@@ -33,12 +33,13 @@ def applies(field: str, setting: str, why: str | None, slower: str | None = None
 
 
 def note(field: str, setting: str, why: str | None, slower: str | None = None) -> str | None:
-    """The run's line on runtime.<field>: what it does where it batches; under "auto" where it
-    could but measured no faster, why not (None otherwise: "off", or "auto" where it cannot
-    apply, which `runtime.<field> = 'on'` explains)."""
+    """The run's line on runtime.<field> (None where it is "off"): what it does where it batches;
+    where it does not under "auto", why: what is in the way, or that it measured no faster."""
     what = {"batch_eval": "the clients' PM scored together", "batch_train": "a round's clients trained together"}
-    if setting == "off" or setting == "auto" and why is not None:
+    if setting == "off":
         return None
+    if why is not None:  # "auto" ("on" was refused)
+        return f"runtime.{field} = 'auto': one client at a time, as {why}"
     if setting == "auto" and slower is not None:
         return f"runtime.{field} = 'auto': one client at a time, as {slower}; 'on' batches anyway"
     return f"runtime.{field} = {setting!r}: {what[field]}"

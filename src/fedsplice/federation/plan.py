@@ -50,7 +50,7 @@ class Plan:
     private_names: list[str]
     batch_eval: bool = False  # runtime.batch_eval applies (federation.batched)
     batch_train: bool = False  # runtime.batch_train applies (federation.batched_train)
-    batch_notes: tuple[str, ...] = ()  # a line per batching setting that batches, or under "auto" measured slower
+    batch_notes: tuple[str, ...] = ()  # a line per batching setting not "off": what it does, or why not
 
 
 def plan(cfg: ExperimentConfig, class_names: list[str] | None = None, class_prompt: str = "") -> Plan:
