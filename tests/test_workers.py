@@ -108,7 +108,8 @@ def test_fedpurel_phase_two_and_cold_start_on_workers(cfg_factory, tiny_bert_dir
     for w in (1, 2):
         cfg = cfg_factory(tiny_bert_dir, toy_jsonl, algorithm='"fedpurel"',
                           method='{personal_rounds = 1, phase2 = "after"}',
-                          peft__layers=[1], runtime__workers=w, server__rounds=2)
+                          peft__layers=[1], runtime__workers=w, server__rounds=2,
+                          runtime__batch_eval='"off"')  # byte for byte: each client scored alone, as FAULTS
         outs.append(tmp_path / f"w{w}")
         run_experiment(cfg, outs[-1], quiet=True)
     last = json.loads(metrics_text(outs[0]).splitlines()[-1])
