@@ -73,7 +73,7 @@ class InProcess:
         obs = self.observer
         tick = None if obs is None else lambda: obs.client_done("fit")  # a progress tick as each client ends
         together = {}
-        if self.exp.batch_train:
+        if self.exp.batch_train and ok:  # every client failed: nothing to train
             together = dict(zip(ok, fit_together(self.exp, self.store, ok, rnd, down, tick)))
         out = []
         for cid in cids:
