@@ -4,14 +4,16 @@ after another against all clients together (runtime.batch_train, runtime.batch_e
     python benchmarks/batched_round.py [--quick] [--reps N] [--threads N] [--only NAME]
 
 Workloads: PFAdapter and FedAvg-LoRA on MiniLM (LoRA: each row through its client's factors),
-PromptFL on fortunes (a CoOp context: every client's class side in one forward). One child
+PromptFL on fortunes (a CoOp context: every client's class side in one forward), PFAdapter on
+SmolLM2-135M (a causal LM's verbalizer: each prompt and its continuations through its client's
+factors). One child
 process builds the shipped config once, then runs `rounds` rounds of the in-process
 round loop per setting, the settings interleaved rep by rep after a warm-up run (so both see the
 same warm caches): training time per round (the round records' time_s) and the PM evaluation's
 time (every training client, the in-process runtime's evaluate task), and the accuracies each
 setting reaches. The numbers are what `runtime.batch_train = "on"` / `batch_eval = "auto"`
 gain against "off" on this machine (the measurement behind batch_train's "auto":
-batching.train_slower). `--quick`: the tiny random BERT (the numbers then mean nothing).
+batching.train_slower). `--quick`: the tiny random BERT or Llama (the numbers then mean nothing).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ WORKLOADS = {
     "pfadapter-minilm": {"config": "pfadapter-minilm.toml", "set": ["server.rounds=3", "eval.every=3"]},
     "lora-minilm": {"config": "fedavg-lora-minilm.toml", "set": ["server.rounds=3", "eval.every=3"]},
     "promptfl-fortunes": {"config": "promptfl-fortunes.toml", "set": ["server.rounds=3", "eval.every=3"]},
+    "pfadapter-smollm2": {"config": "pfadapter-smollm2.toml", "set": ["server.rounds=3", "eval.every=3"]},
 }
 PRECISIONS = ("fp32", "bf16")
 QUICK_SET = ["data.num_clients=8", "data.holdout_clients=0", "data.test_per_class=2", "data.local_test_size=6",
@@ -101,7 +104,7 @@ def main() -> None:
     args = interleaved_args(__doc__, WORKLOADS, "setting")
     args.reps = args.reps if "--reps" in sys.argv else (1 if args.quick else 3)
     out = []
-    tiny = {name: zoo.tiny_bert for name in WORKLOADS}
+    tiny = {name: zoo.tiny_llama if "smollm2" in name else zoo.tiny_bert for name in WORKLOADS}
     for name, _, r in workload_children(__file__, args, WORKLOADS, QUICK_SET, tiny):
         base = {x["precision"]: x for x in r["rows"] if x["clients"] != "together"}
         for x in r["rows"]:
@@ -112,7 +115,7 @@ def main() -> None:
     notes = [f"{os.cpu_count()} cpus, torch threads {out[0]['threads'] if out else '?'}; the shipped configs, "
              f"3 rounds, PM evaluated after round 0 and round 3; medians of {args.reps} interleaved runs.",
              "train_s: the median round's training (records' time_s, rounds 1-3); pm_eval_s: the PM evaluation of "
-             "every training client after round 3 (round 0's comes from the zero-shot cache either way).",
+             "every training client after round 3.",
              "together: runtime.batch_train = 'on', runtime.batch_eval = 'auto' (pm_batched: whether it applies; "
              "not to a prompt method); one after another: 'off'."]
     report("batched_round", out, ["workload", "precision", "clients", "pm_batched", "per_round", "pm_clients",

@@ -419,6 +419,15 @@ def tiny_cfg(cfg_factory, tiny_bert_dir, toy_jsonl):
 
 
 @pytest.fixture
+def text_cfg(cfg_factory, tiny_bert_dir, tiny_llama_dir, toy_jsonl):
+    """tiny_cfg, on the tiny Llama where the overrides set model__task='"causal_lm"'."""
+    def make(**kw):
+        lm = kw.get("model__task") == '"causal_lm"'
+        return cfg_factory(tiny_llama_dir if lm else tiny_bert_dir, toy_jsonl, **kw)
+    return make
+
+
+@pytest.fixture
 def capture_uploads(monkeypatch):
     """Wrap inprocess.fit_client: [(round, cid, upload bytes)] in call order."""
     from fedsplice.runtimes import inprocess

@@ -56,10 +56,12 @@ def _clients(cfg: ExperimentConfig, recipe: Recipe) -> str | None:
 def _common(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamInfo], model: TaskModel) -> str | None:
     if why := _clients(cfg, recipe):
         return why
-    if (cfg.peft.type != "lora" or cfg.model.task not in ("encoder_head", "dual_encoder") or model.is_clip
-            or model.class_side_trains):
-        return ("it groups the LoRA factors of a text encoder's input side (peft.type = 'lora', model.task = "
-                "'encoder_head' or a text 'dual_encoder' whose class side is frozen)")
+    if (cfg.peft.type != "lora" or cfg.model.task not in ("encoder_head", "dual_encoder", "causal_lm")
+            or model.is_clip or model.class_side_trains):
+        return ("it groups the LoRA factors of a text model's input side (peft.type = 'lora', model.task = "
+                "'encoder_head', 'causal_lm' or a text 'dual_encoder' whose class side is frozen)")
+    if cfg.model.quantization != "none":
+        return "its grouped LoRA matmul has not been checked over a quantized base (model.quantization)"
     if any(i.kind.startswith("lora_") for i in infos.values()):  # LoraParts: adapters or tensors beside
         return f"algorithm {cfg.algorithm!r} adds LoRA parts of its own"
     return None
@@ -114,6 +116,9 @@ def train_refusal(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamI
         return "DP-SGD clips and noises each client's own examples (privacy.local = 'dpsgd')"
     if cfg.peft.dropout > 0:
         return "LoRA dropout draws its masks from each client's own stream (peft.dropout > 0)"
+    if cfg.model.gradient_checkpointing:
+        return ("activation checkpointing recomputes the forward in backward, after the clients' grouped pass "
+                "(model.gradient_checkpointing)")
     if cfg.runtime.precision == "fp16":
         return "fp16's gradient scaler skips steps client by client (runtime.precision = 'fp16')"
     return None

@@ -10,13 +10,15 @@ B [m, d_out, r])` gathered per row and applied as one batched matmul (the same o
 not named keep their own adapter (the GLOBAL LoRA every client shares).
 
 The result for each row is the same function of its tokens as the client's own forward, so
-logits agree with scoring each client apart within float rounding (tests/test_grouped.py).
+logits agree with scoring each client apart within float rounding (tests/test_grouped.py). A
+causal LM's verbalizer (`model.verbalizer`) lays out its calls' rows itself (a prompt pass, its
+continuations, or a prompt per answer) and names their owners with `owned_rows`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import cast
 
@@ -38,17 +40,30 @@ class Owned(str):
 _ROWS: ContextVar[torch.Tensor | None] = ContextVar("fedsplice_grouped_rows", default=None)
 
 
-@contextmanager
-def rows_of(texts: Sequence[object]) -> Iterator[None]:
-    """The owners of one backbone call's rows (texts not `Owned`: no owners, nothing changes)."""
+def owners_of(texts: Sequence[object]) -> torch.Tensor | None:
+    """The owners of `texts` in order (None where they are not `Owned`)."""
     if not texts or not isinstance(texts[0], Owned):
+        return None
+    return torch.tensor([t.owner for t in texts if isinstance(t, Owned)], dtype=torch.long)
+
+
+@contextmanager
+def owned_rows(own: torch.Tensor | None) -> Iterator[None]:
+    """The owners of one backbone call's rows, as given (None: no owners, nothing changes). A
+    causal LM's verbalizer sets them for each of its calls, whose rows it lays out itself."""
+    if own is None:
         yield
         return
-    token = _ROWS.set(torch.tensor([t.owner for t in texts if isinstance(t, Owned)], dtype=torch.long))
+    token = _ROWS.set(own)
     try:
         yield
     finally:
         _ROWS.reset(token)
+
+
+def rows_of(texts: Sequence[object]) -> AbstractContextManager[None]:
+    """The owners of one backbone call's rows, one per text (texts not `Owned`: nothing changes)."""
+    return owned_rows(owners_of(texts))
 
 
 def _grouped_forward(mod: nn.Module, a: torch.Tensor, b: torch.Tensor):

@@ -20,6 +20,7 @@ from fedsplice.data.samples import Sample
 from fedsplice.errors import ConfigError
 from fedsplice.model.cache import FrozenCache
 from fedsplice.model.encoders import ClassSide, InputSide
+from fedsplice.model.grouped import Owned
 from fedsplice.model.verbalizer import verbalizer_logits
 from fedsplice.model.vision import per_image, vision_tokens
 
@@ -82,9 +83,11 @@ class EncoderHeadScorer:
 
 
 def lm_prompts(template: str, items: list) -> list[str]:
-    """The prompt of each input: a sample's text (never its key), "" when it has none."""
+    """The prompt of each input: a sample's text (never its key), "" when it has none; an `Owned`
+    text's prompt keeps its owner (the client whose LoRA scores it: model.grouped)."""
     text = [(s.text if isinstance(s, Sample) else s) for s in items]
-    return [template.format(text=t if t is not None else "") for t in text]
+    out = [template.format(text=t if t is not None else "") for t in text]
+    return [Owned(p, t.owner) if isinstance(t, Owned) else p for p, t in zip(out, text)]
 
 
 class CausalLMScorer:

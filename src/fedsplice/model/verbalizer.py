@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fedsplice.model.grouped import owned_rows, owners_of
 from fedsplice.model.unpad import by_length
 
 _ANSWER_CACHE: weakref.WeakKeyDictionary[object, dict] = weakref.WeakKeyDictionary()
@@ -128,6 +129,8 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     ``max_length``: each prompt's tokens cut to this many from the left (`cut_prompt`); 0: none.
     ``overhead``: unpadded batches (`fedsplice.model.unpad`): prompts of similar length (image
     tokens included) run together; None: one batch left-padded to its longest prompt.
+    Prompts that are `model.grouped.Owned` texts: every row of every call runs through its prompt
+    owner's LoRA factors (inside `model.grouped`).
     """
     if len(prompts) == 0 or len(answers) == 0:
         raise ValueError("verbalizer: need at least one prompt and one answer")
@@ -142,22 +145,26 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     a_ids = tokenize_answers(tokenizer, answers)
     if prefix is not None and all(x is None for x in prefix):
         prefix = None
+    own = owners_of(prompts)
     if overhead is None:
-        return _scores(model, p_ids, a_ids, pad, device, prefix, bos, method)
+        return _scores(model, p_ids, a_ids, pad, device, prefix, bos, method, own)
     lengths = [len(p) + (0 if prefix is None or prefix[i] is None else len(prefix[i])) for i, p in enumerate(p_ids)]
     return by_length(lengths, lambda idx: _scores(model, [p_ids[i] for i in idx], a_ids, pad, device,
-                                                  None if prefix is None else [prefix[i] for i in idx], bos, method),
+                                                  None if prefix is None else [prefix[i] for i in idx], bos, method,
+                                                  None if own is None else own[torch.as_tensor(idx)]),
                      overhead)
 
 
-def _scores(model, p_ids, a_ids, pad, device, prefix, bos, method) -> torch.Tensor:
-    """[B, C] of `verbalizer_logits` for tokenized prompts, as one left-padded batch."""
+def _scores(model, p_ids, a_ids, pad, device, prefix, bos, method, own=None) -> torch.Tensor:
+    """[B, C] of `verbalizer_logits` for tokenized prompts, as one left-padded batch; `own`: the
+    prompts' owners (None: not grouped)."""
     multi = [c for c, a in enumerate(a_ids) if len(a) > 1]
     ckpt = _checkpointing(model)
     # one-token answers need the prompt pass alone (no cache), checkpointing or not
     if method == "full" or (ckpt and multi):
-        return _full(model, p_ids, a_ids, pad, device, prefix, bos)
-    out, mask = _prompt_pass(model, p_ids, pad, device, prefix, bos, use_cache=bool(multi))
+        return _full(model, p_ids, a_ids, pad, device, prefix, bos, own)
+    with owned_rows(own):
+        out, mask = _prompt_pass(model, p_ids, pad, device, prefix, bos, use_cache=bool(multi))
     last = out.logits[:, -1, :].float()                                   # [B, V]
     last_lp = last - torch.logsumexp(last, dim=-1, keepdim=True)
     first = torch.tensor([a[0] for a in a_ids], device=device)
@@ -168,8 +175,8 @@ def _scores(model, p_ids, a_ids, pad, device, prefix, bos, method) -> torch.Tens
     if cache is None:
         cache = getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
-        return _full(model, p_ids, a_ids, pad, device, prefix, bos)
-    return scores + _continuations(model, cache, mask, a_ids, multi, pad, device)
+        return _full(model, p_ids, a_ids, pad, device, prefix, bos, own)
+    return scores + _continuations(model, cache, mask, a_ids, multi, pad, device, own)
 
 
 def _prompt_pass(model, p_ids, pad, device, prefix, bos, use_cache: bool = True):
@@ -187,7 +194,7 @@ def _prompt_pass(model, p_ids, pad, device, prefix, bos, use_cache: bool = True)
     return out, mask
 
 
-def _continuations(model, cache, mask, a_ids, multi, pad, device) -> torch.Tensor:
+def _continuations(model, cache, mask, a_ids, multi, pad, device, own=None) -> torch.Tensor:
     """[B, C] log-likelihoods of the answer tokens after the first (zero for one-token answers):
     the multi-token answers continue every prompt on its gathered KV cache."""
     B, C, M = mask.shape[0], len(a_ids), len(multi)
@@ -209,8 +216,9 @@ def _continuations(model, cache, mask, a_ids, multi, pad, device) -> torch.Tenso
     full_mask = torch.cat([mask[rows_b], cmask.repeat(B, 1)], dim=1)
     plen = mask.sum(-1)[rows_b]                                           # [B*M]
     cpos = plen[:, None] + torch.arange(L, device=device)[None, :]
-    out2 = _forward(model, input_ids=cont.repeat(B, 1), attention_mask=full_mask,
-                    position_ids=cpos, cache=cache, use_cache=True)
+    with owned_rows(None if own is None else own[rows_b.cpu()]):  # a continuation is its prompt's
+        out2 = _forward(model, input_ids=cont.repeat(B, 1), attention_mask=full_mask,
+                        position_ids=cpos, cache=cache, use_cache=True)
     lp = _token_logprobs(out2.logits, tgt.repeat(B, 1))                   # [B*M, L]
     rest = (lp * cmask.repeat(B, 1)).sum(-1).view(B, M)
     add = torch.zeros((B, C), dtype=rest.dtype, device=device)
@@ -234,8 +242,14 @@ def pad_embeds(model, p_ids, prefix, device, bos=None, left: bool = True) -> tup
     return out, mask
 
 
-def _full(model, p_ids, a_ids, pad, device, prefix=None, bos=None) -> torch.Tensor:
-    """All B·C (prompt + answer) sequences in one batch: prompts left-, answers right-padded."""
+def _full(model, p_ids, a_ids, pad, device, prefix=None, bos=None, own=None) -> torch.Tensor:
+    """All B·C (prompt + answer) sequences in one batch: prompts left-, answers right-padded;
+    row b·C + c is prompt b's (its owner's, where `own` names them)."""
+    with owned_rows(None if own is None else own.repeat_interleave(len(a_ids))):
+        return _full_rows(model, p_ids, a_ids, pad, device, prefix, bos)
+
+
+def _full_rows(model, p_ids, a_ids, pad, device, prefix, bos) -> torch.Tensor:
     if prefix is not None:  # image tokens: one padded row per (prompt, answer) pair of embeddings
         B, C = len(p_ids), len(a_ids)
         seqs = [(p + a, x) for p, x in zip(p_ids, prefix) for a in a_ids]
