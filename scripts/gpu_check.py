@@ -32,7 +32,7 @@ Stages (gpucheck/stages.py, gpucheck/scale.py, gpucheck/clients.py), in order:
   memory         configs/pfadapter-qwen2-7b-nf4.toml on Qwen2-7B + SigLIP-so400m shapes under
                  a 48 GiB cap (--mem-cap-gib)
   workers        runtime.workers = 2 on the one device = workers = 1
-  clients        8, 32, 128 clients a round on a BERT-base shape (PFAdapter), one after another
+  clients        8, 32, 128 clients a round on the Qwen2-1.5B shape (PFAdapter), one after another
                  and together (runtime.batch_train): clients trained per hour, peak memory and
                  memory per added client; the two agree (gpucheck/clients.py)
 
@@ -139,7 +139,7 @@ def header(args, device: torch.device, seconds: float) -> str:
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     shapes = ("tiny shapes (--small)" if args.small
-              else "real shapes (Qwen2-1.5B, ViT-B/16, Qwen2-7B + so400m, BERT-base)")
+              else "real shapes (Qwen2-1.5B, ViT-B/16, Qwen2-7B + so400m)")
     return (f"`python scripts/gpu_check.py --device {args.device}{' --small' if args.small else ''} --only "
             f"{','.join(args.stages)}` on {where}, torch {torch.__version__}, transformers "
             f"{transformers.__version__}, {seconds:.0f} s in all. RANDOM weights, {shapes}; the tiny offline "

@@ -46,8 +46,9 @@ def _run(text_cfg, together: bool, **kw):
 @pytest.mark.parametrize("algo", [dict(algorithm='"pfadapter"'), dict(algorithm='"lora"', method="{}"),
                                   dict(algorithm='"promptfl"', method="{}", peft__type='"prompt"'), LM])
 def test_training_together_equals_one_client_after_another(text_cfg, algo, opt):
+    lr = {"client__lr": 0.1 if "model__task" in algo else 0.5} if opt == "sgd" else {}
     kw = dict(**algo, data__partition='"dirichlet"', data__alpha=0.3, client__max_steps=0,
-              client__optimizer=f'"{opt}"', **({"client__lr": 0.1 if algo is LM else 0.5} if opt == "sgd" else {}))
+              client__optimizer=f'"{opt}"', **lr)
     tol = RTOL[opt]
     exp, st_a, apart, rec_a = _run(text_cfg, False, **kw)
     _, st_b, together, rec_b = _run(text_cfg, True, **kw)
@@ -72,6 +73,24 @@ def test_training_together_equals_one_client_after_another(text_cfg, algo, opt):
     json.dumps(rec_b)  # the records stay plain JSON
 
 
+def test_a_round_of_more_clients_than_a_chunk_trains_them_a_chunk_at_a_time(tiny_cfg, monkeypatch):
+    """CHUNK clients per joint pass (a pass's activations grow with its clients): with CHUNK = 2
+    a round of more clients trains in passes of at most 2, each client as it trains alone."""
+    from fedsplice.federation import batched_train
+
+    kw = dict(algorithm='"pfadapter"', client__max_steps=0, client__optimizer='"sgd"', client__lr=0.5)
+    _, _, apart, _ = _run(tiny_cfg, False, **kw)
+    sizes: list[int] = []
+    orig = batched_train.train_together
+    monkeypatch.setattr(batched_train, "CHUNK", 2)
+    monkeypatch.setattr(batched_train, "train_together", lambda exp, fits, done=None: (
+        sizes.append(len(fits)), orig(exp, fits, done))[1])
+    exp, _, together, _ = _run(tiny_cfg, True, **kw)
+    assert max(sizes) == 2 and len(sizes) == 2 * -(-len(exp.train_ids) // 2)  # 2 rounds of ceil(n / 2) passes
+    for n, t in apart["global_params"].items():
+        assert _rel(together["global_params"][n], t) < RTOL["sgd"], n
+
+
 @pytest.mark.parametrize("sets,match", [
     (["algorithm=\"fedpurel\"", "method={}"], "objective, gradient rule or phases of its own"),
     (["algorithm=\"fedotp\"", "method={}", "peft.type=\"prompt\""], "CoOp context alone"),
@@ -84,7 +103,7 @@ def test_batch_train_on_where_it_cannot_apply_is_refused(sets, match, tiny_cfg, 
     cli_refuses(tiny_cfg(algorithm='"pfadapter"'), ["runtime.batch_train=\"on\"", *sets], match)
 
 
-def test_auto_says_what_applies_and_why_not(tiny_cfg):
+def test_auto_says_what_applies_and_why_not(tiny_cfg, text_cfg):
     """"auto" (the default) batches where nothing is in the way and (training) it measured faster:
     LoRA under bf16, not fp32; a line each in the run's header says what batches, or why not
     (what is in the way, or the measurement); "off" has none."""
@@ -104,5 +123,9 @@ def test_auto_says_what_applies_and_why_not(tiny_cfg):
         "its own",
         "runtime.batch_train = 'auto': one client at a time, as algorithm 'fedpurel' trains with an objective, "
         "gradient rule or phases of its own")
+    lm = build(text_cfg(**LM, runtime__precision='"bf16"'))  # a causal LM measured slower together, either way
+    assert lm.batch_eval and not lm.batch_train and lm.batch_notes[1] == (
+        "runtime.batch_train = 'auto': one client at a time, as batched LoRA training of a causal LM measured "
+        "slower than one client after another; 'on' batches anyway")
     off = build(tiny_cfg(algorithm='"pfadapter"', runtime__batch_eval='"off"', runtime__batch_train='"off"'))
     assert not off.batch_eval and not off.batch_train and off.batch_notes == ()

@@ -81,26 +81,29 @@ def test_fp16_scaler_steps(cfg_factory, tiny_bert_dir, toy_jsonl):
 
 
 @pytest.fixture
-def cuda_cfg(tiny_cfg):
-    """tiny_cfg on the CUDA device: the CPU tests of model.grouped run through it unchanged."""
-    return lambda **kw: tiny_cfg(runtime__device='"cuda"', **kw)
+def cuda_cfg(text_cfg):
+    """text_cfg on the CUDA device: the CPU tests of model.grouped run through it unchanged."""
+    return lambda **kw: text_cfg(runtime__device='"cuda"', **kw)
 
 
-def test_grouped_lora_on_cuda_equals_each_client_alone(cuda_cfg):
+@pytest.mark.parametrize("model", [{}, dict(model__task='"causal_lm"')], ids=["encoder", "causal_lm"])
+def test_grouped_lora_on_cuda_equals_each_client_alone(cuda_cfg, model):
     """model.grouped's gathered einsum on the device (issue 50): one predict over several clients'
     rows equals each client's model alone there, and the batched PM of a trained round equals
     the per-client one, within the CPU tests' tolerances."""
     import test_grouped as G
 
-    G.test_each_row_through_its_clients_factors_equals_each_client_alone(cuda_cfg)
-    G.test_batched_pm_equals_each_client_alone(cuda_cfg, "true")
+    G.test_each_row_through_its_clients_factors_equals_each_client_alone(cuda_cfg, model)
+    G.test_batched_pm_equals_each_client_alone(cuda_cfg, "true", model)
 
 
 @pytest.mark.parametrize("algo", [dict(algorithm='"pfadapter"'), dict(algorithm='"promptfl"', method="{}",
-                                                                       peft__type='"prompt"')])
+                                                                       peft__type='"prompt"'),
+                                  dict(algorithm='"pfadapter"', model__task='"causal_lm"')])
 def test_training_together_on_cuda_equals_one_client_after_another(cuda_cfg, algo):
     """federation.batched_train on the device: a round's clients trained together (LoRA through
-    the grouped forward; PromptFL's class sides in one forward) equal one after another there."""
+    the grouped forward, on an encoder and a causal LM's verbalizer; PromptFL's class sides in one
+    forward) equal one after another there."""
     import test_batched_train as T
 
     T.test_training_together_equals_one_client_after_another(cuda_cfg, algo, "sgd")

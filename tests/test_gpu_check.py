@@ -244,7 +244,7 @@ def test_defaults_and_the_header_of_a_real_shape_run():
     assert args.stages == ["preflight", "parity", "precision", "quant", "checkpointing", "throughput", "memory",
                            "workers", "clients"]
     text = gpu_check.header(args, torch.device("cpu"), 12.3)
-    assert "real shapes (Qwen2-1.5B, ViT-B/16, Qwen2-7B + so400m, BERT-base)" in text and "633 words" in text
+    assert "real shapes (Qwen2-1.5B, ViT-B/16, Qwen2-7B + so400m)" in text and "633 words" in text
     assert gpu_check.parse(["--small"]).steps == 2
     assert gpu_check.parse(["--only", " memory, parity "]).stages == ["memory", "parity"]
 

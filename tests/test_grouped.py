@@ -9,7 +9,7 @@ from fedsplice.core import wire
 from fedsplice.federation import tasks
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
-from fedsplice.model.grouped import Owned, grouped
+from fedsplice.model.grouped import Owned, grouped, lora_modules, stacked
 
 PF = dict(algorithm='"pfadapter"')
 LM = dict(model__task='"causal_lm"')  # text_cfg: the tiny Llama, its verbalizer's prompt and continuation passes
@@ -120,3 +120,29 @@ def test_batch_eval_on_where_it_cannot_apply_is_refused(sets, match, tiny_cfg, c
 def test_batch_eval_off_and_where_refused_scores_each_client_alone(tiny_cfg):
     assert not build(tiny_cfg(**PF, runtime__batch_eval='"off"')).batch_eval
     assert not build(tiny_cfg(algorithm='"fedpurel"', method="{}", runtime__batch_eval='"auto"')).batch_eval
+
+
+@pytest.mark.parametrize("method", ["cache", "full"])
+def test_a_causal_lms_verbalizer_names_each_rows_owner_in_every_call(text_cfg, method):
+    """model.verbalizer under model.grouped, both ways it lays out rows: the prompt pass and the
+    continuations on the gathered KV cache (a continuation is its prompt's owner's), or one row
+    per prompt and answer (row b·C + c is prompt b's): each client's scores equal its model's alone."""
+    from fedsplice.model.verbalizer import tokenize_answers, verbalizer_logits
+
+    exp = build(text_cfg(**PF, **LM))
+    m = exp.model
+    lm, tok = m.backbone, m.tokenizer
+    answers = [f" {c}" for c in m.class_names[:2]] + [f" {c} {c}" for c in m.class_names[2:]]
+    assert sorted({len(a) for a in tokenize_answers(tok, answers)}) == [1, 2]  # continuations run for some
+    prompts = [f"q: {t} a:" for t in exp.data.test_texts[:5]]
+    clients = [_client_params(exp, k) for k in range(2)]
+    alone = []
+    for p in clients:
+        m.load_params(p)
+        with torch.no_grad():
+            alone.append(verbalizer_logits(lm, tok, prompts, answers, method=method))
+    with torch.no_grad(), grouped(m, stacked(lora_modules(exp.model.trainable()), clients)):
+        union = verbalizer_logits(lm, tok, [Owned(p, k) for k in range(2) for p in prompts], answers, method=method)
+    for k in range(2):
+        assert _rel(union[k * 5:(k + 1) * 5], alone[k]) < RTOL, k
+    assert _rel(alone[1], alone[0]) > 1e-2
