@@ -95,6 +95,9 @@ def test_grouped_lora_on_cuda_equals_each_client_alone(cuda_cfg, model):
 
     G.test_each_row_through_its_clients_factors_equals_each_client_alone(cuda_cfg, model)
     G.test_batched_pm_equals_each_client_alone(cuda_cfg, "true", model)
+    if model:  # the verbalizer's continuation and full layouts
+        for method in ("cache", "full"):
+            G.test_a_causal_lms_verbalizer_names_each_rows_owner_in_every_call(cuda_cfg, method)
 
 
 @pytest.mark.parametrize("algo", [dict(algorithm='"pfadapter"'), dict(algorithm='"promptfl"', method="{}",

@@ -9,10 +9,10 @@ from fedsplice.core import wire
 from fedsplice.federation import tasks
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
-from fedsplice.model.grouped import Owned, grouped, lora_modules, stacked
+from fedsplice.model.grouped import Owned, grouped, lora_modules, owners_of, stacked
 
 PF = dict(algorithm='"pfadapter"')
-LM = dict(model__task='"causal_lm"')  # text_cfg: the tiny Llama, its verbalizer's prompt and continuation passes
+LM = dict(model__task='"causal_lm"')  # text_cfg: the tiny Llama (its toy answers are one token: the prompt pass)
 # measured: at most 1.4e-7 relative apart on the tiny BERT (other rows in each padded sub-batch)
 RTOL = 1e-5
 TKL_ATOL = 1e-6  # measured: TKL differs by at most 4e-8 (a KL of near-equal distributions: absolute)
@@ -33,6 +33,9 @@ def test_owned_text_is_its_string_with_an_owner():
     t = Owned("a text", 3)
     assert t == "a text" and hash(t) == hash("a text") and t.owner == 3 and isinstance(t, str)
     assert sorted([Owned("bb", 1), Owned("a", 0)], key=len)[0].owner == 0
+    assert owners_of(["a", "b"]) is None and owners_of([Owned("a", 2), Owned("b", 0)]).tolist() == [2, 0]
+    with pytest.raises(ValueError, match="some texts of one call have an owner"):
+        owners_of([Owned("a", 0), "b"])
 
 
 @pytest.mark.parametrize("model", [{}, LM], ids=["encoder", "causal_lm"])
@@ -131,9 +134,10 @@ def test_a_causal_lms_verbalizer_names_each_rows_owner_in_every_call(text_cfg, m
 
     exp = build(text_cfg(**PF, **LM))
     m = exp.model
-    lm, tok = m.backbone, m.tokenizer
-    answers = [f" {c}" for c in m.class_names[:2]] + [f" {c} {c}" for c in m.class_names[2:]]
-    assert sorted({len(a) for a in tokenize_answers(tok, answers)}) == [1, 2]  # continuations run for some
+    lm, tok, names = m.backbone, m.tokenizer, m.class_names
+    # one single-token answer, three of two tokens: three continuations a prompt (rows b·M + j)
+    answers = [f" {names[0]}"] + [f" {c} {c}" for c in names[1:]] + [f" {names[0]} {names[1]}"]
+    assert [len(a) for a in tokenize_answers(tok, answers)].count(2) >= 3
     prompts = [f"q: {t} a:" for t in exp.data.test_texts[:5]]
     clients = [_client_params(exp, k) for k in range(2)]
     alone = []
@@ -141,8 +145,10 @@ def test_a_causal_lms_verbalizer_names_each_rows_owner_in_every_call(text_cfg, m
         m.load_params(p)
         with torch.no_grad():
             alone.append(verbalizer_logits(lm, tok, prompts, answers, method=method))
+    owners = [(i % 5 + i // 5) % 2 for i in range(10)]  # interleaved: 0 1 0 1 0, then 1 0 1 0 1 (each prompt twice)
+    mixed = [Owned(prompts[i % 5], k) for i, k in enumerate(owners)]
     with torch.no_grad(), grouped(m, stacked(lora_modules(exp.model.trainable()), clients)):
-        union = verbalizer_logits(lm, tok, [Owned(p, k) for k in range(2) for p in prompts], answers, method=method)
-    for k in range(2):
-        assert _rel(union[k * 5:(k + 1) * 5], alone[k]) < RTOL, k
+        union = verbalizer_logits(lm, tok, mixed, answers, method=method)
+    for i, k in enumerate(owners):
+        assert _rel(union[i], alone[k][i % 5]) < RTOL, (i, k)
     assert _rel(alone[1], alone[0]) > 1e-2

@@ -119,7 +119,7 @@ def train_refusal(cfg: ExperimentConfig, recipe: Recipe, infos: dict[str, ParamI
         return "DP-SGD clips and noises each client's own examples (privacy.local = 'dpsgd')"
     if cfg.peft.dropout > 0:
         return "LoRA dropout draws its masks from each client's own stream (peft.dropout > 0)"
-    if cfg.model.gradient_checkpointing:
+    if cfg.model.gradient_checkpointing and cfg.peft.type == "lora":
         return ("activation checkpointing recomputes the forward in backward, after the clients' grouped pass "
                 "(model.gradient_checkpointing)")
     if cfg.runtime.precision == "fp16":

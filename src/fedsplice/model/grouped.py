@@ -42,9 +42,12 @@ _ROWS: ContextVar[torch.Tensor | None] = ContextVar("fedsplice_grouped_rows", de
 
 def owners_of(texts: Sequence[object]) -> torch.Tensor | None:
     """The owners of `texts` in order (None where they are not `Owned`)."""
-    if not texts or not isinstance(texts[0], Owned):
+    owned = [t for t in texts if isinstance(t, Owned)]
+    if not owned:
         return None
-    return torch.tensor([t.owner for t in texts if isinstance(t, Owned)], dtype=torch.long)
+    if len(owned) != len(texts):
+        raise ValueError("grouped LoRA: some texts of one call have an owner and some do not")
+    return torch.tensor([t.owner for t in owned], dtype=torch.long)
 
 
 @contextmanager
