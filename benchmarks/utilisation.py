@@ -94,7 +94,7 @@ def trained(count: Counter, dims: tuple[int, int, int, int], secs: float, client
 
 
 def together(exp, count: Counter, reps: int) -> tuple[float, int]:
-    """(median seconds, real tokens) of the round's first TOGETHER clients trained together
+    """(median seconds, clients) of the round's first TOGETHER clients trained together
     (federation.fit_together, each from the initial tensors, the config's client.max_steps)."""
     from fedsplice.core import wire
     from fedsplice.federation import fit_together

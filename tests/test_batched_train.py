@@ -82,9 +82,13 @@ def test_a_round_of_more_clients_than_a_chunk_trains_them_a_chunk_at_a_time(tiny
     _, _, apart, _ = _run(tiny_cfg, False, **kw)
     sizes: list[int] = []
     orig = batched_train.train_together
+
+    def counted(exp, fits, done=None):
+        sizes.append(len(fits))
+        return orig(exp, fits, done)
+
     monkeypatch.setattr(batched_train, "CHUNK", 2)
-    monkeypatch.setattr(batched_train, "train_together", lambda exp, fits, done=None: (
-        sizes.append(len(fits)), orig(exp, fits, done))[1])
+    monkeypatch.setattr(batched_train, "train_together", counted)
     exp, _, together, _ = _run(tiny_cfg, True, **kw)
     assert max(sizes) == 2 and len(sizes) == 2 * -(-len(exp.train_ids) // 2)  # 2 rounds of ceil(n / 2) passes
     for n, t in apart["global_params"].items():

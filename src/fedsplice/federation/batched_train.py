@@ -30,6 +30,7 @@ import torch
 
 from fedsplice.core import streams
 from fedsplice.core.context import TrainContext
+from fedsplice.federation.batched import CHUNK as EVAL_CHUNK
 from fedsplice.federation.batching import PROMPT_CTX
 from fedsplice.federation.fitting import fit_end, fit_start
 from fedsplice.federation.train import (
@@ -71,9 +72,8 @@ class Trainee:
 
 
 # Clients trained in one joint pass: a step's activations (kept for the backward) grow with every
-# client in it, so a round of many clients trains CHUNK at a time; 8, as batched evaluation's CHUNK
-# (benchmarks/batched_clients.py: the gain flattens past 8 clients on a 2-core CPU).
-CHUNK = 8
+# client in it, so a round of many clients trains CHUNK at a time, as many as evaluation scores a pass.
+CHUNK = EVAL_CHUNK
 
 
 def fit_together(exp: Experiment, store: Store, cids: list[int], rnd: int, down: bytes,
