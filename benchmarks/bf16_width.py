@@ -1,7 +1,7 @@
 """bf16 autocast against fp32 on this CPU by model width: where runtime.precision = "auto" starts
 picking bf16 (fedsplice.model.device.CPU_BF16_MIN_WIDTH).
 
-    python benchmarks/bf16_width.py [--quick] [--threads 2] [--reps 2]
+    python benchmarks/bf16_width.py [--quick] [--threads 2] [--reps 2] [--widths 384,768,1536]
 
 Per width h: a random 4-layer Llama (h wide, 4 query / 2 key-value heads, MLP 4h, the tiny
 offline tokenizer), PFAdapter through `fedsplice.run`, 1 round of 1 client x 8 steps of 16
@@ -49,13 +49,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="widths 32 and 64, 1 rep, 3 steps (a smoke run)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="comma-separated widths to measure")
     args = p.parse_args()
     reps, steps = (1, 3) if args.quick else (args.reps, 8)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         data = fx.write_text_data(work / "data", 48)
-        for h in WIDTHS[:2] if args.quick else WIDTHS:
+        for h in WIDTHS[:2] if args.quick else [int(w) for w in args.widths.split(",")]:
             shape = dict(hidden_size=h, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=4 * h, initializer_range=0.02)
             model = fx.llama(work, f"llama-{h}", shape, "cpu", dtype=torch.float32)

@@ -9,7 +9,7 @@ from fedsplice.core import wire
 from fedsplice.federation import tasks
 from fedsplice.federation.experiment import build
 from fedsplice.federation.store import MemoryStore
-from fedsplice.model.grouped import Owned, grouped, lora_modules, owners_of, stacked
+from fedsplice.model.grouped import Owned, Rows, grouped, lora_modules, owners_of, stacked
 
 PF = dict(algorithm='"pfadapter"')
 LM = dict(model__task='"causal_lm"')  # text_cfg: the tiny Llama (its toy answers are one token: the prompt pass)
@@ -36,6 +36,35 @@ def test_owned_text_is_its_string_with_an_owner():
     assert owners_of(["a", "b"]) is None and owners_of([Owned("a", 2), Owned("b", 0)]).tolist() == [2, 0]
     with pytest.raises(ValueError, match="some texts of one call have an owner"):
         owners_of([Owned("a", 0), "b"])
+
+
+@pytest.mark.parametrize("own", [[2, 0, 2, 0, 0], [0, 0, 2, 2, 2], [1]], ids=["interleaved", "ordered", "one"])
+def test_rows_apply_each_owners_factors_to_its_rows_alone(own):
+    """Rows.apply: row b gets s·B_k A_k x_b for its owner k (float64, against a loop over rows),
+    owners absent from the call (1 above) are skipped, and one client's non-finite factors reach
+    neither another client's rows nor its gradients (a client that diverges diverges alone, as it
+    would trained apart)."""
+    g = torch.Generator().manual_seed(0)
+    m, r, d_in, d_out, s = 3, 2, 5, 4, 0.5
+    x = torch.randn(len(own), 3, d_in, generator=g, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(m, r, d_in, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(m, d_out, r, generator=g, dtype=torch.float64, requires_grad=True)
+    got = Rows(torch.tensor(own)).apply(x, a, b, s)
+    want = torch.stack([s * (x[i] @ a[k].T @ b[k].T) for i, k in enumerate(own)])
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)  # float64: rounding only
+    bad = own[0]
+    a2 = a.detach().clone()
+    a2[bad, 0, 0] = float("inf")
+    a2.requires_grad_(True)
+    out = Rows(torch.tensor(own)).apply(x, a2, b, s)
+    out.sum().backward()
+    mine = torch.tensor([k == bad for k in own])
+    assert not torch.isfinite(out[mine]).all() and torch.isfinite(out[~mine]).all()
+    assert torch.isfinite(x.grad[~mine]).all()
+    others = [k for k in range(m) if k != bad]
+    assert torch.isfinite(a2.grad[others]).all() and torch.isfinite(b.grad[others]).all()
+    with pytest.raises(IndexError, match="owner 3 has no factors"):
+        Rows(torch.tensor([3, 0])).apply(x[:2], a, b, s)
 
 
 @pytest.mark.parametrize("model", [{}, LM], ids=["encoder", "causal_lm"])

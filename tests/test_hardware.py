@@ -84,21 +84,33 @@ def test_model_and_uploads_live_where_they_should(tiny_cfg):
 # ----------------------------------------------------------------------------- precision
 
 
-def test_auto_precision_follows_the_cpu_flags_and_the_models_width(monkeypatch):
-    """bf16 on a CPU with native bf16 for a model at least CPU_BF16_MIN_WIDTH (192) wide, where a
-    training step measured faster (benchmarks/bf16_width.py); narrower (the tiny test models), or
-    without the units, fp32. An unknown width counts as wide."""
+def test_auto_precision_follows_the_cpu_flags_and_the_models_width(monkeypatch, tmp_path):
+    """bf16 on a CPU with native bf16 for a model at least CPU_BF16_MIN_WIDTH of the CPU's kind
+    wide (192 with AVX-512 BF16 alone, 768 with AMX), where a training step measured faster
+    (benchmarks/bf16_width.py); narrower (the tiny test models), or without the units, fp32. An
+    unknown width counts as wide. The kind is read off /proc/cpuinfo's flags, AMX first."""
     import fedsplice.model.device as D
 
-    assert D.CPU_BF16_MIN_WIDTH == 192
+    assert D.CPU_BF16_MIN_WIDTH == {"avx512": 192, "amx": 768}
     cpu = torch.device("cpu")
-    for has, width, want in ((True, None, torch.bfloat16), (True, 192, torch.bfloat16), (True, 384, torch.bfloat16),
-                             (True, 191, torch.float32), (True, 32, torch.float32), (False, 384, torch.float32),
-                             (False, None, torch.float32)):
-        monkeypatch.setattr(D, "cpu_has_bf16", lambda has=has: has)
-        assert resolve_precision("auto", cpu, width) == want, (has, width)
+    for kind, width, want in (("avx512", None, torch.bfloat16), ("avx512", 192, torch.bfloat16),
+                              ("avx512", 384, torch.bfloat16), ("avx512", 191, torch.float32),
+                              ("avx512", 32, torch.float32), ("amx", 384, torch.float32),
+                              ("amx", 767, torch.float32), ("amx", 768, torch.bfloat16), ("amx", None, torch.bfloat16),
+                              (None, 384, torch.float32), (None, None, torch.float32)):
+        monkeypatch.setattr(D, "cpu_bf16", lambda kind=kind: kind)
+        assert resolve_precision("auto", cpu, width) == want, (kind, width)
         assert resolve_precision("fp32", cpu, width) == torch.float32  # only "auto" looks
     assert resolve_precision("fp16", cpu, 32) == torch.float16
+    monkeypatch.undo()
+    real = D.Path
+    for flags, kind in (("fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16", "amx"),
+                        ("fpu avx2 avx512f avx512_bf16", "avx512"), ("fpu avx2 fma", None)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(D, "Path", lambda p, info=info: info if p == "/proc/cpuinfo" else real(p))
+        assert D.cpu_bf16() == kind, flags
+        monkeypatch.undo()
 
 
 def test_auto_is_the_default_and_reads_the_widest_tower(tiny_cfg, tmp_path, monkeypatch):
@@ -113,7 +125,7 @@ def test_auto_is_the_default_and_reads_the_widest_tower(tiny_cfg, tmp_path, monk
     assert ExperimentConfig().runtime.precision == "auto"
     cfg = tiny_cfg()
     assert cfg.runtime.precision == "auto" and model_width(cfg) == 32
-    monkeypatch.setattr(D, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(D, "cpu_bf16", lambda: "avx512")
     assert run_precision(cfg, torch.device("cpu")) == torch.float32  # hidden 32: bf16 measured slower
     wide = tmp_path / "wide"
     wide.mkdir()
@@ -344,13 +356,13 @@ def test_the_run_says_what_auto_resolved_to(tiny_cfg, monkeypatch):
     import fedsplice.model.device as D
     from fedsplice.app.summary import hardware_line
 
-    monkeypatch.setattr(D, "cpu_has_bf16", lambda: True)
-    monkeypatch.setattr(D, "CPU_BF16_MIN_WIDTH", 32)  # the tiny model counts as wide here
+    monkeypatch.setattr(D, "cpu_bf16", lambda: "avx512")
+    monkeypatch.setattr(D, "CPU_BF16_MIN_WIDTH", {"avx512": 32})  # the tiny model counts as wide here
     cfg = tiny_cfg(runtime__device='"cpu"', runtime__precision='"auto"', model__gradient_checkpointing=True)
     exp = build(cfg)
     assert exp.model.amp_dtype == torch.bfloat16
     assert hardware_line(cfg, exp) == "device cpu, bf16 autocast (auto), gradient checkpointing"
-    monkeypatch.setattr(D, "CPU_BF16_MIN_WIDTH", 192)
+    monkeypatch.setattr(D, "CPU_BF16_MIN_WIDTH", {"avx512": 192})
     exp = build(cfg)
     assert exp.model.amp_dtype == torch.float32
     assert hardware_line(cfg, exp) == "device cpu, fp32 (auto), gradient checkpointing"

@@ -63,22 +63,28 @@ def bound_kernel_caches() -> None:
         os.environ.setdefault(var, str(KERNEL_CACHE))
 
 
-def cpu_has_bf16() -> bool:
-    """The CPU computes bf16 natively (AVX-512 BF16 or AMX): only then is bf16 autocast faster
-    than fp32 on a CPU (benchmarks/precision.py measures it); with AVX2 alone it is slower."""
+def cpu_bf16() -> str | None:
+    """How the CPU computes bf16 natively: "amx" (AMX, Intel Xeon from Sapphire Rapids on),
+    "avx512" (AVX-512 BF16 without AMX, e.g. AMD Zen 4), None (AVX2 alone: emulated, slower than
+    fp32; bf16 autocast never pays)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+        return None
+    if re.search(r"\bamx_bf16\b", flags):
+        return "amx"
+    return "avx512" if re.search(r"\bavx512_bf16\b", flags) else None
 
 
 # bf16 pays on a CPU only for a model wide enough that autocast's casts and per-op costs weigh less
-# than what bf16 saves in the matmuls: `python benchmarks/bf16_width.py` (AVX-512 BF16, 2 threads;
-# PFAdapter steps of 16 short texts on 4-layer Llamas) measured bf16 at 0.57x fp32's step speed at
-# width 32, 0.76x at 128, 1.22x at 192, 1.62x at 384; MiniLM (384 wide) trains 1.71x faster in
-# bf16, SmolLM2-135M (576) 1.30x (benchmarks/precision.py; docs/performance.md)
-CPU_BF16_MIN_WIDTH = 192
+# than what bf16 saves in the matmuls; where that starts depends on the CPU's fp32 rate.
+# `python benchmarks/bf16_width.py` (PFAdapter steps of 16 short texts on 4-layer Llamas, 2 threads):
+# - "avx512", a 2-core AMD EPYC: bf16 at 0.57x fp32's step speed at width 32, 0.76x at 128, 1.22x
+#   at 192, 1.62x at 384 (MiniLM, 384 wide, trains 1.71x faster, benchmarks/precision.py);
+# - "amx", a 2-core Intel Xeon, whose fp32 steps run 2x the EPYC's: 0.78x at 384, 0.92x at 512,
+#   1.03x at 576, 1.10x at 640, 1.28x at 768, 2.05x at 1536 (MiniLM trains 0.66x, SmolLM2-135M,
+#   576 wide with a narrower MLP, 0.85x). docs/performance.md has both tables.
+CPU_BF16_MIN_WIDTH = {"avx512": 192, "amx": 768}
 
 
 def resolve_precision(name: str, device: torch.device, width: int | None = None) -> torch.dtype:
@@ -89,14 +95,15 @@ def resolve_precision(name: str, device: torch.device, width: int | None = None)
       says True for it on older GPUs) does not count: it is slower than fp32. "auto" on CUDA also
       lets fp32 matmuls (those outside autocast) use TF32, a process-wide switch
       (torch.backends.cuda.matmul.fp32_precision); "fp32" keeps them IEEE;
-    - a CPU with native bf16, for a model whose widest tower is `width` >= CPU_BF16_MIN_WIDTH
-      (None: not known, taken as wide)."""
+    - a CPU with native bf16, for a model whose widest tower is `width` >= CPU_BF16_MIN_WIDTH of
+      that CPU's kind (None: not known, taken as wide)."""
     if name == "auto":
         if device.type == "cuda":
             torch.backends.cuda.matmul.fp32_precision = "tf32"
             return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float32
-        wide = width is None or width >= CPU_BF16_MIN_WIDTH
-        return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() and wide else torch.float32
+        kind = cpu_bf16() if device.type == "cpu" else None
+        wide = kind is not None and (width is None or width >= CPU_BF16_MIN_WIDTH[kind])
+        return torch.bfloat16 if wide else torch.float32
     if name == "fp16" and device.type == "mps":
         raise ConfigError("runtime.precision = 'fp16' is not supported on MPS here; use 'fp32'")
     return DTYPES[name]

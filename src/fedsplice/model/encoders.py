@@ -23,7 +23,7 @@ from fedsplice.data.samples import Sample
 from fedsplice.errors import ConfigError
 from fedsplice.model.adapters import FeatureAdapter, PromptLearner
 from fedsplice.model.cache import FrozenCache, TokenCache
-from fedsplice.model.grouped import rows_of
+from fedsplice.model.grouped import owner_order, rows_of
 from fedsplice.model.peft import adapters_off
 from fedsplice.model.prefix import TextPrefix
 from fedsplice.model.unpad import by_length
@@ -44,6 +44,16 @@ class TextEncoder:
         self.overhead: int | None = None
 
     def encode(self, enc, texts: list[str]) -> torch.Tensor:
+        """Last hidden states [B, T, D] of the tokenized `texts`, in their order. Owned texts (a
+        batched round: model.grouped) run ordered by owner and come back in the order given."""
+        perm = owner_order(texts)
+        if perm is not None:
+            perm = perm.to(next(iter(enc.values())).device)
+            out = self._encode({k: v[perm] for k, v in enc.items()}, [texts[i] for i in perm.tolist()])
+            return out[torch.argsort(perm)]
+        return self._encode(enc, texts)
+
+    def _encode(self, enc, texts: list[str]) -> torch.Tensor:
         with rows_of(texts):  # Owned texts: each row through its client's LoRA (model.grouped)
             if self.prefix is None:
                 return self.backbone(**enc).last_hidden_state

@@ -6,8 +6,16 @@ caches key on its content, and sorting or unpadding moves it with its row) that 
 its owner, an index into the stacked factors. `TextEncoder.encode` reads the owners of the rows
 of each backbone call (`rows_of`), and inside `grouped(model, factors)` every named peft LoRA
 Linear adds, for row b, s·B_k A_k x_b with k = owner(b), from `factors[name] = (A [m, r, d_in],
-B [m, d_out, r])` gathered per row and applied as one batched matmul (the same on CUDA). Modules
-not named keep their own adapter (the GLOBAL LoRA every client shares).
+B [m, d_out, r])`: the rows of each owner as one segment, through two plain matmuls with its
+factors (the same on CUDA). Modules not named keep their own adapter (the GLOBAL LoRA every
+client shares).
+
+Why segments: gathering each row's factors and applying them as a batched matmul of r-wide
+slices took 2-4x the time of the segments, and as much as the frozen base Linear itself, which
+is why batched training gained nothing in fp32 (/tmp-free measurement: benchmarks/grouped_lora.py).
+A dense form (every client's A at once, the other owners' columns masked) was as fast for small
+m·r but lets one client's non-finite values reach the other clients' rows (0·inf is NaN in the
+backward); segments keep every client's numbers its own, as when it trains alone.
 
 The result for each row is the same function of its tokens as the client's own forward, so
 logits agree with scoring each client apart within float rounding (tests/test_grouped.py). A
@@ -37,7 +45,32 @@ class Owned(str):
         return s
 
 
-_ROWS: ContextVar[torch.Tensor | None] = ContextVar("fedsplice_grouped_rows", default=None)
+class Rows:
+    """One backbone call's row owners, with their segments worked out once for all its layers:
+    `counts[k]` rows of owner k; `perm` orders the rows by owner (stable; None: they are already)
+    and `inv` puts them back."""
+
+    def __init__(self, own: torch.Tensor):
+        self.own = own
+        self.counts = torch.bincount(own).tolist() if own.numel() else []
+        ordered = bool((own[1:] >= own[:-1]).all()) if own.numel() > 1 else True
+        self.perm = None if ordered else torch.argsort(own, stable=True)
+        self.inv = None if self.perm is None else torch.argsort(self.perm)
+
+    def apply(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+        """s·B_k A_k x_b for each row b of `x` [rows, ..., d_in], k its owner: [rows, ..., d_out]."""
+        if len(self.counts) > a.shape[0]:
+            raise IndexError(f"grouped LoRA: a row's owner {len(self.counts) - 1} has no factors (m = {a.shape[0]})")
+        if not self.counts:
+            return x.new_zeros(*x.shape[:-1], b.shape[1])
+        xs = x if self.perm is None else x.index_select(0, self.perm.to(x.device))
+        parts = [(xk @ a[k].t().to(xk.dtype)) @ b[k].t().to(xk.dtype)
+                 for k, xk in enumerate(xs.split(self.counts)) if self.counts[k]]
+        d = torch.cat(parts) * s
+        return d if self.inv is None else d.index_select(0, self.inv.to(d.device))
+
+
+_ROWS: ContextVar[Rows | None] = ContextVar("fedsplice_grouped_rows", default=None)
 
 
 def owners_of(texts: Sequence[object]) -> torch.Tensor | None:
@@ -57,11 +90,21 @@ def owned_rows(own: torch.Tensor | None) -> Iterator[None]:
     if own is None:
         yield
         return
-    token = _ROWS.set(own)
+    token = _ROWS.set(Rows(own))
     try:
         yield
     finally:
         _ROWS.reset(token)
+
+
+def owner_order(texts: Sequence[object]) -> torch.Tensor | None:
+    """The stable permutation that orders `texts` by owner (None: they are in order already, or
+    not Owned). A call whose rows come in this order runs each LoRA layer's segments as views of
+    its input, without the two copies an interleaved call costs per layer (Rows.apply)."""
+    own = owners_of(texts)
+    if own is None or own.numel() < 2 or bool((own[1:] >= own[:-1]).all()):
+        return None
+    return torch.argsort(own, stable=True)
 
 
 def rows_of(texts: Sequence[object]) -> AbstractContextManager[None]:
@@ -76,14 +119,11 @@ def _grouped_forward(mod: nn.Module, a: torch.Tensor, b: torch.Tensor):
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if mod.disable_adapters:  # peft's disable_adapter(): the frozen model (e.g. class embeddings
             return base(x, *args, **kwargs)  # recomputed with runtime.cache = false), as peft's own forward
-        own = _ROWS.get()
-        if own is None or own.shape[0] != x.shape[0]:
+        rows = _ROWS.get()
+        if rows is None or rows.own.shape[0] != x.shape[0]:
             raise RuntimeError("grouped LoRA: a forward whose rows have no owners (the texts must be Owned)")
         out = base(x, *args, **kwargs)
-        own = own.to(x.device)
-        xs = drop(x).reshape(x.shape[0], -1, x.shape[-1])
-        h = torch.einsum("bld,brd->blr", xs, a[own].to(xs.dtype))
-        delta = torch.einsum("blr,bor->blo", h, b[own].to(h.dtype)) * s
+        delta = rows.apply(drop(x), a, b, s)
         return out + delta.reshape(out.shape).to(out.dtype)
 
     return forward
