@@ -155,11 +155,22 @@ def test_batch_eval_off_and_where_refused_scores_each_client_alone(tiny_cfg):
 
 
 @pytest.mark.parametrize("method", ["cache", "full"])
-def test_a_causal_lms_verbalizer_names_each_rows_owner_in_every_call(text_cfg, method):
+def test_a_causal_lms_verbalizer_names_each_rows_owner_in_every_call(text_cfg, method, monkeypatch):
     """model.verbalizer under model.grouped, both ways it lays out rows: the prompt pass and the
     continuations on the gathered KV cache (a continuation is its prompt's owner's), or one row
-    per prompt and answer (row b·C + c is prompt b's): each client's scores equal its model's alone."""
+    per prompt and answer (row b·C + c is prompt b's): each client's scores equal its model's alone.
+    Every call's rows arrive ordered by owner (the grouped layers' segments are slices)."""
+    import fedsplice.model.grouped as G
     from fedsplice.model.verbalizer import tokenize_answers, verbalizer_logits
+
+    seen: list[list[int]] = []
+
+    class Spy(G.Rows):
+        def __init__(self, own):
+            super().__init__(own)
+            seen.append(own.tolist())
+
+    monkeypatch.setattr(G, "Rows", Spy)
 
     exp = build(text_cfg(**PF, **LM))
     m = exp.model
@@ -181,3 +192,4 @@ def test_a_causal_lms_verbalizer_names_each_rows_owner_in_every_call(text_cfg, m
     for i, k in enumerate(owners):
         assert _rel(union[i], alone[k][i % 5]) < RTOL, (i, k)
     assert _rel(alone[1], alone[0]) > 1e-2
+    assert len(seen) >= (2 if method == "cache" else 1) and all(o == sorted(o) and len(set(o)) == 2 for o in seen)

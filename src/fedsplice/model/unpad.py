@@ -43,12 +43,16 @@ def groups(lengths: Sequence[int], overhead: int) -> list[list[int]]:
 
 
 def by_length(lengths: Sequence[int], fn: Callable[[list[int]], torch.Tensor],
-              overhead: int | None) -> torch.Tensor:
+              overhead: int | None, within: Sequence[int] | None = None) -> torch.Tensor:
     """fn(indices) -> rows [len(indices), ...] for each group of `groups`, stacked back in the
-    order of `lengths`. overhead None (or a single group): one call on every index, in order."""
+    order of `lengths`. overhead None (or a single group): one call on every index, in order.
+    `within`: each call's indices ordered by these keys (stable), e.g. the rows' owners in a
+    batched round, whose grouped LoRA layers then take each owner's rows as one slice."""
     n = len(lengths)
     parts = groups(lengths, overhead) if overhead is not None and n > 1 else [list(range(n))]
-    if len(parts) == 1:
+    if within is not None:
+        parts = [sorted(g, key=lambda i: within[i]) for g in parts]
+    if len(parts) == 1 and parts[0] == list(range(n)):
         return fn(list(range(n)))
     out = torch.cat([fn(g) for g in parts])
     flat = torch.tensor([i for g in parts for i in g], device=out.device)

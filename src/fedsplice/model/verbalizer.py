@@ -146,13 +146,14 @@ def verbalizer_logits(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     if prefix is not None and all(x is None for x in prefix):
         prefix = None
     own = owners_of(prompts)
-    if overhead is None:
+    if overhead is None and own is None:
         return _scores(model, p_ids, a_ids, pad, device, prefix, bos, method, own)
     lengths = [len(p) + (0 if prefix is None or prefix[i] is None else len(prefix[i])) for i, p in enumerate(p_ids)]
+    # a call's prompts ordered by owner: its continuation and full-path rows follow them (grouped.Rows)
     return by_length(lengths, lambda idx: _scores(model, [p_ids[i] for i in idx], a_ids, pad, device,
                                                   None if prefix is None else [prefix[i] for i in idx], bos, method,
                                                   None if own is None else own[torch.as_tensor(idx)]),
-                     overhead)
+                     overhead, None if own is None else own.tolist())
 
 
 def _scores(model, p_ids, a_ids, pad, device, prefix, bos, method, own=None) -> torch.Tensor:
