@@ -47,7 +47,7 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 
-from fedsplice.algorithms import ModelSpec, build_recipe  # noqa: E402
+from fedsplice.algorithms import ModelSpec, build_recipe, method_params  # noqa: E402
 from fedsplice.config import ExperimentConfig  # noqa: E402
 from fedsplice.core.split import GLOBAL, PRIVATE, names_in  # noqa: E402
 from fedsplice.core.streams import CLIENT as STREAM_CLIENT  # noqa: E402
@@ -307,9 +307,15 @@ def run_tutorial_style(cfg_path: str, overrides: list[str], rounds: int) -> dict
         raise ValueError("flower_tutorial: needs server.optimizer = fedavg, server.aggregation = mean and "
                          "client.upload = fp32 (what stock FedAvg does)")
     exp = build(cfg)  # the server's copy: partition, sampling stream, names, init, GM model
-    if cfg.switch or exp.recipe.state is not dict:  # the tutorial's client keeps only tensors, no hooks
+    # FedPuReL's state holds its zero-shot rows (none with runtime.cache = false: the objective computes
+    # them every step) and phase 2's branch (none with phase 2 off): nothing the tutorial's client would keep
+    m = method_params(cfg)
+    phase2_off = (cfg.algorithm == "fedpurel" and getattr(m, "phase2", "") == "after"
+                  and getattr(m, "personal_rounds", 1) == 0)
+    if cfg.switch or (exp.recipe.state is not dict and not phase2_off):  # the tutorial's client keeps only tensors
         raise ValueError("flower_tutorial: needs a method without a state type of its own (FedProx, HetLoRA, "
-                         "FLoRA have one) and no [switch.*]: the tutorial loop runs neither")
+                         "FLoRA have one; FedPuReL only with method.phase2 = 'after', method.personal_rounds = 0) "
+                         "and no [switch.*]: the tutorial loop runs neither")
     t_built = time.perf_counter()
     log: Log = {"gm": {}, "pm": {}, "round_s": [], "round_wall_s": [], "up_bytes": [], "train_loss": [],
                 "client_setup_s": [], "client_train_s": [], "eval_s": 0.0, "errors": [], "worker_rss_mb": 0.0,

@@ -85,22 +85,24 @@ def test_model_and_uploads_live_where_they_should(tiny_cfg):
 
 
 def test_auto_precision_follows_the_cpu_flags_and_the_models_width(monkeypatch, tmp_path):
-    """bf16 on a CPU with native bf16 for a model at least CPU_BF16_MIN_WIDTH of the CPU's kind
-    wide (192 with AVX-512 BF16 alone, 768 with AMX), where a training step measured faster
-    (benchmarks/bf16_width.py); narrower (the tiny test models), or without the units, fp32. An
-    unknown width counts as wide. The kind is read off /proc/cpuinfo's flags, AMX first."""
+    """bf16 on a CPU with native bf16 for a model at least CPU_BF16_MIN_WIDTH (192) wide, and
+    for a run that trains LoRA on a CPU with AMX at least AMX_LORA_MIN_WIDTH (768), where a
+    training step measured faster (benchmarks/bf16_width.py, docs/performance.md); narrower (the
+    tiny test models), or without the units, fp32. An unknown width counts as wide. The kind is
+    read off /proc/cpuinfo's flags, AMX first."""
     import fedsplice.model.device as D
 
-    assert D.CPU_BF16_MIN_WIDTH == {"avx512": 192, "amx": 768}
+    assert D.CPU_BF16_MIN_WIDTH == {"avx512": 192, "amx": 192} and D.AMX_LORA_MIN_WIDTH == 768
     cpu = torch.device("cpu")
-    for kind, width, want in (("avx512", None, torch.bfloat16), ("avx512", 192, torch.bfloat16),
-                              ("avx512", 384, torch.bfloat16), ("avx512", 191, torch.float32),
-                              ("avx512", 32, torch.float32), ("amx", 384, torch.float32),
-                              ("amx", 767, torch.float32), ("amx", 768, torch.bfloat16), ("amx", None, torch.bfloat16),
-                              (None, 384, torch.float32), (None, None, torch.float32)):
+    bf, f32 = torch.bfloat16, torch.float32
+    for kind, width, lora, want in (("avx512", None, True, bf), ("avx512", 192, True, bf), ("avx512", 384, False, bf),
+                                    ("avx512", 191, False, f32), ("avx512", 32, True, f32), ("amx", 384, True, f32),
+                                    ("amx", 767, True, f32), ("amx", 768, True, bf), ("amx", None, True, bf),
+                                    ("amx", 384, False, bf), ("amx", 191, False, f32), (None, 384, False, f32),
+                                    (None, None, True, f32)):
         monkeypatch.setattr(D, "cpu_bf16", lambda kind=kind: kind)
-        assert resolve_precision("auto", cpu, width) == want, (kind, width)
-        assert resolve_precision("fp32", cpu, width) == torch.float32  # only "auto" looks
+        assert resolve_precision("auto", cpu, width, lora) == want, (kind, width, lora)
+        assert resolve_precision("fp32", cpu, width, lora) == torch.float32  # only "auto" looks
     assert resolve_precision("fp16", cpu, 32) == torch.float16
     monkeypatch.undo()
     real = D.Path
@@ -134,6 +136,12 @@ def test_auto_is_the_default_and_reads_the_widest_tower(tiny_cfg, tmp_path, monk
                                                   "vision_config": {"hidden_size": 256, "num_attention_heads": 4}}))
     cfg.model.name = str(wide)
     assert model_width(cfg) == 256 and run_precision(cfg, torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(D, "cpu_bf16", lambda: "amx")  # LoRA on a CPU with AMX: bf16 from 768 wide
+    assert cfg.peft.type == "lora" and run_precision(cfg, torch.device("cpu")) == torch.float32
+    cfg.peft.type = "prompt"
+    assert run_precision(cfg, torch.device("cpu")) == torch.bfloat16
+    cfg.peft.type = "lora"
+    monkeypatch.setattr(D, "cpu_bf16", lambda: "avx512")
     cfg.model.name = str(tmp_path / "missing")
     assert model_width(cfg) is None
 

@@ -202,7 +202,7 @@ class RuntimeConfig:
     # autocast for forward + backward; trainable tensors stay fp32 masters; fp16 adds a gradient
     # scaler. "auto": bf16 where this machine runs it faster than fp32 (fedsplice.model.device:
     # a GPU with native bf16, plus TF32; a CPU with native bf16 for a model at least 192 wide,
-    # 768 with AMX),
+    # 768 for LoRA on a CPU with AMX),
     # else fp32. Numbers then differ by rounding between machines: "fp32" compares across them
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # unpadded batches (fedsplice.model.unpad): a batch runs as sub-batches of similar length, the

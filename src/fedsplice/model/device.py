@@ -82,12 +82,16 @@ def cpu_bf16() -> str | None:
 # - "avx512", a 2-core AMD EPYC: bf16 at 0.57x fp32's step speed at width 32, 0.76x at 128, 1.22x
 #   at 192, 1.62x at 384 (MiniLM, 384 wide, trains 1.71x faster, benchmarks/precision.py);
 # - "amx", a 2-core Intel Xeon, whose fp32 steps run 2x the EPYC's: 0.78x at 384, 0.92x at 512,
-#   1.03x at 576, 1.10x at 640, 1.28x at 768, 2.05x at 1536 (MiniLM trains 0.66x, SmolLM2-135M,
-#   576 wide with a narrower MLP, 0.85x). docs/performance.md has both tables.
-CPU_BF16_MIN_WIDTH = {"avx512": 192, "amx": 768}
+#   1.03x at 576, 1.10x at 640, 1.28x at 768, 2.05x at 1536 (FedAvg-LoRA on MiniLM trains 0.66x,
+#   PFAdapter on SmolLM2-135M, 576 wide with a narrower MLP, 0.85x). That is LoRA's cost: its rank-r
+#   matmuls and the casts of its fp32 factors in every layer, which AMX does not speed up. A run
+#   that trains no LoRA runs only the frozen model's matmuls in bf16: FedPuReL-prompt on MiniLM
+#   ran a round 1.32x faster in bf16 there. docs/performance.md has the tables.
+CPU_BF16_MIN_WIDTH = {"avx512": 192, "amx": 192}
+AMX_LORA_MIN_WIDTH = 768  # LoRA on an "amx" CPU
 
 
-def resolve_precision(name: str, device: torch.device, width: int | None = None) -> torch.dtype:
+def resolve_precision(name: str, device: torch.device, width: int | None = None, lora: bool = False) -> torch.dtype:
     """The autocast dtype ("fp32": none). "auto" (the default): bf16 where it measured faster
     than fp32, else fp32 (fp16 is never chosen for you: it needs loss scaling):
     - a CUDA device with native bf16 (compute capability 8.0+, Ampere on). `device`'s own
@@ -96,13 +100,15 @@ def resolve_precision(name: str, device: torch.device, width: int | None = None)
       lets fp32 matmuls (those outside autocast) use TF32, a process-wide switch
       (torch.backends.cuda.matmul.fp32_precision); "fp32" keeps them IEEE;
     - a CPU with native bf16, for a model whose widest tower is `width` >= CPU_BF16_MIN_WIDTH of
-      that CPU's kind (None: not known, taken as wide)."""
+      that CPU's kind, or AMX_LORA_MIN_WIDTH for a run that trains LoRA (`lora`) on a CPU with
+      AMX (None: not known, taken as wide)."""
     if name == "auto":
         if device.type == "cuda":
             torch.backends.cuda.matmul.fp32_precision = "tf32"
             return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float32
         kind = cpu_bf16() if device.type == "cpu" else None
-        wide = kind is not None and (width is None or width >= CPU_BF16_MIN_WIDTH[kind])
+        least = AMX_LORA_MIN_WIDTH if kind == "amx" and lora else CPU_BF16_MIN_WIDTH.get(kind or "", 0)
+        wide = kind is not None and (width is None or width >= least)
         return torch.bfloat16 if wide else torch.float32
     if name == "fp16" and device.type == "mps":
         raise ConfigError("runtime.precision = 'fp16' is not supported on MPS here; use 'fp32'")
