@@ -1,5 +1,5 @@
 """bf16 autocast against fp32 on this CPU by model width: where runtime.precision = "auto" starts
-picking bf16 (fedsplice.model.device.CPU_BF16_MIN_WIDTH).
+picking bf16 for LoRA (fedsplice.model.device.CPU_BF16_MIN_WIDTH; AMX_LORA_MIN_WIDTH on a CPU with AMX).
 
     python benchmarks/bf16_width.py [--quick] [--threads 2] [--reps 2] [--widths 384,768,1536]
 
@@ -71,7 +71,8 @@ def main() -> None:
     report("bf16_width", rows, ["width", "fp32 ms / step", "bf16 ms / step", "bf16 speedup"], args.quick,
            [f"PFAdapter on a random 4-layer Llama per width, batch 16 (16-32 words), {steps} steps, {args.threads} "
             f"threads, best of {reps} interleaved runs", "runtime.precision = 'auto' picks bf16 on a CPU with native "
-            "bf16 for a model at least fedsplice.model.device.CPU_BF16_MIN_WIDTH wide"])
+            "bf16 for a model at least fedsplice.model.device.CPU_BF16_MIN_WIDTH wide (LoRA on a CPU with AMX: "
+            "AMX_LORA_MIN_WIDTH)"])
 
 
 if __name__ == "__main__":

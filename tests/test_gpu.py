@@ -88,7 +88,7 @@ def cuda_cfg(text_cfg):
 
 @pytest.mark.parametrize("model", [{}, dict(model__task='"causal_lm"')], ids=["encoder", "causal_lm"])
 def test_grouped_lora_on_cuda_equals_each_client_alone(cuda_cfg, model):
-    """model.grouped's gathered einsum on the device (issue 50): one predict over several clients'
+    """model.grouped's segments (Rows.apply) on the device (issue 50): one predict over several clients'
     rows equals each client's model alone there, and the batched PM of a trained round equals
     the per-client one, within the CPU tests' tolerances."""
     import test_grouped as G

@@ -46,6 +46,8 @@ def test_by_length_returns_rows_in_order_with_their_gradient():
     assert x.grad.tolist() == [9.0, 1.0, 9.0, 1.0, 5.0, 5.0]
     calls.clear()
     assert by_length(lengths, fn, None).tolist() == out.tolist() and calls == [list(range(6))]
+    calls.clear()  # one group (no cut pays): one call, the rows in their own order
+    assert by_length(lengths, fn, 10**6).tolist() == out.tolist() and calls == [list(range(6))]
     # `within` (a batched round's owners): each call's rows ordered by it, the result in order still
     calls.clear()
     assert by_length(lengths, fn, 0, within=[0, 1, 0, 0, 1, 0]).tolist() == out.tolist()

@@ -107,9 +107,10 @@ def resolve_precision(name: str, device: torch.device, width: int | None = None,
             torch.backends.cuda.matmul.fp32_precision = "tf32"
             return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float32
         kind = cpu_bf16() if device.type == "cpu" else None
-        least = AMX_LORA_MIN_WIDTH if kind == "amx" and lora else CPU_BF16_MIN_WIDTH.get(kind or "", 0)
-        wide = kind is not None and (width is None or width >= least)
-        return torch.bfloat16 if wide else torch.float32
+        if kind is None:
+            return torch.float32
+        least = AMX_LORA_MIN_WIDTH if kind == "amx" and lora else CPU_BF16_MIN_WIDTH[kind]
+        return torch.bfloat16 if width is None or width >= least else torch.float32
     if name == "fp16" and device.type == "mps":
         raise ConfigError("runtime.precision = 'fp16' is not supported on MPS here; use 'fp32'")
     return DTYPES[name]

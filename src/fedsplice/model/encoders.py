@@ -47,11 +47,13 @@ class TextEncoder:
         """Last hidden states [B, T, D] of the tokenized `texts`, in their order. Owned texts (a
         batched round: model.grouped) run ordered by owner and come back in the order given."""
         perm = owner_order(texts)
-        if perm is not None:
-            perm = perm.to(next(iter(enc.values())).device)
-            out = self._encode({k: v[perm] for k, v in enc.items()}, [texts[i] for i in perm.tolist()])
-            return out[torch.argsort(perm)]
-        return self._encode(enc, texts)
+        if perm is None:
+            return self._encode(enc, texts)
+        dev = next(v for v in enc.values() if torch.is_tensor(v)).device
+        p = perm.to(dev)
+        out = self._encode({k: v.index_select(0, p) if torch.is_tensor(v) else v for k, v in enc.items()},
+                           [texts[i] for i in perm.tolist()])
+        return out[torch.argsort(p)]
 
     def _encode(self, enc, texts: list[str]) -> torch.Tensor:
         with rows_of(texts):  # Owned texts: each row through its client's LoRA (model.grouped)

@@ -11,8 +11,8 @@ factors (the same on CUDA). Modules not named keep their own adapter (the GLOBAL
 client shares).
 
 Why segments: gathering each row's factors and applying them as a batched matmul of r-wide
-slices took 1.5-5x the time of ordered segments a layer, as much as the frozen base Linear beside
-it (`python benchmarks/grouped_lora.py`).
+slices took 1.5-5.5x the time of ordered segments a layer, and 1.4-6x that of the frozen base
+Linear beside it (`python benchmarks/grouped_lora.py`).
 A dense form (every client's A at once, the other owners' columns masked) was as fast for small
 m·r but lets one client's non-finite values reach the other clients' rows (0·inf is NaN in the
 backward); segments keep every client's numbers its own, as when it trains alone.

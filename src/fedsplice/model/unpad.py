@@ -50,6 +50,8 @@ def by_length(lengths: Sequence[int], fn: Callable[[list[int]], torch.Tensor],
     batched round, whose grouped LoRA layers then take each owner's rows as one slice."""
     n = len(lengths)
     parts = groups(lengths, overhead) if overhead is not None and n > 1 else [list(range(n))]
+    if len(parts) == 1:  # one call: the rows in their own order (a single group comes sorted by length)
+        parts = [list(range(n))]
     if within is not None:
         parts = [sorted(g, key=lambda i: within[i]) for g in parts]
     if len(parts) == 1 and parts[0] == list(range(n)):
