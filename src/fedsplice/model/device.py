@@ -100,7 +100,7 @@ def resolve_precision(name: str, device: torch.device, width: int | None = None,
       lets fp32 matmuls (those outside autocast) use TF32, a process-wide switch
       (torch.backends.cuda.matmul.fp32_precision); "fp32" keeps them IEEE;
     - a CPU with native bf16, for a model whose widest tower is `width` >= CPU_BF16_MIN_WIDTH of
-      that CPU's kind, or AMX_LORA_MIN_WIDTH for a run that trains LoRA (`lora`) on a CPU with
+      that CPU's kind, or AMX_LORA_MIN_WIDTH for a run with LoRA configured (`lora`) on a CPU with
       AMX (None: not known, taken as wide)."""
     if name == "auto":
         if device.type == "cuda":

@@ -76,7 +76,7 @@ def quantization_config(cfg: ExperimentConfig, device: torch.device | None = Non
 
 def run_precision(cfg: ExperimentConfig, device: torch.device) -> torch.dtype:
     """The run's autocast dtype: runtime.precision resolved on `device` (for "auto" on a CPU,
-    knowing the model's width and whether LoRA trains: fedsplice.model.device.resolve_precision)."""
+    knowing the model's width and whether peft.type is "lora": fedsplice.model.device.resolve_precision)."""
     auto_cpu = cfg.runtime.precision == "auto" and device.type == "cpu"
     return resolve_precision(cfg.runtime.precision, device, model_width(cfg) if auto_cpu else None,
                              lora=cfg.peft.type == "lora")
