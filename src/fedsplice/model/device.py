@@ -86,7 +86,7 @@ def cpu_bf16() -> str | None:
 #   PFAdapter on SmolLM2-135M, 576 wide with a narrower MLP, 0.85x). That is LoRA's cost: its rank-r
 #   matmuls and the casts of its fp32 factors in every layer, which AMX does not speed up. A run
 #   that trains no LoRA runs only the frozen model's matmuls in bf16: FedPuReL-prompt on MiniLM
-#   ran a round 1.32x faster in bf16 there. docs/performance.md has the tables.
+#   ran a round 1.31x faster in bf16 there (benchmarks/round_time.py). docs/performance.md has the tables.
 CPU_BF16_MIN_WIDTH = {"avx512": 192, "amx": 192}
 AMX_LORA_MIN_WIDTH = 768  # LoRA on an "amx" CPU
 
