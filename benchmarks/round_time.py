@@ -41,7 +41,7 @@ IMPLS = ("fedsplice (caches on)", "fedsplice (caches off)", "fedsplice (best)", 
 WORKLOADS = {
     "PFAdapter": ("pfadapter-minilm.toml", []),
     "PFAdapter, LoRA in layers 4-5": ("pfadapter-minilm.toml", ["peft.layers=[4, 5]"]),
-    # phase 2 off (no branch trained or scored; PM is the global model's, as the tutorial style's)
+    # phase 2 off: no branch trained, in the rounds or after them (the tutorial style trains none)
     "FedPuReL-LoRA": ("fedpurel-lora-fortunes.toml", ["method.phase2=after", "method.personal_rounds=0"]),
     "FedPuReL-prompt": ("fedpurel-prompt-fortunes.toml", ["method.phase2=after", "method.personal_rounds=0"]),
 }
