@@ -42,3 +42,28 @@ def test_the_quick_mode_runs_and_writes_its_table(tmp_path, script, args):
         text = t.read_text()
         assert text.startswith(f"# benchmarks/{script}.py --quick") and "| " in text, text[:500]
         assert (t.with_suffix(".csv")).exists()
+
+
+@pytest.mark.integration  # importing a benchmark asks git for the commit (a process)
+def test_results_budget_plans_one_representative_per_experiment_and_counts_every_run(tmp_path):
+    """benchmarks/results_budget.py's estimate multiplies one run by the runs it stands for: the
+    counts must add up to every run the suite plans, and each representative must be a run of its
+    own experiment (a validation run of a tuned one)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.results_budget import plan
+
+    from fedsplice.study.results import load_suite, plan_suite
+    from fedsplice.study.tuning import plan_tuning
+
+    path = ROOT / "configs" / "results" / "suite.toml"
+    rows, reps = plan(path, tmp_path, [], [])
+    suite = load_suite(path)
+    n_measured, n_tune = len(plan_suite(suite, tmp_path)), len(plan_tuning(suite, tmp_path))
+    by_kind = {k: sum(r["planned runs"] for r in rows if r["kind"] == k) for k in ("measured", "validation")}
+    assert by_kind == {"measured": n_measured, "validation": n_tune}
+    assert sorted(r["experiment"] for r in rows if r["kind"] == "measured") == sorted(suite.experiments)
+    for row, (label, seed, cfg, d) in zip(rows, reps):
+        assert label.split("--")[0] == row["experiment"] and seed == cfg.seed
+        assert (cfg.eval.on == "validation") == (row["kind"] == "validation") and tmp_path in d.parents
+    six = next(r for r in rows if r["experiment"] == "pf-pfadapter" and r["kind"] == "measured")
+    assert six["planned runs"] == suite.experiment_seeds("pf-pfadapter") == 6

@@ -477,4 +477,9 @@ def test_time_line_claims_a_from_scratch_time_only_when_every_run_ran_now():
     cpu = R.time_line({"compute_min": 20.0, "executed": 1, "runs": 4, "wall_min": 1.0, "jobs": 2,
                        "cpu_min": 150.0, "cpu_runs": 3})
     assert cpu.endswith("The CPU time of 3 of the runs (process time, which no pause or other job adds to; 1 thread "
-                        "a run) adds up to 150 min, 2.5 h, or 1.2 h with 2 runs at once. ")
+                        "a run) adds up to 150 min, 2.5 h, or 1.2 h with 2 runs at once. Restored runs count the CPU "
+                        "time of the machine and the commit that made them; `python benchmarks/results_budget.py` "
+                        "estimates a from-scratch run on this machine. ")
+    scratch = R.time_line({"compute_min": 20.0, "executed": 4, "runs": 4, "wall_min": 10.5, "jobs": 2,
+                           "cpu_min": 40.0, "cpu_runs": 4})
+    assert scratch.endswith("adds up to 40 min, 0.7 h, or 0.3 h with 2 runs at once. ")

@@ -263,9 +263,15 @@ def time_line(meta: dict) -> str:
     n, cpu = meta.get("cpu_runs", 0), meta.get("cpu_min", 0.0)
     if not n:
         return head
-    return head + (f"The CPU time of {'every run' if n == meta['runs'] else f'{n} of the runs'} (process time, which "
-                   f"no pause or other job adds to; 1 thread a run) adds up to {cpu:.0f} min, {cpu / 60:.1f} h, or "
-                   f"{cpu / 60 / meta['jobs']:.1f} h with {meta['jobs']} runs at once. ")
+    line = (f"The CPU time of {'every run' if n == meta['runs'] else f'{n} of the runs'} (process time, which "
+            f"no pause or other job adds to; 1 thread a run) adds up to {cpu:.0f} min, {cpu / 60:.1f} h, or "
+            f"{cpu / 60 / meta['jobs']:.1f} h with {meta['jobs']} runs at once. ")
+    if meta["executed"] == meta["runs"]:
+        return head + line
+    # a record's CPU time is that of the machine and the code that made it (a CPU twice as slow, an
+    # older commit's slower evaluation), so the sum says little about a run from scratch here
+    return head + line + ("Restored runs count the CPU time of the machine and the commit that made them; "
+                          "`python benchmarks/results_budget.py` estimates a from-scratch run on this machine. ")
 
 
 def provenance_line(meta: dict) -> str:
