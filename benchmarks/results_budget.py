@@ -1,6 +1,7 @@
 """What `make results` costs from scratch on this machine, without running all of it.
 
-    python benchmarks/results_budget.py [--quick] [--only EXPERIMENT ...] [--out DIR] [--jobs 2]
+    python benchmarks/results_budget.py [--quick] [--only EXPERIMENT ...] [--like VARIANT=BASE ...]
+                                        [--out DIR] [--jobs 2]
 
 The page's header sums the CPU time its records took, but records made on other machines and at
 older commits (a run here took 163 s of CPU where its record took 600 s) bound nothing about a run
@@ -11,6 +12,9 @@ results` runs them. Each experiment's estimate is its representative's CPU time 
 times the runs the suite plans for it (its seeds; its grid's values times its tune seeds). The
 estimate assumes that every seed and every grid value of an experiment costs what its
 representative did: a learning rate changes no shape here, so it changes little.
+`--like VARIANT=BASE` does not run VARIANT's representative of a kind and counts its runs at BASE's
+CPU time instead (the table's "measured on" says so): for a variant whose settings change no shape
+and no amount of work (a Dirichlet α, a loss weight, which roles are shared), when time is short.
 Runs are resumable in --out (default runs/results-budget): a second invocation prints the table.
 """
 
@@ -57,6 +61,8 @@ def main() -> None:
     ap.add_argument("--suite", default=str(ROOT / "configs/results/suite.toml"))
     ap.add_argument("--out", default=str(ROOT / "runs/results-budget"))
     ap.add_argument("--only", action="append", default=[], help="an experiment of the suite (repeatable)")
+    ap.add_argument("--like", action="append", default=[], metavar="VARIANT=BASE",
+                    help="count VARIANT's runs at BASE's measured CPU time (repeatable)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once, as the suite's `jobs` (default 2)")
     ap.add_argument("--quick", action="store_true", help="tiny random model, a one-round budget (a smoke run)")
     args = ap.parse_args()
@@ -68,10 +74,22 @@ def main() -> None:
             extra = [*FP32, *QUICK_BUDGET, f"model.name='{tiny_model('zoo:minilm', Path(tmp))}'"]
             only, out = only or ["pf-fedavg", "lt-fedpurel-prompt"], Path(tmp) / "out"
         rows, reps = plan(Path(args.suite), out, only, extra)
+        if not all("=" in pair for pair in args.like):
+            sys.exit(f"results_budget: --like takes VARIANT=BASE, got {args.like}")
+        like = dict(pair.split("=", 1) for pair in args.like)
+        mine = {(r["experiment"], r["kind"]): i for i, r in enumerate(rows)}
+        found = [mine.get((like.get(r["experiment"], r["experiment"]), r["kind"])) for r in rows]
+        bad = [f"{r['experiment']}={like[r['experiment']]}" for r, i in zip(rows, found) if i is None]
+        if bad:
+            sys.exit(f"results_budget: --like {bad}: BASE must be an experiment planned with VARIANT's kinds")
+        stand = [i for i in found if i is not None]
+        todo = sorted(set(stand))
         t0 = time.perf_counter()
-        results = run_all(reps, jobs=args.jobs)
+        results = dict(zip(todo, run_all([reps[i] for i in todo], jobs=args.jobs)))
         wall = time.perf_counter() - t0
-    for row, r in zip(rows, results):
+    for row, i in zip(rows, stand):
+        r = results[i]
+        row["measured on"] = rows[i]["experiment"]
         row["CPU s (its representative)"] = r["cpu_s"]
         row["CPU min (all its runs)"] = r["cpu_s"] * row["planned runs"] / 60
     total = sum(r["CPU min (all its runs)"] for r in rows) / 60
@@ -80,12 +98,12 @@ def main() -> None:
         k = f"{r['group']} {r['kind']}"
         by[k] = by.get(k, 0.0) + r["CPU min (all its runs)"] / 60
     rows.sort(key=lambda r: -r["CPU min (all its runs)"])
-    notes = [f"{len(reps)} representatives ran in {wall / 60:.1f} min of wall time, {args.jobs} at once"
+    notes = [f"{len(results)} representatives ran in {wall / 60:.1f} min of wall time, {args.jobs} at once"
              " (0 if an earlier invocation had run them all)",
              f"estimated CPU time from scratch: {total:.2f} h ({', '.join(f'{k} {v:.2f} h' for k, v in by.items())});"
              f" with {args.jobs} runs at once about {total / args.jobs:.2f} h, if the queue keeps both busy",
              "planned runs: every seed of a measured experiment; every value x tune seed of a validation grid"]
-    report("results_budget", rows, ["experiment", "kind", "planned runs", "CPU s (its representative)",
+    report("results_budget", rows, ["experiment", "kind", "planned runs", "measured on", "CPU s (its representative)",
                                     "CPU min (all its runs)"], args.quick, notes)
 
 

@@ -17,8 +17,9 @@ BENCH = ROOT / "benchmarks"
 # Scripts that are not benchmarks of their own: flower_tutorial is round_time's Flower-tutorial-style
 # baseline (run by `round_time.py --quick`).
 HELPERS = {"flower_tutorial"}
-# A quick mode of one script that writes another table name than the script's: privacy --dpsgd
-EXTRA = {"privacy": [["--dpsgd"]]}
+# A quick mode of one script that writes another table name than the script's: privacy --dpsgd;
+# results_budget --like, which counts one experiment's runs at another's time
+EXTRA = {"privacy": [["--dpsgd"]], "results_budget": [["--like", "lt-fedpurel-prompt=pf-fedavg"]]}
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_") and p.stem not in HELPERS)
 RUNS = [(s, a) for s in SCRIPTS for a in [[], *EXTRA.get(s, [])]]
 
