@@ -4,7 +4,7 @@
                                         [--out DIR] [--jobs 2]
 
 The page's header sums the CPU time its records took, but records made on other machines and at
-older commits (a run here took 163 s of CPU where its record took 600 s) bound nothing about a run
+older commits (a run here took 157 s of CPU where its record took 600 s) bound nothing about a run
 from scratch. This runs one representative of every experiment of configs/results/suite.toml as the
 suite plans it from scratch: seed 0 of each measured experiment, and the first value (seed 0) of
 each tuned experiment's validation grid, `--jobs` at once with one torch thread each, as `make
@@ -80,8 +80,10 @@ def main() -> None:
         mine = {(r["experiment"], r["kind"]): i for i, r in enumerate(rows)}
         found = [mine.get((like.get(r["experiment"], r["experiment"]), r["kind"])) for r in rows]
         bad = [f"{r['experiment']}={like[r['experiment']]}" for r, i in zip(rows, found) if i is None]
+        bad += [f"{v}={b}" for v, b in like.items() if v not in {r["experiment"] for r in rows}]
         if bad:
-            sys.exit(f"results_budget: --like {bad}: BASE must be an experiment planned with VARIANT's kinds")
+            sys.exit(f"results_budget: --like {bad}: VARIANT and BASE must be planned experiments, "
+                     "BASE with VARIANT's kinds")
         stand = [i for i in found if i is not None]
         todo = sorted(set(stand))
         t0 = time.perf_counter()
